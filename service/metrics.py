@@ -1,0 +1,88 @@
+"""Every Prometheus metric of stepserve (namespace ``stepserve``, base units).
+
+The engine and the compile cache emit plain stats objects; :class:`Metrics` records them.
+Each app builds its own ``CollectorRegistry`` so tests and several apps never collide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+NAMESPACE = "stepserve"
+# Latency buckets from 1 ms to 2 min: ITL is milliseconds on a GPU, a request minutes on a CPU.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+COMPILE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass(frozen=True)
+class CompileStat:
+    """One compile: the key's labels and the seconds of its first (tracing) call."""
+
+    model: str
+    phase: str
+    bucket: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class RequestStat:
+    """One finished request, as the engine saw it (seconds)."""
+
+    model: str
+    status: str  # "ok" or an error kind
+    prompt_tokens: int
+    completion_tokens: int
+    duration_s: float
+    ttft_s: float | None
+    inter_token_s: tuple[float, ...]
+
+
+class Metrics:
+    """The metric objects, bound to one registry."""
+
+    def __init__(self, registry: CollectorRegistry, *, version: str, device: str):
+        ns, reg = NAMESPACE, registry
+        self.registry = registry
+        step = ("model", "phase", "bucket")
+        self.compile_hits = Counter("compile_cache_hits_total", "Compiled-step lookups that found the bucket compiled", step, namespace=ns, registry=reg)
+        self.compile_misses = Counter("compile_cache_misses_total", "Compiled-step lookups that had to compile", step, namespace=ns, registry=reg)
+        self.compile_seconds = Histogram("compile_seconds", "Seconds to trace and run a step the first time", step, namespace=ns, registry=reg, buckets=COMPILE_BUCKETS)
+        self.request_duration = Histogram("request_duration_seconds", "Request time from arrival to last token", ["model"], namespace=ns, registry=reg, buckets=LATENCY_BUCKETS)
+        self.ttft = Histogram("time_to_first_token_seconds", "Time from arrival to the first generated token", ["model"], namespace=ns, registry=reg, buckets=LATENCY_BUCKETS)
+        self.itl = Histogram("inter_token_latency_seconds", "Time between consecutive generated tokens", ["model"], namespace=ns, registry=reg, buckets=LATENCY_BUCKETS)
+        self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens prefilled", ["model"], namespace=ns, registry=reg)
+        self.generation_tokens = Counter("generation_tokens_total", "Tokens generated", ["model"], namespace=ns, registry=reg)
+        self.requests = Counter("requests_total", "Finished requests by HTTP status code", ["status"], namespace=ns, registry=reg)
+        self.running = Gauge("requests_running", "Requests in the running batch", namespace=ns, registry=reg)
+        self.waiting = Gauge("requests_waiting", "Requests queued for the engine", namespace=ns, registry=reg)
+        self.active_memory = Gauge("mlx_active_memory_bytes", "MLX memory in use", namespace=ns, registry=reg)
+        self.active_memory.set_function(mx.get_active_memory)
+        self.peak_memory = Gauge("mlx_peak_memory_bytes", "MLX peak memory since start", namespace=ns, registry=reg)
+        self.peak_memory.set_function(mx.get_peak_memory)
+        info = Gauge("build_info", "Build information (value 1)", ["version", "mlx_version", "device"], namespace=ns, registry=reg)
+        info.labels(version, mx.__version__, device).set(1)
+
+    def record_lookup(self, model: str, phase: str, bucket: str, hit: bool) -> None:
+        """Count one compile-cache lookup."""
+        (self.compile_hits if hit else self.compile_misses).labels(model, phase, bucket).inc()
+
+    def record_compile(self, stat: CompileStat) -> None:
+        self.compile_seconds.labels(stat.model, stat.phase, stat.bucket).observe(stat.seconds)
+
+    def record_request(self, stat: RequestStat) -> None:
+        """Record a request the engine finished (successfully or not)."""
+        self.prompt_tokens.labels(stat.model).inc(stat.prompt_tokens)
+        self.generation_tokens.labels(stat.model).inc(stat.completion_tokens)
+        self.request_duration.labels(stat.model).observe(stat.duration_s)
+        if stat.ttft_s is not None:
+            self.ttft.labels(stat.model).observe(stat.ttft_s)
+        itl = self.itl.labels(stat.model)
+        for gap in stat.inter_token_s:
+            itl.observe(gap)
+
+    def record_status(self, status: int) -> None:
+        """Count a finished HTTP request by status code."""
+        self.requests.labels(str(status)).inc()

@@ -1,0 +1,178 @@
+"""The model runner: executes compiled prefill/decode/sample steps at bucketed shapes and
+owns the running batch's KV cache. Called only from the engine thread."""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Callable, Iterable
+
+import mlx.core as mx
+
+from models import llama, sampling
+from models.kv_cache import KVCache
+from models.loader import LoadedModel
+from service.buckets import BucketTable
+from service.compile_cache import CompileCache, StepKey, StepSpec
+from service.sequence import Sequence
+
+log = logging.getLogger("stepserve.runner")
+
+
+class ModelRunner:
+    """Compiled steps for one model plus the decode batch's KV cache.
+
+    The cache has ``batch`` slots (a batch bucket) and ``capacity`` positions (a capacity
+    bucket). Slot ``s`` holds the sequence with ``seq.slot == s``; free slots hold garbage
+    that masking keeps away from real rows.
+    """
+
+    def __init__(self, model: LoadedModel, buckets: BucketTable, cache: CompileCache):
+        self.model, self.buckets, self.compiled = model, buckets, cache
+        a = model.args
+        self._dtype_name = str(model.dtype).rsplit(".", 1)[-1]
+        self._specs = {
+            "prefill": StepSpec(partial(llama.prefill, args=a)),
+            "decode": StepSpec(partial(llama.decode, args=a)),
+            "sample": StepSpec(sampling.sample, random_state=True),
+            "greedy": StepSpec(sampling.greedy, shapeless=True),
+        }
+        self.kv: KVCache | None = None
+        self.vocab = a.vocab_size
+
+    # -- compiled functions --------------------------------------------------------------
+
+    def step_fn(self, phase: str, batch: int = 0, size: int = 0) -> Callable:
+        """The compiled function of ``phase`` at bucket (batch, size); counts a hit or miss."""
+        key = StepKey(self.model.name, phase, batch, size, self._dtype_name)
+        return self.compiled.get(key, self._specs[phase])
+
+    def _new_kv(self, batch: int, capacity: int) -> KVCache:
+        a = self.model.args
+        return KVCache.allocate(a.num_hidden_layers, batch, a.num_key_value_heads, capacity, a.dim_per_head, self.model.dtype)
+
+    # -- sampling ------------------------------------------------------------------------
+
+    def select(self, logits: mx.array, rows: list[Sequence | None], keys: list[mx.array | None]) -> tuple[mx.array, list[mx.array | None]]:
+        """Pick one token per row of ``logits`` [B, V] with each row's parameters.
+
+        ``keys[i]`` is row i's PRNG key (uint32 [2]) or None (unseeded or empty row).
+        Returns (tokens int32 [B], the rows' next keys). An all-greedy batch uses the
+        shapeless greedy step; otherwise the sampler of batch bucket B.
+        """
+        B = logits.shape[0]
+        live = [s for s in rows if s is not None]
+        if all(s.params.temperature == 0 for s in live):
+            return self.step_fn("greedy")(logits), keys
+        zero_key = mx.zeros((2,), mx.uint32)
+        temperature = mx.array([s.params.temperature if s else 0.0 for s in rows], mx.float32)
+        top_p = mx.array([s.params.top_p if s else 1.0 for s in rows], mx.float32)
+        top_k = mx.array([(s.params.top_k or self.vocab) if s else self.vocab for s in rows], mx.int32)
+        seeded = mx.array([k is not None for k in keys])
+        key_rows = mx.stack([k if k is not None else zero_key for k in keys])
+        tokens, next_keys = self.step_fn("sample", B)(logits, temperature, top_p, mx.minimum(top_k, self.vocab), key_rows, seeded)
+        return tokens, [next_keys[i] if k is not None else None for i, k in enumerate(keys)]
+
+    # -- prefill -------------------------------------------------------------------------
+
+    def prefill(self, prompts: list[list[int]]) -> tuple[mx.array, KVCache]:
+        """Prefill prompts together at bucket (batch_for(n), prompt_for(longest)).
+
+        Returns (logits float32 [n, V] at each prompt's last token, the prompts' KV cache
+        [B, Hkv, T, D] per layer; rows >= n are padding).
+        Raises BucketLimitError when the prompts do not fit a bucket.
+        """
+        n = len(prompts)
+        B = self.buckets.batch_for(n)
+        T = self.buckets.prompt_for(max(len(p) for p in prompts))
+        rows = [p + [0] * (T - len(p)) for p in prompts] + [[0] * T] * (B - n)
+        lengths = [len(p) for p in prompts] + [1] * (B - n)
+        tokens = mx.array(rows, mx.int32)
+        logits, kv = self.step_fn("prefill", B, T)(self.model.params, tokens, mx.array(lengths, mx.int32), self._new_kv(B, T))
+        return logits[:n], kv
+
+    # -- the decode batch ----------------------------------------------------------------
+
+    def fit(self, live: Iterable[Sequence], extra_rows: int = 0) -> None:
+        """Re-bucket the decode cache for ``live`` sequences plus ``extra_rows`` arrivals.
+
+        Moves live rows into slots 0..n-1 when the batch bucket shrinks and resizes the
+        capacity to the smallest bucket holding every row's next position. Each change is
+        one copy of the cache.
+        """
+        live = sorted(live, key=lambda s: s.slot)
+        rows = len(live) + extra_rows
+        B = self.buckets.batch_for(max(rows, 1))
+        need = max((s.position + 1 for s in live), default=1)
+        C = self.buckets.capacity_for(need)
+        if self.kv is None:
+            self.kv = self._new_kv(B, C)
+            return
+        kv = self.kv
+        if B < kv.batch or any(s.slot >= B for s in live):
+            order = mx.array([s.slot for s in live] or [0], mx.int32)
+            kv = KVCache([k[order] for k in kv.keys], [v[order] for v in kv.values])
+            for i, s in enumerate(live):
+                s.slot = i
+        kv = kv.resized(C)
+        if kv.batch != B:
+            kv = _resize_batch(kv, B)
+        self.kv = kv
+
+    def insert(self, seq: Sequence, slot: int, prompt_kv: KVCache, row: int) -> None:
+        """Copy row ``row`` of a prefill cache into decode slot ``slot``."""
+        kv = self.kv
+        src = prompt_kv.resized(kv.capacity)
+        for layer in range(len(kv.keys)):
+            kv.keys[layer][slot] = src.keys[layer][row]
+            kv.values[layer][slot] = src.values[layer][row]
+        seq.slot = slot
+
+    def decode(self, slots: list[Sequence | None]) -> mx.array:
+        """One decode step over all slots; returns logits float32 [B, V] (lazy)."""
+        kv = self.kv
+        tokens = mx.array([s.last_token if s else 0 for s in slots], mx.int32)
+        positions = mx.array([s.position if s else 0 for s in slots], mx.int32)
+        fn = self.step_fn("decode", kv.batch, kv.capacity)
+        logits, self.kv = fn(self.model.params, tokens, positions, kv)
+        return logits
+
+    def reset(self) -> None:
+        """Drop the decode cache (no sequences left)."""
+        self.kv = None
+
+    # -- warm-up -------------------------------------------------------------------------
+
+    def warmup_plan(self, prompt_tokens: int) -> list[tuple[str, int, int]]:
+        """(phase, batch, size) of every bucket a single request of up to ``prompt_tokens``
+        prompt tokens can reach, plus its sampler and the shapeless greedy step."""
+        prefill, decode = self.buckets.warmup_shapes(prompt_tokens)
+        if not prefill:
+            return []
+        plan = [("prefill", b, t) for b, t in prefill] + [("decode", b, c) for b, c in decode]
+        plan += [("sample", b, 0) for b in sorted({b for b, _ in decode})] + [("greedy", 0, 0)]
+        return plan
+
+    def warm(self, phase: str, batch: int, size: int) -> None:
+        """Compile and run one bucket's step on dummy inputs."""
+        fn = self.step_fn(phase, batch, size)
+        if phase == "prefill":
+            out = fn(self.model.params, mx.zeros((batch, size), mx.int32), mx.ones((batch,), mx.int32), self._new_kv(batch, size))
+        elif phase == "decode":
+            out = fn(self.model.params, mx.zeros((batch,), mx.int32), mx.zeros((batch,), mx.int32), self._new_kv(batch, size))
+        else:
+            logits = mx.zeros((max(batch, 1), self.vocab), mx.float32)
+            if phase == "greedy":
+                out = fn(logits)
+            else:
+                ones = mx.ones((batch,), mx.float32)
+                out = fn(logits, ones, ones, mx.full((batch,), self.vocab, mx.int32), mx.zeros((batch, 2), mx.uint32), mx.zeros((batch,), mx.bool_))
+        mx.eval(out)
+
+
+def _resize_batch(kv: KVCache, batch: int) -> KVCache:
+    """Pad (with empty slots) or cut the batch axis to ``batch`` rows."""
+    if batch < kv.batch:
+        return KVCache([k[:batch] for k in kv.keys], [v[:batch] for v in kv.values])
+    pad = [(0, batch - kv.batch), (0, 0), (0, 0), (0, 0)]
+    return KVCache([mx.pad(k, pad) for k in kv.keys], [mx.pad(v, pad) for v in kv.values])

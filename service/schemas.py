@@ -1,0 +1,94 @@
+"""Request and response bodies of the HTTP API (pydantic models)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOP_STRINGS = 4
+
+
+class ChatMessage(BaseModel):
+    """One chat turn, rendered by the model's chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class InferRequest(BaseModel):
+    """``POST /infer``: exactly one of ``prompt`` (raw text) or ``messages`` (chat)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(None, description="model name; default: the server's default model")
+    prompt: str | None = Field(None, min_length=1, description="raw prompt text (no chat template)")
+    messages: list[ChatMessage] | None = Field(None, min_length=1, description="chat turns, rendered with the chat template")
+    max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most; default from settings")
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass; 1 = off")
+    top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = off")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="same seed, same output")
+    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP_STRINGS} strings that end the text")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, stop):
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+        return stops
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "InferRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timings(BaseModel):
+    """Seconds: waiting for the engine, arrival to first token, first to last token, in all."""
+
+    queue_s: float
+    ttft_s: float | None
+    decode_s: float
+    total_s: float
+
+
+class InferResponse(BaseModel):
+    id: str
+    model: str
+    text: str
+    finish_reason: Literal["stop", "length"]
+    usage: Usage
+    timings: Timings
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "stepserve"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorBody(BaseModel):
+    """Every error response: OpenAI's ``{"error": {...}}`` shape."""
+
+    error: ErrorDetail

@@ -1,0 +1,155 @@
+"""Requests as the engine sees them, and the events it sends back (no MLX, no asyncio)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+from models.tokenizer import Detokenizer
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS / stop token or a stop string
+    LENGTH = "length"  # max_tokens or the largest KV capacity bucket
+    ERROR = "error"  # the engine failed this request
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings.
+
+    Attributes:
+        max_tokens: tokens to generate at most (>= 1).
+        temperature: 0 = greedy.
+        top_p: nucleus mass in (0, 1]; 1 = off.
+        top_k: keep the k most likely tokens; 0 = off.
+        seed: PRNG seed; the same seed gives the same output. None = fresh randomness.
+        stop: strings that end the generation (not included in the text).
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """New text of one request (may be '' while a UTF-8 character is incomplete)."""
+
+    text: str
+    token_id: int
+
+
+@dataclass(frozen=True)
+class FinalEvent:
+    """A request's end: why, token counts and timings (seconds)."""
+
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    queue_s: float
+    ttft_s: float | None
+    decode_s: float
+    total_s: float
+    error: str | None = None
+
+
+Event = TokenEvent | FinalEvent
+_ids = itertools.count()
+
+
+@dataclass
+class Sequence:
+    """One request inside the engine.
+
+    ``emit`` delivers events to the request's owner; it must be thread-safe (the engine
+    calls it from its own thread). ``position`` is the number of tokens in the KV cache,
+    i.e. the position where the newest token will be written by the next decode step.
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    detokenizer: Detokenizer
+    emit: Callable[[Event], None]
+    request_id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex[:16]}")
+    arrival: float = field(default_factory=time.perf_counter)
+    order: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    position: int = 0
+    slot: int = -1
+    started: float | None = None  # admitted to the engine (end of queueing)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    inter_token_s: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    _sent: int = 0  # characters of ``text`` already emitted
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def append(self, token_id: int, stop_ids: frozenset[int], capacity_limit: int) -> None:
+        """Record a generated token, update text and timings, and decide whether to stop."""
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        else:
+            self.inter_token_s.append(now - self.last_token_at)
+        self.last_token_at = now
+        self.output_ids.append(token_id)
+        if token_id in stop_ids:
+            self.finish_reason = FinishReason.STOP
+        else:
+            self.text += self.detokenizer.step(token_id)
+            self._check_stop_strings()
+        if self.finish_reason is None and (
+            len(self.output_ids) >= self.params.max_tokens or self.position + 1 >= capacity_limit
+        ):
+            self.finish_reason = FinishReason.LENGTH
+        self._emit_text(token_id)
+
+    def _check_stop_strings(self) -> None:
+        for stop in self.params.stop:
+            # Only the tail can contain a stop string that is new since the last token.
+            at = self.text.find(stop, max(0, self._sent - len(stop)))
+            if at >= 0:
+                self.text = self.text[:at]
+                self.finish_reason = FinishReason.STOP
+
+    def _emit_text(self, token_id: int) -> None:
+        # Hold back a tail that could still grow into a stop string.
+        hold = 0
+        if self.finish_reason is None:
+            for stop in self.params.stop:
+                for n in range(min(len(stop) - 1, len(self.text)), 0, -1):
+                    if self.text.endswith(stop[:n]):
+                        hold = max(hold, n)
+                        break
+        ready = len(self.text) - hold
+        if ready > self._sent:
+            self.emit(TokenEvent(self.text[self._sent : ready], token_id))
+            self._sent = ready
+
+    def final_event(self, error: str | None = None) -> FinalEvent:
+        """The closing event (timings from arrival, in seconds)."""
+        now = time.perf_counter()
+        started = self.started or now
+        first = self.first_token_at
+        return FinalEvent(
+            finish_reason=self.finish_reason or FinishReason.ERROR,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.output_ids),
+            queue_s=started - self.arrival,
+            ttft_s=None if first is None else first - self.arrival,
+            decode_s=0.0 if first is None else (self.last_token_at or first) - first,
+            total_s=now - self.arrival,
+            error=error,
+        )

@@ -1,0 +1,26 @@
+"""What the app holds while it runs (built by the lifespan, read by the routes)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from service.compile_cache import CompileCache
+from service.config import Settings
+from service.engine import Engine
+from service.metrics import Metrics
+
+
+@dataclass
+class AppState:
+    """Settings, metrics, the compile cache and one engine per served model."""
+
+    settings: Settings
+    metrics: Metrics
+    compile_cache: CompileCache
+    default_model: str
+    engines: dict[str, Engine] = field(default_factory=dict)
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    def compile_cache_size(self) -> int:
+        return len(self.compile_cache)
