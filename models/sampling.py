@@ -46,7 +46,8 @@ def sample(
     Gumbel noise draws from ``softmax(logits/T)`` (Gumbel 1954; Maddison et al. 2014).
     """
     B, V = logits.shape
-    keys = mx.where(seeded[:, None], keys, mx.random.bits((B, 2)))
+    fresh = mx.random.randint(0, 2**31 - 1, (B, 2)).astype(mx.uint32)  # from the global state
+    keys = mx.where(seeded[:, None], keys, fresh)
     split = mx.vmap(mx.random.split)(keys)  # [B, 2, 2]
     noise_keys, next_keys = split[:, 0], split[:, 1]
     uniform = mx.vmap(lambda k: mx.random.uniform(shape=(V,), key=k))(noise_keys)  # [B, V]

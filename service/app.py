@@ -40,6 +40,15 @@ def compute_dtype(setting: str) -> mx.Dtype:
     return _DTYPES[setting]
 
 
+def weights_mode(setting: str) -> str:
+    """``auto`` keeps weights quantized on a GPU (memory is what limits a Mac mini) and
+    dequantizes them on the CPU, where dense float32 matmuls measured 2.4x faster per
+    decode step and 33x per prefill (README, "Weights and dtype")."""
+    if setting == "auto":
+        return "quantized" if device_name() == "gpu" else "dequantized"
+    return setting
+
+
 def load_default(settings: Settings) -> LoadedModel:
     """Load the configured model (the default GGUF when ``settings.model`` is unset).
 
@@ -47,7 +56,7 @@ def load_default(settings: Settings) -> LoadedModel:
         ModelLoadError: the file is missing, unreadable or unsupported.
     """
     path = settings.model or default_model_path()
-    return load_model(path, settings.model_name, compute_dtype(settings.dtype), settings.weights)
+    return load_model(path, settings.model_name, compute_dtype(settings.dtype), weights_mode(settings.weights))
 
 
 def create_app(

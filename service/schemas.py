@@ -29,7 +29,9 @@ class InferRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass; 1 = off")
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = off")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="same seed, same output")
-    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP_STRINGS} strings that end the text")
+    stop: str | list[str] | None = Field(
+        default_factory=list, validate_default=True, description=f"up to {MAX_STOP_STRINGS} strings that end the text"
+    )
 
     @field_validator("stop")
     @classmethod

@@ -111,7 +111,7 @@ class Sequence:
             self.text += self.detokenizer.step(token_id)
             self._check_stop_strings()
         if self.finish_reason is None and (
-            len(self.output_ids) >= self.params.max_tokens or self.position + 1 >= capacity_limit
+            len(self.output_ids) >= self.params.max_tokens or self.position >= capacity_limit
         ):
             self.finish_reason = FinishReason.LENGTH
         self._emit_text(token_id)

@@ -1,0 +1,71 @@
+"""Shared fixtures: a tiny random Llama for unit tests, real `stepserve serve` processes for
+end-to-end tests."""
+
+from __future__ import annotations
+
+import models  # noqa: F401  (loads the CPU BLAS before MLX, as the service does)
+
+import mlx.core as mx
+import pytest
+
+from models.llama import ModelArgs
+from tests.server import ServerProcess
+
+TINY = ModelArgs(
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=96,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+)
+
+
+def random_params(args: ModelArgs = TINY, seed: int = 0) -> dict:
+    """A random parameter tree in the stepserve layout (dense float32, tied embeddings)."""
+    mx.random.seed(seed)
+    H, I, D = args.hidden_size, args.intermediate_size, args.dim_per_head
+    q_out, kv_out = args.num_attention_heads * D, args.num_key_value_heads * D
+
+    def dense(out_features, in_features):
+        return {"weight": mx.random.normal((out_features, in_features)) * (in_features**-0.5)}
+
+    def norm():
+        return {"weight": 1.0 + 0.1 * mx.random.normal((H,))}
+
+    layers = [
+        {
+            "input_layernorm": norm(),
+            "post_attention_layernorm": norm(),
+            "self_attn": {"q_proj": dense(q_out, H), "k_proj": dense(kv_out, H), "v_proj": dense(kv_out, H), "o_proj": dense(H, q_out)},
+            "mlp": {"gate_proj": dense(I, H), "up_proj": dense(I, H), "down_proj": dense(H, I)},
+        }
+        for _ in range(args.num_hidden_layers)
+    ]
+    params = {"embed_tokens": {"weight": mx.random.normal((args.vocab_size, H))}, "norm": norm(), "layers": layers}
+    mx.eval(params)
+    return params
+
+
+@pytest.fixture(scope="session")
+def server() -> ServerProcess:
+    """The default model served by a real `stepserve serve` (compile on, default settings)."""
+    proc = ServerProcess.start(["--compile", "on"])
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def eager_server() -> ServerProcess:
+    """The same model with `--compile off` (the eager baseline)."""
+    proc = ServerProcess.start(["--compile", "off"])
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()

@@ -1,0 +1,119 @@
+"""The pure step functions on a tiny random model: padding, slots and stale cache entries
+never change a real row, decode continues prefill exactly, and the GGUF RoPE layout."""
+
+
+import mlx.core as mx
+import pytest
+
+from models.kv_cache import KVCache
+from models.llama import decode, prefill
+from models.loader import prepare_params
+from tests.conftest import TINY, random_params
+
+ATOL = 1e-4
+
+
+def new_cache(batch, capacity, args=TINY, fill=None):
+    kv = KVCache.allocate(args.num_hidden_layers, batch, args.num_key_value_heads, capacity, args.dim_per_head, mx.float32)
+    if fill is not None:  # garbage, to prove that masked positions are never read
+        kv = KVCache([mx.random.normal(k.shape) * fill for k in kv.keys], [mx.random.normal(v.shape) * fill for v in kv.values])
+    return kv
+
+
+def prefill_one(params, ids, args=TINY):
+    """Logits after a prompt, alone, at its exact length."""
+    logits, kv = prefill(params, mx.array([ids], mx.int32), mx.array([len(ids)]), new_cache(1, len(ids), args), args=args)
+    return logits[0], kv
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params()
+
+
+def test_prefill_rows_do_not_depend_on_padding_or_batchmates(params):
+    prompts = [[5, 9, 2, 7, 1], [3] * 12, [8, 4, 6]]
+    T, B = 16, 4
+    rows = [p + [0] * (T - len(p)) for p in prompts] + [[1] * T]
+    lengths = mx.array([len(p) for p in prompts] + [1])
+    logits, _ = prefill(params, mx.array(rows, mx.int32), lengths, new_cache(B, T, fill=3.0), args=TINY)
+    for i, p in enumerate(prompts):
+        alone, _ = prefill_one(params, p)
+        assert mx.allclose(logits[i], alone, atol=ATOL), f"row {i} changed by padding or batchmates"
+
+
+def test_decode_continues_prefill_exactly(params):
+    seq = [4, 17, 33, 2, 90, 11, 60, 7, 7, 21]
+    _, kv = prefill_one(params, seq[:4])
+    kv = kv.resized(32)
+    for pos in range(4, len(seq)):
+        logits, kv = decode(params, mx.array([seq[pos]], mx.int32), mx.array([pos]), kv, args=TINY)
+        expected, _ = prefill_one(params, seq[: pos + 1])
+        assert mx.allclose(logits[0], expected, atol=ATOL), f"decode at position {pos} differs from prefill"
+
+
+def test_decode_rows_are_independent_of_slots_and_stale_entries(params):
+    prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3], [50]]
+    C, B = 16, 4
+    kv = new_cache(B, C, fill=5.0)  # every slot starts as garbage; slot 3 stays empty
+    for slot, p in enumerate(prompts):
+        _, one = prefill_one(params, p)
+        one = one.resized(C)
+        for layer in range(TINY.num_hidden_layers):
+            kv.keys[layer][slot, :, : len(p)] = one.keys[layer][0, :, : len(p)]
+            kv.values[layer][slot, :, : len(p)] = one.values[layer][0, :, : len(p)]
+    tokens = mx.array([11, 12, 13, 0], mx.int32)
+    positions = mx.array([len(p) for p in prompts] + [0])
+    logits, _ = decode(params, tokens, positions, kv, args=TINY)
+    for i, p in enumerate(prompts):
+        expected, _ = prefill_one(params, p + [int(tokens[i])])
+        assert mx.allclose(logits[i], expected, atol=ATOL), f"slot {i} influenced by other slots or stale entries"
+
+
+def _llama_cpp_permute(w: mx.array, n_heads: int) -> mx.array:
+    """The Q/K row permutation of llama.cpp's convert_hf_to_gguf.py (HF half-split RoPE
+    layout -> interleaved pairs)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_gguf_qk_layout_needs_traditional_rope(params):
+    hf_args = TINY  # rope_traditional=False: the Hugging Face layout
+    gguf_args = TINY.__class__(**{**TINY.__dict__, "rope_traditional": True})
+    permuted = {**params, "layers": []}
+    for layer in params["layers"]:
+        attn = dict(layer["self_attn"])
+        attn["q_proj"] = {"weight": _llama_cpp_permute(attn["q_proj"]["weight"], TINY.num_attention_heads)}
+        attn["k_proj"] = {"weight": _llama_cpp_permute(attn["k_proj"]["weight"], TINY.num_key_value_heads)}
+        permuted["layers"].append({**layer, "self_attn": attn})
+    ids = [3, 14, 15, 92, 65, 35, 89, 79]
+    reference, _ = prefill_one(params, ids, hf_args)
+    right, _ = prefill_one(permuted, ids, gguf_args)
+    wrong, _ = prefill_one(permuted, ids, hf_args)
+    assert mx.allclose(right, reference, atol=ATOL)
+    assert mx.abs(wrong - reference).max().item() > 1e-2, "the wrong RoPE layout must change the logits"
+
+
+def test_quantized_weights_match_their_dequantized_form(params):
+    def quantize(node):
+        if isinstance(node, dict):
+            if "weight" in node and node["weight"].ndim == 2:
+                w, s, b = mx.quantize(node["weight"], group_size=32, bits=4)
+                return {"weight": w, "scales": s, "biases": b}
+            return {k: quantize(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [quantize(v) for v in node]
+        return node
+
+    quantized = quantize(params)
+    dense = prepare_params(quantized, mx.float32, "dequantized", 32)
+    ids = [1, 2, 3, 4, 5]
+    q_logits, _ = prefill_one(quantized, ids)
+    d_logits, _ = prefill_one(dense, ids)
+    assert mx.allclose(q_logits, d_logits, atol=1e-3)
+
+
+def test_cache_resize_keeps_prefix():
+    kv = new_cache(2, 8, fill=1.0)
+    grown = kv.resized(16)
+    assert grown.capacity == 16 and mx.array_equal(grown.keys[0][:, :, :8], kv.keys[0])
+    assert mx.array_equal(grown.resized(8).values[1], kv.values[1])

@@ -1,0 +1,77 @@
+"""Buckets, settings and per-request stop handling."""
+
+import pytest
+
+from service.buckets import BucketLimitError, BucketTable
+from service.config import ConfigError, load_settings
+from service.sequence import FinishReason, SamplingParams, Sequence, TokenEvent
+
+TABLE = BucketTable(batch=(1, 2, 4), prompt=(32, 64, 128), capacity=(256, 512, 1024))
+
+
+def test_shapes_pad_up_to_the_smallest_bucket():
+    assert [TABLE.prompt_for(n) for n in (1, 32, 33, 128)] == [32, 32, 64, 128]
+    assert [TABLE.batch_for(n) for n in (1, 2, 3)] == [1, 2, 4]
+    assert TABLE.capacity_for(257) == 512
+
+
+def test_beyond_the_largest_bucket_names_the_limit():
+    with pytest.raises(BucketLimitError, match=r"prompt length 129 exceeds the largest prompt length bucket \(128\)"):
+        TABLE.prompt_for(129)
+
+
+def test_warmup_covers_every_bucket_a_single_request_can_reach():
+    prefill, decode = TABLE.warmup_shapes(prompt_tokens=40)
+    assert prefill == [(1, 32), (1, 64)]
+    assert decode == [(1, 256), (1, 512), (1, 1024)]
+    assert TABLE.warmup_shapes(0) == ([], [])
+
+
+def test_settings_precedence_cli_over_env_over_toml(tmp_path, monkeypatch):
+    config = tmp_path / "stepserve.toml"
+    config.write_text('port = 9001\ncompile = "off"\nbatch_buckets = [1, 8]\nhost = "127.0.0.2"\n')
+    monkeypatch.setenv("STEPSERVE_PORT", "9002")
+    monkeypatch.setenv("STEPSERVE_PROMPT_BUCKETS", "[16, 32]")
+    settings = load_settings(config, host="127.0.0.3")
+    assert (settings.port, settings.compile, settings.batch_buckets) == (9002, "off", [1, 8])
+    assert settings.prompt_buckets == [16, 32] and settings.host == "127.0.0.3"
+
+
+def test_bad_settings_name_the_problem(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="ascending"):
+        load_settings(batch_buckets=[4, 2])
+    with pytest.raises(ConfigError, match="largest prompt bucket"):
+        load_settings(prompt_buckets=[32, 4096], capacity_buckets=[256, 1024])
+
+
+class _Detok:
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def step(self, token_id):
+        return self.pieces[token_id]
+
+
+def _run(pieces, stop, max_tokens=50):
+    events = []
+    seq = Sequence([0], SamplingParams(max_tokens=max_tokens, stop=stop), _Detok(pieces), events.append)
+    for token_id in range(1, len(pieces)):
+        seq.position += 1
+        seq.append(token_id, frozenset({999}), capacity_limit=1000)
+        if seq.finish_reason:
+            break
+    return seq, "".join(e.text for e in events if isinstance(e, TokenEvent))
+
+
+def test_stop_string_across_tokens_is_cut_and_never_streamed():
+    seq, streamed = _run(["", "Hello", " wor", "ld. EN", "D more"], stop=("END",))
+    assert seq.finish_reason is FinishReason.STOP
+    assert seq.text == streamed == "Hello world. "
+
+
+def test_partial_stop_prefix_is_released_when_it_does_not_complete():
+    seq, streamed = _run(["", "a E", "N", "x", "!"], stop=("END",), max_tokens=4)
+    assert seq.finish_reason is FinishReason.LENGTH
+    assert streamed == seq.text == "a ENx!"
