@@ -2,7 +2,7 @@
 
 Every buffer has the shape [B, Hkv, C, D]: B rows (a batch bucket), Hkv key-value heads,
 C positions (a capacity bucket) and D the head dim. Step functions write into it at array
-indices and return a new cache (MLX arrays are immutable values inside ``mx.compile``);
+indices and return a new cache (MLX arrays are immutable values inside a compiled graph);
 the capacity never changes inside a step, so each (B, C) pair is one compiled shape.
 """
 
@@ -14,7 +14,7 @@ import mlx.core as mx
 
 
 class KVCache(NamedTuple):
-    """Per-layer key and value buffers, each [B, Hkv, C, D] (a pytree ``mx.compile`` accepts)."""
+    """Per-layer key and value buffers, each [B, Hkv, C, D] (a pytree MLX compilation accepts)."""
 
     keys: list[mx.array]
     values: list[mx.array]

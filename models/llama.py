@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama, SmolLM, Mistral layouts) as pure, batched step functions.
 
 The parameters are a plain nested dict of arrays (``params``), never a module, so that
-``mx.compile`` sees them as inputs and nothing is captured as a constant. The only Python
+MLX compilation sees them as inputs and nothing is captured as a constant. The only Python
 values frozen into a traced function are the hyper-parameters in :class:`ModelArgs` and the
 array *shapes* of one bucket; positions and lengths are always ``mx.array`` inputs.
 
@@ -12,7 +12,7 @@ Shapes use: B batch rows (a batch bucket), T prompt tokens (a prompt bucket), C 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import mlx.core as mx
@@ -47,7 +47,6 @@ class ModelArgs:
     tie_word_embeddings: bool = True
     head_dim: int | None = None
     quant_group_size: int = 32
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @classmethod
     def from_dict(cls, config: dict) -> "ModelArgs":

@@ -25,6 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--weights", choices=["auto", "quantized", "dequantized"], help="quantized or dequantized weights (auto: by device)")
     serve.add_argument("--warmup-prompt-tokens", type=int, help="warm up every bucket a request this long can reach")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    sub.add_parser("bench", help="measure a running server over HTTP (see stepserve bench --help)", add_help=False)
     return parser
 
 
@@ -74,6 +75,11 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from service.bench import main as bench
+
+        return bench(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)

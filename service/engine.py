@@ -142,7 +142,7 @@ class Engine:
         keys = [self._keys.get(s.request_id) if s else None for s in slots]
         tokens, next_keys = self.runner.select(logits, slots, keys)
         stop_ids = self.model.tokenizer.stop_token_ids
-        for i, (seq, token) in enumerate(zip(slots, tokens.tolist())):
+        for i, (seq, token) in enumerate(zip(slots, tokens.tolist(), strict=True)):
             if seq is None:
                 continue
             seq.position += 1

@@ -47,7 +47,8 @@ class ModelRunner:
         key = StepKey(self.model.name, phase, batch, size, self._dtype_name)
         return self.compiled.get(key, self._specs[phase])
 
-    def _new_kv(self, batch: int, capacity: int) -> KVCache:
+    def new_kv(self, batch: int, capacity: int) -> KVCache:
+        """A zeroed KV cache [batch, Hkv, capacity, D] per layer in the compute dtype."""
         a = self.model.args
         return KVCache.allocate(a.num_hidden_layers, batch, a.num_key_value_heads, capacity, a.dim_per_head, self.model.dtype)
 
@@ -71,6 +72,7 @@ class ModelRunner:
         seeded = mx.array([k is not None for k in keys])
         key_rows = mx.stack([k if k is not None else zero_key for k in keys])
         tokens, next_keys = self.step_fn("sample", B)(logits, temperature, top_p, mx.minimum(top_k, self.vocab), key_rows, seeded)
+        mx.eval(tokens, next_keys)  # keys must not chain lazily from step to step
         return tokens, [next_keys[i] if k is not None else None for i, k in enumerate(keys)]
 
     # -- prefill -------------------------------------------------------------------------
@@ -88,7 +90,7 @@ class ModelRunner:
         rows = [p + [0] * (T - len(p)) for p in prompts] + [[0] * T] * (B - n)
         lengths = [len(p) for p in prompts] + [1] * (B - n)
         tokens = mx.array(rows, mx.int32)
-        logits, kv = self.step_fn("prefill", B, T)(self.model.params, tokens, mx.array(lengths, mx.int32), self._new_kv(B, T))
+        logits, kv = self.step_fn("prefill", B, T)(self.model.params, tokens, mx.array(lengths, mx.int32), self.new_kv(B, T))
         return logits[:n], kv
 
     # -- the decode batch ----------------------------------------------------------------
@@ -106,7 +108,7 @@ class ModelRunner:
         need = max((s.position + 1 for s in live), default=1)
         C = self.buckets.capacity_for(need)
         if self.kv is None:
-            self.kv = self._new_kv(B, C)
+            self.kv = self.new_kv(B, C)
             return
         kv = self.kv
         if B < kv.batch or any(s.slot >= B for s in live):
@@ -157,9 +159,9 @@ class ModelRunner:
         """Compile and run one bucket's step on dummy inputs."""
         fn = self.step_fn(phase, batch, size)
         if phase == "prefill":
-            out = fn(self.model.params, mx.zeros((batch, size), mx.int32), mx.ones((batch,), mx.int32), self._new_kv(batch, size))
+            out = fn(self.model.params, mx.zeros((batch, size), mx.int32), mx.ones((batch,), mx.int32), self.new_kv(batch, size))
         elif phase == "decode":
-            out = fn(self.model.params, mx.zeros((batch,), mx.int32), mx.zeros((batch,), mx.int32), self._new_kv(batch, size))
+            out = fn(self.model.params, mx.zeros((batch,), mx.int32), mx.zeros((batch,), mx.int32), self.new_kv(batch, size))
         else:
             logits = mx.zeros((max(batch, 1), self.vocab), mx.float32)
             if phase == "greedy":

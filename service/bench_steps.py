@@ -1,0 +1,88 @@
+"""Time one prefill and one decode step of the default model per compute dtype, weight
+format and compile mode, in-process, and write JSON. This is how stepserve's CPU defaults
+(float32, dequantized weights) were chosen: ``python -m service.bench_steps --out FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import models  # noqa: F401  (first: the CPU BLAS)
+import mlx.core as mx
+
+from models.gguf import default_model_path
+from models.loader import load_model
+from service.app import device_name
+from service.buckets import BucketTable
+from service.compile_cache import CompileCache
+from service.runner import ModelRunner
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def time_step(fn, repeats: int) -> float:
+    """Median seconds of ``fn()`` evaluated, after one untimed call (the compile)."""
+    mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(dtype: str, weights: str, compiled: bool, batch: int, capacity: int, prompt: int, repeats: int) -> dict:
+    """Seconds per decode step at (batch, capacity) and per prefill at (1, prompt)."""
+    model = load_model(default_model_path(), "bench", DTYPES[dtype], weights)
+    buckets = BucketTable((batch,), (max(prompt, 1),), (capacity,))
+    runner = ModelRunner(model, buckets, CompileCache(compiled, lambda *a: None, lambda s: None))
+    decode = runner.step_fn("decode", batch, capacity)
+    kv = runner.new_kv(batch, capacity)
+    tokens, positions = mx.zeros((batch,), mx.int32), mx.full((batch,), capacity // 2, mx.int32)
+    decode_s = time_step(lambda: decode(model.params, tokens, positions, kv), repeats)
+    prefill_s = None
+    if prompt:
+        prefill = runner.step_fn("prefill", 1, prompt)
+        prompt_kv = runner.new_kv(1, prompt)
+        ids, lengths = mx.zeros((1, prompt), mx.int32), mx.array([prompt], mx.int32)
+        prefill_s = time_step(lambda: prefill(model.params, ids, lengths, prompt_kv), max(1, repeats // 3))
+    return {"dtype": dtype, "weights": weights, "compile": compiled, "batch": batch, "capacity": capacity,
+            "prompt": prompt, "decode_step_s": decode_s, "decode_tok_s": batch / decode_s, "prefill_s": prefill_s,
+            "weights_bytes": model.nbytes}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "float16"], choices=list(DTYPES))
+    parser.add_argument("--weights", nargs="+", default=["quantized", "dequantized"])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1])
+    parser.add_argument("--capacity", type=int, nargs="+", default=[256])
+    parser.add_argument("--prompt", type=int, default=128, help="prefill length to time (0: skip prefill)")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    rows = []
+    for dtype in args.dtypes:
+        # float16 on a CPU is ~30x slower: a few repeats are enough to show it.
+        repeats = 2 if dtype != "float32" and device_name() == "cpu" else args.repeats
+        for weights in args.weights:
+            for batch in args.batch:
+                for capacity in args.capacity:
+                    for compiled in (False, True):
+                        row = measure(dtype, weights, compiled, batch, capacity, args.prompt, repeats)
+                        print(json.dumps(row), flush=True)
+                        rows.append(row)
+    result = {"command": "python -m service.bench_steps " + " ".join(argv or []), "mlx": mx.__version__,
+              "device": device_name(), "cpu_blas": models.CPU_BLAS, "machine": platform.platform(), "rows": rows}
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

