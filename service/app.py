@@ -13,11 +13,12 @@ from prometheus_client import CollectorRegistry
 from models.gguf import default_model_path
 from models.loader import LoadedModel, load_model
 from service import __version__
+from service import openai_api
 from service.api import router
 from service.buckets import BucketTable
 from service.compile_cache import CompileCache
 from service.config import Settings
-from service.engine import Engine
+from service.engine import Engine, WarmupSpec
 from service.errors import install_error_handlers
 from service.metrics import Metrics
 from service.middleware import BodyLimitMiddleware, StatusCountMiddleware
@@ -74,12 +75,13 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loaded = model or load_default(settings)
-        engine = Engine(loaded, buckets, cache, metrics)
+        engine = Engine(loaded, buckets, cache, metrics, settings.max_waiting, settings.max_admit)
         state.engines[loaded.name] = engine
         state.default_model = loaded.name
         log.info("model %s: %s, %.0f MB, %s weights, %s compute, compile %s", loaded.name, loaded.path,
                  loaded.nbytes / 1e6, loaded.weights, loaded.dtype, settings.compile)
-        engine.start(settings.warmup_prompt_tokens, progress)
+        positions = settings.warmup_prompt_tokens + settings.default_max_tokens
+        engine.start(WarmupSpec(settings.warmup_prompt_tokens, settings.warmup_batch, positions), progress)
         try:
             yield
         finally:
@@ -90,6 +92,7 @@ def create_app(
     app.state.stepserve = state
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(openai_api.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(StatusCountMiddleware, metrics=metrics)
     return app

@@ -47,18 +47,23 @@ class BucketTable:
         """Smallest capacity bucket >= positions. Raises BucketLimitError."""
         return self._fit(self.capacity, positions, "KV capacity")
 
-    def warmup_shapes(self, prompt_tokens: int, max_rows: int = 1) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The (batch, prompt) prefill and (batch, capacity) decode shapes that requests of
-        at most ``prompt_tokens`` prompt tokens, ``max_rows`` at a time, can reach.
+    def warmup_shapes(
+        self, prompt_tokens: int, max_rows: int = 1, max_prefill_rows: int = 1, batched_positions: int | None = None
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The (batch, prompt) prefill and (batch, capacity) decode shapes to warm up.
 
-        A request's decode capacity grows up to the largest bucket as it generates, so every
-        capacity bucket from the first one a prompt needs is reachable.
+        Prefill: every prompt bucket up to ``prompt_tokens`` at the batch buckets of up to
+        ``max_prefill_rows`` prompts. Decode: batch 1 at every capacity bucket (one request
+        can grow into any of them), and the batch buckets of up to ``max_rows`` concurrent
+        requests at the capacities holding ``batched_positions`` positions (all if None).
         """
         if prompt_tokens <= 0:
             return [], []
-        batches = [b for b in self.batch if b <= self.batch_for(max_rows)]
         top_prompt = self.prompt_for(min(prompt_tokens, self.prompt[-1]))
         prompts = [t for t in self.prompt if t <= top_prompt]
-        prefill = [(b, t) for b in batches for t in prompts]
-        decode = [(b, c) for b in batches for c in self.capacity]
+        prefill_batches = [b for b in self.batch if b <= self.batch_for(max(1, min(max_prefill_rows, max_rows)))]
+        decode_batches = [b for b in self.batch if b <= self.batch_for(max_rows)]
+        top_capacity = self.capacity[-1] if batched_positions is None else self.capacity_for(min(batched_positions, self.capacity[-1]))
+        prefill = [(b, t) for b in prefill_batches for t in prompts]
+        decode = [(b, c) for b in decode_batches for c in self.capacity if b == 1 or c <= top_capacity]
         return prefill, decode

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from models.gguf import ModelLoadError
@@ -24,6 +25,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="compute dtype")
     serve.add_argument("--weights", choices=["auto", "quantized", "dequantized"], help="quantized or dequantized weights (auto: by device)")
     serve.add_argument("--warmup-prompt-tokens", type=int, help="warm up every bucket a request this long can reach")
+    serve.add_argument("--warmup-batch", type=int, help="warm up the batch buckets this many concurrent requests reach")
+    serve.add_argument("--max-waiting", type=int, help="queued requests beyond the running batch; more get 429")
+    serve.add_argument("--request-timeout-s", type=float, help="per-request time limit in seconds")
+    serve.add_argument("--shutdown-grace-s", type=float, help="seconds running requests get after SIGTERM")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     sub.add_parser("bench", help="measure a running server over HTTP (see stepserve bench --help)", add_help=False)
     return parser
@@ -54,11 +59,14 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from service.app import create_app, load_default
+    from service.shutdown import DrainingServer
 
     try:
         settings = load_settings(
             args.config, host=args.host, port=args.port, compile=args.compile, model=args.model, model_name=args.model_name,
             dtype=args.dtype, weights=args.weights, warmup_prompt_tokens=args.warmup_prompt_tokens, log_level=args.log_level,
+            warmup_batch=args.warmup_batch, max_waiting=args.max_waiting, request_timeout_s=args.request_timeout_s,
+            shutdown_grace_s=args.shutdown_grace_s,
         )
     except ConfigError as exc:
         print(f"stepserve: {exc}", file=sys.stderr)
@@ -70,8 +78,24 @@ def serve(args: argparse.Namespace) -> int:
         print(f"stepserve: cannot load the model: {exc}", file=sys.stderr)
         return 2
     app = create_app(settings, model=model, progress=_progress())
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=10)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=10)
+    DrainingServer(config, app.state.stepserve, settings.shutdown_grace_s).run()
+    _exit_now(0)
     return 0
+
+
+def _exit_now(code: int) -> None:
+    """Exit without interpreter finalization, once serving has fully shut down.
+
+    MLX keeps compiled functions in a thread-local cache that the engine thread destroys as
+    it exits, taking the GIL; when that races Python's finalization the process aborts
+    ("terminate called without an active exception", exit 134) instead of exiting 0, which
+    launchd would count as a crash. Requests, the engine and the logs are done by now.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,7 +46,14 @@ class Settings(BaseSettings):
     warmup_prompt_tokens: int = Field(
         512, ge=0, description="warm-up compiles every bucket a single request of this many prompt tokens can reach"
     )
+    warmup_batch: int = Field(
+        1, ge=1, description="warm-up also covers the batch buckets this many concurrent requests reach"
+    )
     default_max_tokens: int = Field(256, ge=1)
+    max_waiting: int = Field(256, ge=0, description="queued requests beyond the running batch; more get 429")
+    max_admit: int = Field(4, ge=1, description="requests prefilled together per engine step at most")
+    request_timeout_s: float = Field(600.0, gt=0, description="a request still running after this ends with 'timeout'")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, running requests get this long to finish")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

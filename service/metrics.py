@@ -18,6 +18,8 @@ NAMESPACE = "stepserve"
 # Latency buckets from 1 ms to 2 min: ITL is milliseconds on a GPU, a request minutes on a CPU.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 COMPILE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 
 
 @dataclass(frozen=True)
@@ -31,16 +33,29 @@ class CompileStat:
 
 
 @dataclass(frozen=True)
+class StepStat:
+    """One engine step: its bucket, live rows out of the bucket's rows, and seconds."""
+
+    model: str
+    phase: str  # "prefill" or "decode"
+    bucket: str
+    rows: int
+    bucket_rows: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class RequestStat:
     """One finished request, as the engine saw it (seconds)."""
 
     model: str
-    status: str  # "ok" or an error kind
+    finish_reason: str  # stop, length, cancelled, timeout or error
     prompt_tokens: int
     completion_tokens: int
     duration_s: float
     ttft_s: float | None
     inter_token_s: tuple[float, ...]
+    shutdown: bool = False  # cancelled because the server is shutting down
 
 
 class Metrics:
@@ -59,8 +74,15 @@ class Metrics:
         self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens prefilled", ["model"], namespace=ns, registry=reg)
         self.generation_tokens = Counter("generation_tokens_total", "Tokens generated", ["model"], namespace=ns, registry=reg)
         self.requests = Counter("requests_total", "Finished requests by HTTP status code", ["status"], namespace=ns, registry=reg)
-        self.running = Gauge("requests_running", "Requests in the running batch", namespace=ns, registry=reg)
-        self.waiting = Gauge("requests_waiting", "Requests queued for the engine", namespace=ns, registry=reg)
+        self.running = Gauge("requests_running", "Requests in the running batch", ["model"], namespace=ns, registry=reg)
+        self.waiting = Gauge("requests_waiting", "Requests queued for the engine", ["model"], namespace=ns, registry=reg)
+        self.batch_size = Histogram("batch_size", "Live rows per engine step", ["model", "phase"], namespace=ns, registry=reg, buckets=BATCH_BUCKETS)
+        self.padding_waste = Histogram("padding_waste_ratio", "Padded rows / bucket rows per step", ["model", "phase"], namespace=ns, registry=reg, buckets=RATIO_BUCKETS)
+        self.step_seconds = Histogram("step_seconds", "Seconds per engine step (run and sample)", ["model", "phase", "bucket"], namespace=ns, registry=reg, buckets=LATENCY_BUCKETS)
+        self.bucket_moves = Counter("bucket_moves_total", "Decode-cache copies to another bucket", ["model", "kind"], namespace=ns, registry=reg)
+        self.queue_rejections = Counter("queue_rejections_total", "Requests refused before queueing", ["model", "reason"], namespace=ns, registry=reg)
+        self.cancellations = Counter("cancellations_total", "Requests cancelled", ["model", "reason"], namespace=ns, registry=reg)
+        self.timeouts = Counter("timeouts_total", "Requests that reached the time limit", ["model", "reason"], namespace=ns, registry=reg)
         self.active_memory = Gauge("mlx_active_memory_bytes", "MLX memory in use", namespace=ns, registry=reg)
         self.active_memory.set_function(mx.get_active_memory)
         self.peak_memory = Gauge("mlx_peak_memory_bytes", "MLX peak memory since start", namespace=ns, registry=reg)
@@ -85,6 +107,16 @@ class Metrics:
         itl = self.itl.labels(stat.model)
         for gap in stat.inter_token_s:
             itl.observe(gap)
+        if stat.finish_reason == "cancelled":
+            self.cancellations.labels(stat.model, "shutdown" if stat.shutdown else "client_disconnected").inc()
+        elif stat.finish_reason == "timeout":
+            self.timeouts.labels(stat.model, "running" if stat.ttft_s is not None else "waiting").inc()
+
+    def record_step(self, stat: StepStat) -> None:
+        """Record one prefill or decode step."""
+        self.batch_size.labels(stat.model, stat.phase).observe(stat.rows)
+        self.padding_waste.labels(stat.model, stat.phase).observe(1 - stat.rows / stat.bucket_rows)
+        self.step_seconds.labels(stat.model, stat.phase, stat.bucket).observe(stat.seconds)
 
     def record_status(self, status: int) -> None:
         """Count a finished HTTP request by status code."""

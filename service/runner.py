@@ -80,8 +80,8 @@ class ModelRunner:
     def prefill(self, prompts: list[list[int]]) -> tuple[mx.array, KVCache]:
         """Prefill prompts together at bucket (batch_for(n), prompt_for(longest)).
 
-        Returns (logits float32 [n, V] at each prompt's last token, the prompts' KV cache
-        [B, Hkv, T, D] per layer; rows >= n are padding).
+        Returns (logits float32 [B, V] at each prompt's last token, the prompts' KV cache
+        [B, Hkv, T, D] per layer); rows >= n are padding.
         Raises BucketLimitError when the prompts do not fit a bucket.
         """
         n = len(prompts)
@@ -91,35 +91,37 @@ class ModelRunner:
         lengths = [len(p) for p in prompts] + [1] * (B - n)
         tokens = mx.array(rows, mx.int32)
         logits, kv = self.step_fn("prefill", B, T)(self.model.params, tokens, mx.array(lengths, mx.int32), self.new_kv(B, T))
-        return logits[:n], kv
+        return logits, kv
 
     # -- the decode batch ----------------------------------------------------------------
 
-    def fit(self, live: Iterable[Sequence], extra_rows: int = 0) -> None:
+    def fit(self, live: Iterable[Sequence], extra_rows: int = 0) -> list[str]:
         """Re-bucket the decode cache for ``live`` sequences plus ``extra_rows`` arrivals.
 
         Moves live rows into slots 0..n-1 when the batch bucket shrinks and resizes the
         capacity to the smallest bucket holding every row's next position. Each change is
-        one copy of the cache.
+        one copy of the cache. Returns the moves made: "batch" and/or "capacity".
         """
         live = sorted(live, key=lambda s: s.slot)
-        rows = len(live) + extra_rows
-        B = self.buckets.batch_for(max(rows, 1))
-        need = max((s.position + 1 for s in live), default=1)
-        C = self.buckets.capacity_for(need)
+        B = self.buckets.batch_for(max(len(live) + extra_rows, 1))
+        C = self.buckets.capacity_for(max((s.position + 1 for s in live), default=1))
         if self.kv is None:
             self.kv = self.new_kv(B, C)
-            return
-        kv = self.kv
+            return []
+        kv, moves = self.kv, []
         if B < kv.batch or any(s.slot >= B for s in live):
             order = mx.array([s.slot for s in live] or [0], mx.int32)
             kv = KVCache([k[order] for k in kv.keys], [v[order] for v in kv.values])
             for i, s in enumerate(live):
                 s.slot = i
-        kv = kv.resized(C)
+        if kv.capacity != C:
+            kv, moves = kv.resized(C), ["capacity"]
         if kv.batch != B:
             kv = _resize_batch(kv, B)
+        if B != self.kv.batch:
+            moves.append("batch")
         self.kv = kv
+        return moves
 
     def insert(self, seq: Sequence, slot: int, prompt_kv: KVCache, row: int) -> None:
         """Copy row ``row`` of a prefill cache into decode slot ``slot``."""
@@ -145,14 +147,15 @@ class ModelRunner:
 
     # -- warm-up -------------------------------------------------------------------------
 
-    def warmup_plan(self, prompt_tokens: int) -> list[tuple[str, int, int]]:
-        """(phase, batch, size) of every bucket a single request of up to ``prompt_tokens``
-        prompt tokens can reach, plus its sampler and the shapeless greedy step."""
-        prefill, decode = self.buckets.warmup_shapes(prompt_tokens)
+    def warmup_plan(self, prompt_tokens: int, max_rows: int = 1, max_admit: int = 1,
+                    batched_positions: int | None = None) -> list[tuple[str, int, int]]:
+        """(phase, batch, size) of the buckets to warm up (see BucketTable.warmup_shapes),
+        plus the sampler of each batch bucket and the shapeless greedy step."""
+        prefill, decode = self.buckets.warmup_shapes(prompt_tokens, max_rows, min(max_rows, max_admit), batched_positions)
         if not prefill:
             return []
         plan = [("prefill", b, t) for b, t in prefill] + [("decode", b, c) for b, c in decode]
-        plan += [("sample", b, 0) for b in sorted({b for b, _ in decode})] + [("greedy", 0, 0)]
+        plan += [("sample", b, 0) for b in sorted({b for b, _ in prefill + decode})] + [("greedy", 0, 0)]
         return plan
 
     def warm(self, phase: str, batch: int, size: int) -> None:

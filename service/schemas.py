@@ -32,6 +32,7 @@ class InferRequest(BaseModel):
     stop: str | list[str] | None = Field(
         default_factory=list, validate_default=True, description=f"up to {MAX_STOP_STRINGS} strings that end the text"
     )
+    stream: bool = Field(False, description="answer text/event-stream: one event per text chunk, then a final event")
 
     @field_validator("stop")
     @classmethod
@@ -62,13 +63,28 @@ class Timings(BaseModel):
     total_s: float
 
 
+FinishReasonName = Literal["stop", "length", "timeout", "cancelled"]
+
+
 class InferResponse(BaseModel):
     id: str
     model: str
     text: str
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReasonName
     usage: Usage
     timings: Timings
+
+
+class InferChunk(BaseModel):
+    """One server-sent event of a streamed ``/infer``: new text, and on the last event the
+    finish reason, usage and timings."""
+
+    id: str
+    model: str
+    text: str
+    finish_reason: FinishReasonName | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
 
 
 class ModelCard(BaseModel):
@@ -94,3 +110,59 @@ class ErrorBody(BaseModel):
     """Every error response: OpenAI's ``{"error": {...}}`` shape."""
 
     error: ErrorDetail
+
+
+# -- OpenAI-compatible bodies (the fields of OpenAI's API that stepserve honours) ----------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class OpenAISampling(BaseModel):
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``. Unknown OpenAI
+    fields are ignored; ``n`` must be 1."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="not in OpenAI's API; as in vLLM")
+    n: Literal[1] = 1
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = Field(default_factory=list, validate_default=True)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    _stop_list = field_validator("stop")(InferRequest._stop_list.__func__)
+
+    def sampling(self) -> dict:
+        """Arguments for :class:`service.sequence.SamplingParams` (max_tokens resolved later)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed, "stop": tuple(self.stop)}
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: str | list[str] = Field(..., description="one prompt (a list of exactly one is accepted)")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise ValueError("exactly one prompt is supported")
+            prompt = prompt[0]
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return prompt
+
+
+class ChatCompletionRequest(OpenAISampling):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+
+
+class OpenAIUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int

@@ -15,6 +15,8 @@ from models.tokenizer import Detokenizer
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS / stop token or a stop string
     LENGTH = "length"  # max_tokens or the largest KV capacity bucket
+    CANCELLED = "cancelled"  # the client went away, or the server shut down
+    TIMEOUT = "timeout"  # the per-request time limit passed
     ERROR = "error"  # the engine failed this request
 
 
@@ -60,6 +62,10 @@ class FinalEvent:
     total_s: float
     error: str | None = None
 
+    @property
+    def failed(self) -> bool:
+        return self.finish_reason is FinishReason.ERROR
+
 
 Event = TokenEvent | FinalEvent
 _ids = itertools.count()
@@ -90,6 +96,8 @@ class Sequence:
     last_token_at: float | None = None
     inter_token_s: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    deadline: float | None = None  # perf_counter() time after which the request times out
+    cancelled: bool = False
     _sent: int = 0  # characters of ``text`` already emitted
 
     @property

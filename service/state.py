@@ -21,6 +21,4 @@ class AppState:
     default_model: str
     engines: dict[str, Engine] = field(default_factory=dict)
     started: int = field(default_factory=lambda: int(time.time()))
-
-    def compile_cache_size(self) -> int:
-        return len(self.compile_cache)
+    draining: bool = False  # SIGTERM received: refuse new work, finish what runs

@@ -1,0 +1,133 @@
+"""The scheduler: decides, before each engine step, which requests join, leave or wait.
+
+Plain Python: no MLX and no asyncio, so it can be tested alone. It is FCFS: requests are
+admitted in arrival order whenever the running batch has room, so none starves. The engine
+calls :meth:`Scheduler.schedule` between decode steps; HTTP handlers call :meth:`add` and
+:meth:`cancel` from the event loop's thread, hence the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from service.sequence import FinishReason, Sequence
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its limit; the client should retry later (HTTP 429)."""
+
+
+class DrainingError(RuntimeError):
+    """The server is shutting down and admits nothing new (HTTP 503)."""
+
+
+@dataclass
+class SchedulerOutput:
+    """What the engine does in the next step.
+
+    Attributes:
+        admitted: waiting requests to prefill and merge into free slots, in arrival order.
+        aborted: requests to end now, with the reason (cancelled, timeout, shutdown).
+    """
+
+    admitted: list[Sequence] = field(default_factory=list)
+    aborted: list[tuple[Sequence, FinishReason]] = field(default_factory=list)
+
+
+class Scheduler:
+    """FCFS admission into a running batch of at most ``max_running`` sequences.
+
+    Args:
+        max_running: the largest batch bucket.
+        max_waiting: queued requests beyond the running batch; more are refused.
+        max_admit: requests admitted (prefilled) per step at most, so running rows keep
+            their inter-token latency while a burst arrives.
+    """
+
+    def __init__(self, max_running: int, max_waiting: int, max_admit: int):
+        self.max_running, self.max_waiting, self.max_admit = max_running, max_waiting, max_admit
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.draining = False
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request. Raises QueueFullError or DrainingError."""
+        with self._lock:
+            if self.draining:
+                raise DrainingError("server is shutting down")
+            if len(self.waiting) >= self.max_waiting:
+                raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests)")
+            self.waiting.append(seq)
+            self._wake.notify()
+
+    def cancel(self, seq: Sequence) -> None:
+        """Mark a request cancelled (client gone); it is removed at the next schedule."""
+        with self._lock:
+            seq.cancelled = True
+            self._wake.notify()
+
+    def drain(self) -> None:
+        """Refuse new requests from now on; queued and running ones go on."""
+        with self._lock:
+            self.draining = True
+            self._wake.notify()
+
+    def wait_for_work(self, timeout: float) -> None:
+        """Block the engine thread until a request arrives or ``timeout`` seconds pass."""
+        with self._lock:
+            if not self.waiting and not self.running:
+                self._wake.wait(timeout)
+
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """Pick this step's admissions and aborts; admitted requests count as running."""
+        now = time.perf_counter() if now is None else now
+        out = SchedulerOutput()
+        with self._lock:
+            for queue in (self.waiting, self.running):
+                for seq in list(queue):
+                    reason = _abort_reason(seq, now)
+                    if reason is not None:
+                        queue.remove(seq)
+                        out.aborted.append((seq, reason))
+            while self.waiting and len(self.running) < self.max_running and len(out.admitted) < self.max_admit:
+                seq = self.waiting.popleft()
+                self.running.append(seq)
+                out.admitted.append(seq)
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        """A running request ended (stop, length or error); its slot is free."""
+        with self._lock:
+            if seq in self.running:
+                self.running.remove(seq)
+
+    def abort_all(self, reason: FinishReason) -> list[Sequence]:
+        """Remove every waiting and running request (shutdown); returns them."""
+        with self._lock:
+            gone = list(self.waiting) + self.running
+            self.waiting.clear()
+            self.running = []
+        for seq in gone:
+            seq.finish_reason = reason
+        return gone
+
+
+def _abort_reason(seq: Sequence, now: float) -> FinishReason | None:
+    if seq.cancelled:
+        return FinishReason.CANCELLED
+    if seq.deadline is not None and now >= seq.deadline:
+        return FinishReason.TIMEOUT
+    return None

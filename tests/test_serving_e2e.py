@@ -1,0 +1,170 @@
+"""Continuous batching, streaming, the OpenAI routes, admission control and SIGTERM,
+against real `stepserve serve` processes and the real model."""
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.server import ServerProcess
+
+MODEL = "SmolLM2-135M-Instruct"
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"  # the model keeps counting: no early end-of-sequence
+# Small servers: one slot and one queue place with a 3 s limit; two slots and 2 s of grace.
+QUEUE_LIMITS = {"STEPSERVE_BATCH_BUCKETS": "[1]", "STEPSERVE_MAX_WAITING": "1", "STEPSERVE_REQUEST_TIMEOUT_S": "3",
+                "STEPSERVE_WARMUP_PROMPT_TOKENS": "32"}
+DRAIN = {"STEPSERVE_BATCH_BUCKETS": "[1, 2]", "STEPSERVE_SHUTDOWN_GRACE_S": "2", "STEPSERVE_WARMUP_PROMPT_TOKENS": "32",
+         "STEPSERVE_WARMUP_BATCH": "2"}
+
+
+def sse_events(response: httpx.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def wait_for(predicate, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_16_concurrent_clients_get_the_answers_they_would_get_alone(server):
+    prompts = [f"Question {i}: name a colour." + " Think about it." * (i % 5) for i in range(16)]
+    with server.client() as client:
+        alone = [client.post("/infer", json={"prompt": p, "max_tokens": 12}).json()["text"] for p in prompts]
+    results: dict[int, dict] = {}
+
+    def ask(i):
+        with server.client() as c:
+            results[i] = c.post("/infer", json={"prompt": prompts[i], "max_tokens": 12}).json()
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[i]["text"] for i in range(16)] == alone
+    assert all(r["finish_reason"] in ("stop", "length") and r["usage"]["completion_tokens"] > 0 for r in results.values())
+    assert server.metric("stepserve_batch_size_sum", phase="decode") > server.metric("stepserve_batch_size_count", phase="decode")
+
+
+def test_streamed_text_equals_the_whole_text_for_the_same_seed(server):
+    request = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0.8, "seed": 7}
+    with server.client() as client:
+        whole = client.post("/infer", json=request).json()
+        with client.stream("POST", "/infer", json={**request, "stream": True}) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            events = sse_events(response)
+    assert len(events) > 2
+    assert "".join(e["text"] for e in events) == whole["text"]
+    assert events[-1]["finish_reason"] == whole["finish_reason"] and events[-1]["usage"] == whole["usage"]
+
+
+def test_a_disconnect_frees_the_slot(server):
+    cancelled = server.metric("stepserve_cancellations_total", reason="client_disconnected")
+    with server.client() as client:
+        with client.stream("POST", "/infer", json={"prompt": COUNTING, "max_tokens": 2000, "stream": True}) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert server.metric("stepserve_requests_running") == 1
+    wait_for(lambda: server.metric("stepserve_requests_running") == 0, 10, "the slot to be freed")
+    assert server.metric("stepserve_cancellations_total", reason="client_disconnected") == cancelled + 1
+    with server.client() as client:
+        assert client.post("/infer", json={"prompt": "Hello", "max_tokens": 3}).status_code == 200
+
+
+def test_openai_client_completions_and_chat(server):
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    text = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0)
+    streamed = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == text.choices[0].text
+    assert text.usage.completion_tokens == 8 and text.choices[0].finish_reason == "length"
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    assert "Paris" in chat.choices[0].message.content and chat.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == chat.usage.total_tokens
+
+
+def start_server(env: dict) -> ServerProcess:
+    proc = ServerProcess.start([], env=env)
+    try:
+        proc.wait_ready()
+    except Exception:
+        proc.stop()
+        raise
+    return proc
+
+
+def test_full_queue_429_and_time_limits():
+    """One slot: a long prompt's prefill (~2000 tokens, several seconds on a CPU) outlasts the
+    3 s limit, so the running request times out after its first token (200, "timeout") and the
+    queued one before any token (504); a third finds the queue full (429)."""
+    server = start_server(QUEUE_LIMITS)
+    try:
+        long_prompt = "lorem ipsum " * 370 + COUNTING  # ~1870 tokens: the 2048 prompt bucket
+        replies: dict[str, httpx.Response] = {}
+
+        def ask(name, prompt):
+            with server.client() as c:
+                replies[name] = c.post("/infer", json={"prompt": prompt, "max_tokens": 2000})
+
+        running = threading.Thread(target=ask, args=("running", long_prompt))
+        running.start()
+        wait_for(lambda: server.metric("stepserve_requests_running") == 1, what="a running request")
+        queued = threading.Thread(target=ask, args=("queued", COUNTING))
+        queued.start()
+        wait_for(lambda: server.metric("stepserve_requests_waiting") == 1, what="a waiting request")
+        with server.client() as client:
+            refused = client.post("/infer", json={"prompt": "Hello", "max_tokens": 2})
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        running.join()
+        queued.join()
+        assert replies["running"].status_code == 200, replies["running"].text
+        assert replies["running"].json()["finish_reason"] == "timeout"
+        assert replies["queued"].status_code == 504 and "timed out" in replies["queued"].json()["error"]["message"]
+        assert server.metric("stepserve_queue_rejections_total", reason="queue_full") == 1
+        assert server.metric("stepserve_timeouts_total", reason="running") == 1
+        assert server.metric("stepserve_timeouts_total", reason="waiting") == 1
+        with server.client() as client:
+            assert client.post("/infer", json={"prompt": "Hello", "max_tokens": 2}).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_sigterm_drains_then_exits_0():
+    small_server = start_server(DRAIN)
+    results: dict[str, object] = {}
+
+    def long_stream():
+        with small_server.client() as c, c.stream("POST", "/infer", json={"prompt": COUNTING, "max_tokens": 2000, "stream": True}) as r:
+            results["long"] = sse_events(r)[-1]
+
+    def short():
+        with small_server.client() as c:
+            results["short"] = c.post("/infer", json={"prompt": COUNTING, "max_tokens": 12})
+
+    threads = [threading.Thread(target=long_stream), threading.Thread(target=short)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: small_server.metric("stepserve_requests_running") == 2, what="two running requests")
+    small_server.process.send_signal(signal.SIGTERM)
+    with small_server.client() as client:
+        wait_for(lambda: client.get("/readyz").status_code == 503, 5, "/readyz to turn 503")
+        assert client.post("/infer", json={"prompt": "Hello", "max_tokens": 2}).status_code == 503
+        assert client.get("/healthz").status_code == 200
+    for t in threads:
+        t.join()
+    assert results["short"].status_code == 200 and results["short"].json()["finish_reason"] == "length"
+    assert results["long"]["finish_reason"] == "cancelled"
+    assert small_server.process.wait(30) == 0
+    assert "draining" in small_server.log()
