@@ -1,13 +1,17 @@
 """``stepserve bench``: measure a running server from the outside, over HTTP.
 
-This first version drives one stream (requests one after another) against ``POST /infer``
-and reports TTFT, decode tokens/s and end-to-end tokens/s, plus the compile-cache misses
-the server counted during the run. Results go to stdout as a table and to a JSON file.
+For each concurrency level, that many client streams send greedy ``POST /infer`` requests
+one after another (a shared, generated prompt set of mixed lengths). Reported per level:
+aggregate tokens/s (all completion tokens over the level's wall time), per-stream tokens/s
+(completion tokens over request time, median), TTFT and inter-token latency p50/p99 (the
+server's own timings), errors, and the compile-cache misses the server counted during the
+level. A table goes to stderr, JSON to stdout and optionally a file.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import platform
 import statistics
@@ -20,8 +24,19 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-# A prompt the default model continues for a long time without an end-of-sequence token.
-DEFAULT_PROMPT = "1, 2, 3, 4, 5, 6, 7, 8,"
+TOPICS = ["the history of the printing press", "how a steam engine works", "the life cycle of a star",
+          "the rules of chess", "why the sky is blue", "the migration of birds", "how bread is made",
+          "the first voyage around the world"]
+
+
+def prompt_set(n: int = 16) -> list[str]:
+    """``n`` prompts of mixed lengths (about 10 to 150 tokens), made here: no downloads."""
+    prompts = []
+    for i in range(n):
+        topic = TOPICS[i % len(TOPICS)]
+        context = f" Consider {topic} from every side, with examples and dates." * (i % 6) * 2
+        prompts.append(f"Write a detailed essay about {topic}.{context}\n\nEssay:")
+    return prompts
 
 
 def scrape(client: httpx.Client, name: str) -> tuple[float, dict[str, str]]:
@@ -35,61 +50,94 @@ def scrape(client: httpx.Client, name: str) -> tuple[float, dict[str, str]]:
     return total, labels
 
 
-def run_single_stream(url: str, requests: int, max_tokens: int, prompt: str) -> dict:
-    """Send ``requests`` greedy requests one at a time; return per-request and summary figures.
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
 
-    Units: seconds and tokens per second. ``decode_tok_s`` excludes the first token
-    (it comes from prefill); ``e2e_tok_s`` is completion tokens over total request time.
-    """
-    with httpx.Client(base_url=url, timeout=600) as client:
+
+async def run_level(url: str, concurrency: int, requests_per_stream: int, max_tokens: int, prompts: list[str]) -> dict:
+    """Run one concurrency level; figures in seconds and tokens per second."""
+    records, errors = [], 0
+
+    async def stream(client: httpx.AsyncClient, index: int) -> None:
+        nonlocal errors
+        for j in range(requests_per_stream):
+            body = {"prompt": prompts[(index + j * concurrency) % len(prompts)], "max_tokens": max_tokens, "temperature": 0}
+            start = time.perf_counter()
+            reply = await client.post("/infer", json=body)
+            wall = time.perf_counter() - start
+            if reply.status_code != 200:
+                errors += 1
+                continue
+            data = reply.json()
+            tokens, t = data["usage"]["completion_tokens"], data["timings"]
+            records.append({"tokens": tokens, "wall_s": wall, "ttft_s": t["ttft_s"],
+                            "itl_s": t["decode_s"] / (tokens - 1) if tokens > 1 else None})
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(stream(client, i) for i in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    ttft = [r["ttft_s"] for r in records if r["ttft_s"] is not None]
+    itl = [r["itl_s"] for r in records if r["itl_s"] is not None]
+    return {
+        "concurrency": concurrency,
+        "requests": len(records),
+        "errors": errors,
+        "completion_tokens": sum(r["tokens"] for r in records),
+        "elapsed_s": elapsed,
+        "aggregate_tok_s": sum(r["tokens"] for r in records) / elapsed,
+        "per_stream_tok_s_p50": statistics.median(r["tokens"] / r["wall_s"] for r in records) if records else None,
+        "ttft_s_p50": _pct(ttft, 0.5), "ttft_s_p99": _pct(ttft, 0.99),
+        "itl_s_p50": _pct(itl, 0.5), "itl_s_p99": _pct(itl, 0.99),
+    }
+
+
+def run(url: str, levels: list[int], requests_per_stream: int, max_tokens: int) -> dict:
+    """Every concurrency level in turn, with the compile misses the server counted in each."""
+    prompts = prompt_set()
+    with httpx.Client(base_url=url, timeout=60) as client:
         if client.get("/readyz").status_code != 200:
             raise SystemExit(f"{url} is not ready (GET /readyz is not 200)")
-        misses_before, _ = scrape(client, "stepserve_compile_cache_misses_total")
         _, build = scrape(client, "stepserve_build_info")
-        runs = []
-        for _ in range(requests):
-            start = time.perf_counter()
-            reply = client.post("/infer", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
-            wall = time.perf_counter() - start
-            reply.raise_for_status()
-            body = reply.json()
-            tokens, t = body["usage"]["completion_tokens"], body["timings"]
-            runs.append({
-                "completion_tokens": tokens,
-                "ttft_s": t["ttft_s"],
-                "decode_tok_s": (tokens - 1) / t["decode_s"] if t["decode_s"] > 0 else None,
-                "e2e_tok_s": tokens / wall,
-            })
-        misses_after, _ = scrape(client, "stepserve_compile_cache_misses_total")
-    summary = {k: statistics.median(r[k] for r in runs if r[k] is not None) for k in ("ttft_s", "decode_tok_s", "e2e_tok_s")}
-    return {
-        "url": url,
-        "build": build,
-        "requests": requests,
-        "max_tokens": max_tokens,
-        "median": summary,
-        "compile_misses_during_run": misses_after - misses_before,
-        "runs": runs,
-    }
+        results = []
+        for level in levels:
+            misses_before, _ = scrape(client, "stepserve_compile_cache_misses_total")
+            result = asyncio.run(run_level(url, level, requests_per_stream, max_tokens, prompts))
+            result["compile_misses"] = scrape(client, "stepserve_compile_cache_misses_total")[0] - misses_before
+            results.append(result)
+    return {"url": url, "build": build, "max_tokens": max_tokens, "requests_per_stream": requests_per_stream, "levels": results}
+
+
+def _table(result: dict) -> Table:
+    table = Table(title=f"stepserve bench: {result['url']} (max_tokens {result['max_tokens']})")
+    for col in ("streams", "requests", "errors", "aggregate tok/s", "per-stream tok/s", "TTFT p50/p99 s", "ITL p50/p99 ms", "compile misses"):
+        table.add_column(col, justify="right")
+    for r in result["levels"]:
+        def fmt(v, scale=1.0, digits=3):
+            return "-" if v is None else f"{v * scale:.{digits}f}"
+        table.add_row(str(r["concurrency"]), str(r["requests"]), str(r["errors"]), f"{r['aggregate_tok_s']:.1f}",
+                      fmt(r["per_stream_tok_s_p50"], digits=1), f"{fmt(r['ttft_s_p50'])}/{fmt(r['ttft_s_p99'])}",
+                      f"{fmt(r['itl_s_p50'], 1e3, 1)}/{fmt(r['itl_s_p99'], 1e3, 1)}", f"{r['compile_misses']:.0f}")
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stepserve bench", description=__doc__)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--requests", type=int, default=5)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1], help="client streams per level")
+    parser.add_argument("--requests", type=int, default=3, help="requests per stream and level")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--out", type=Path, help="write the JSON result here")
     args = parser.parse_args(argv)
-    result = run_single_stream(args.url, args.requests, args.max_tokens, args.prompt)
+    result = run(args.url, args.concurrency, args.requests, args.max_tokens)
     result.update(command="stepserve bench " + " ".join(argv if argv is not None else sys.argv[2:]),
-                  machine={"platform": platform.platform(), "processor": platform.machine()}, time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    table = Table(title=f"single stream against {args.url}")
-    for col in ("TTFT p50 (s)", "decode tok/s p50", "e2e tok/s p50", "compile misses"):
-        table.add_column(col, justify="right")
-    m = result["median"]
-    table.add_row(f"{m['ttft_s']:.3f}", f"{m['decode_tok_s']:.1f}", f"{m['e2e_tok_s']:.1f}", f"{result['compile_misses_during_run']:.0f}")
-    Console(stderr=True).print(table)
+                  machine={"platform": platform.platform(), "processor": platform.machine()},
+                  time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    Console(stderr=True).print(_table(result))
     text = json.dumps(result, indent=2)
     if args.out:
         args.out.write_text(text)

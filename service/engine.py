@@ -193,7 +193,7 @@ class Engine:
         if not joining:
             return
         live = [s for s in self._slots if s is not None]
-        self._fit(live, extra_rows=len(joining))
+        self._fit(live, [seq for _, seq in joining])
         free = iter(i for i, s in enumerate(self._slots) if s is None)
         for row, seq in joining:
             slot = next(free)
@@ -230,9 +230,9 @@ class Engine:
 
     # -- slots and bookkeeping -----------------------------------------------------------
 
-    def _fit(self, live: list[Sequence], extra_rows: int = 0) -> None:
+    def _fit(self, live: list[Sequence], joining: list[Sequence] = ()) -> None:
         """Re-bucket the decode cache and rebuild the slot table from each row's slot."""
-        moves = self.runner.fit(live, extra_rows)
+        moves = self.runner.fit(live, joining)
         for kind in moves:
             self.metrics.bucket_moves.labels(self.model.name, kind).inc()
         self._slots = [None] * self.runner.kv.batch

@@ -95,16 +95,17 @@ class ModelRunner:
 
     # -- the decode batch ----------------------------------------------------------------
 
-    def fit(self, live: Iterable[Sequence], extra_rows: int = 0) -> list[str]:
-        """Re-bucket the decode cache for ``live`` sequences plus ``extra_rows`` arrivals.
+    def fit(self, live: Iterable[Sequence], joining: Iterable[Sequence] = ()) -> list[str]:
+        """Re-bucket the decode cache for the ``live`` sequences plus ``joining`` arrivals.
 
         Moves live rows into slots 0..n-1 when the batch bucket shrinks and resizes the
-        capacity to the smallest bucket holding every row's next position. Each change is
-        one copy of the cache. Returns the moves made: "batch" and/or "capacity".
+        capacity to the smallest bucket holding every row's next position (arrivals
+        included). Each change is one copy of the cache. Returns the moves made: "batch"
+        and/or "capacity".
         """
-        live = sorted(live, key=lambda s: s.slot)
-        B = self.buckets.batch_for(max(len(live) + extra_rows, 1))
-        C = self.buckets.capacity_for(max((s.position + 1 for s in live), default=1))
+        live, joining = sorted(live, key=lambda s: s.slot), list(joining)
+        B = self.buckets.batch_for(max(len(live) + len(joining), 1))
+        C = self.buckets.capacity_for(max((s.position + 1 for s in live + joining), default=1))
         if self.kv is None:
             self.kv = self.new_kv(B, C)
             return []
@@ -124,8 +125,14 @@ class ModelRunner:
         return moves
 
     def insert(self, seq: Sequence, slot: int, prompt_kv: KVCache, row: int) -> None:
-        """Copy row ``row`` of a prefill cache into decode slot ``slot``."""
+        """Copy row ``row`` of a prefill cache into decode slot ``slot``.
+
+        Raises:
+            ValueError: the slot's capacity cannot hold the sequence (call :meth:`fit` first).
+        """
         kv = self.kv
+        if seq.position >= kv.capacity:
+            raise ValueError(f"sequence at position {seq.position} does not fit capacity {kv.capacity}")
         src = prompt_kv.resized(kv.capacity)
         for layer in range(len(kv.keys)):
             kv.keys[layer][slot] = src.keys[layer][row]
@@ -135,8 +142,11 @@ class ModelRunner:
     def decode(self, slots: list[Sequence | None]) -> mx.array:
         """One decode step over all slots; returns logits float32 [B, V] (lazy)."""
         kv = self.kv
+        positions_list = [s.position if s else 0 for s in slots]
+        if max(positions_list) >= kv.capacity:  # a scatter past the buffer would corrupt memory
+            raise ValueError(f"position {max(positions_list)} is beyond the KV capacity {kv.capacity}")
         tokens = mx.array([s.last_token if s else 0 for s in slots], mx.int32)
-        positions = mx.array([s.position if s else 0 for s in slots], mx.int32)
+        positions = mx.array(positions_list, mx.int32)
         fn = self.step_fn("decode", kv.batch, kv.capacity)
         logits, self.kv = fn(self.model.params, tokens, positions, kv)
         return logits

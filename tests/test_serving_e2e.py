@@ -3,6 +3,7 @@ against real `stepserve serve` processes and the real model."""
 
 import json
 import signal
+import subprocess
 import threading
 import time
 
@@ -10,7 +11,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.server import ServerProcess
+from tests.server import STEPSERVE, ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"  # the model keeps counting: no early end-of-sequence
@@ -168,3 +169,13 @@ def test_sigterm_drains_then_exits_0():
     assert results["long"]["finish_reason"] == "cancelled"
     assert small_server.process.wait(30) == 0
     assert "draining" in small_server.log()
+
+
+def test_bench_smoke(server, tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run([STEPSERVE, "bench", "--url", server.url, "--concurrency", "1", "2", "--requests", "1",
+                             "--max-tokens", "4", "--out", str(out)], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert [level["concurrency"] for level in report["levels"]] == [1, 2]
+    assert all(level["errors"] == 0 and level["aggregate_tok_s"] > 0 for level in report["levels"])
