@@ -48,9 +48,9 @@ def test_capital_of_france(server):
     assert 0 <= timings["queue_s"] <= timings["ttft_s"] <= timings["total_s"]
 
 
-# Lengths at and just past prompt-bucket edges (32, 64, 128, 256); 250 + 24 also crosses the
-# 256-position capacity bucket during decode.
-PARITY_LENGTHS = [7, 32, 33, 64, 65, 129, 250]
+# Lengths at and just past prompt-bucket edges (32, 64, 128, 256); 250 + 24 crosses the
+# 256-position capacity bucket during decode, and 300 starts beyond it.
+PARITY_LENGTHS = [7, 32, 33, 64, 65, 129, 250, 300]
 
 
 def test_greedy_output_identical_with_compile_on_and_off(server, eager_server, tok):
