@@ -17,6 +17,11 @@ from models.tokenizer import ChatTokenizer, TokenizerError
 WeightsMode = Literal["quantized", "dequantized"]
 
 
+def device_name() -> str:
+    """``cpu`` or ``gpu`` (Metal on a Mac, CUDA on Linux): MLX's default device type."""
+    return "gpu" if mx.default_device().type == mx.gpu else "cpu"
+
+
 @dataclass
 class LoadedModel:
     """A model ready for the step functions.

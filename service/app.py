@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from models.gguf import default_model_path
-from models.loader import LoadedModel, load_model
+from models.loader import LoadedModel, device_name, load_model
 from service import __version__
 from service import openai_api
 from service.api import router
@@ -26,11 +26,6 @@ from service.state import AppState
 
 log = logging.getLogger("stepserve")
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-
-
-def device_name() -> str:
-    """``cpu`` or ``gpu`` (Metal on a Mac, CUDA on Linux): MLX's default device type."""
-    return "gpu" if mx.default_device().type == mx.gpu else "cpu"
 
 
 def compute_dtype(setting: str) -> mx.Dtype:

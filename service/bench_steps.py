@@ -16,13 +16,13 @@ import models  # noqa: F401  (first: the CPU BLAS)
 import mlx.core as mx
 
 from models.gguf import default_model_path
-from models.loader import load_model
-from service.app import device_name
+from models.loader import device_name, load_model
 from service.buckets import BucketTable
 from service.compile_cache import CompileCache
 from service.runner import ModelRunner
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
 
 
 def time_step(fn, repeats: int) -> float:

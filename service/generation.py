@@ -15,7 +15,7 @@ from models.tokenizer import TokenizerError
 from service.engine import Engine
 from service.errors import ApiError
 from service.scheduler import DrainingError, QueueFullError
-from service.sequence import Event, FinalEvent, FinishReason, SamplingParams, Sequence, TokenEvent
+from service.sequence import Event, FinalEvent, FinishReason, SamplingParams, Sequence
 from service.state import AppState
 
 DISCONNECT_POLL_S = 0.25

@@ -3,7 +3,6 @@ owns the running batch's KV cache. Called only from the engine thread."""
 
 from __future__ import annotations
 
-import logging
 from functools import partial
 from typing import Callable, Iterable
 
@@ -15,8 +14,6 @@ from models.loader import LoadedModel
 from service.buckets import BucketTable
 from service.compile_cache import CompileCache, StepKey, StepSpec
 from service.sequence import Sequence
-
-log = logging.getLogger("stepserve.runner")
 
 
 class ModelRunner:

@@ -50,7 +50,7 @@ def test_compiled_decode_equals_eager(batch, capacity):
     for _ in range(2):  # the first call traces, the second runs the cached graph
         logits, new_kv = compiled(params, tokens, positions, kv)
         assert mx.allclose(logits, eager_logits, atol=1e-5)
-        assert all(mx.allclose(a, b, atol=1e-6) for a, b in zip(new_kv.keys, eager_kv.keys))
+        assert all(mx.allclose(a, b, atol=1e-6) for a, b in zip(new_kv.keys, eager_kv.keys, strict=True))
 
 
 def test_shapeless_greedy_equals_eager_on_several_shapes():

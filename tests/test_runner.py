@@ -11,7 +11,7 @@ from service.buckets import BucketTable
 from service.compile_cache import CompileCache
 from service.runner import ModelRunner
 from service.sequence import SamplingParams, Sequence
-from tests.conftest import TINY, random_params
+from tests.conftest import ATOL, TINY, random_params
 from tests.test_llama_steps import prefill_one
 
 
@@ -40,7 +40,7 @@ def check_step(runner: ModelRunner, live: list[Sequence], next_tokens: list[int]
     logits = runner.decode(slots)
     for seq, token in zip(live, next_tokens, strict=True):
         expected, _ = prefill_one(runner.model.params, seq.prompt_ids + seq.output_ids)
-        assert mx.allclose(logits[seq.slot], expected, atol=1e-4), f"row of a {len(seq.prompt_ids)}-token prompt is wrong"
+        assert mx.allclose(logits[seq.slot], expected, atol=ATOL), f"row of a {len(seq.prompt_ids)}-token prompt is wrong"
         seq.position += 1
         seq.output_ids.append(token)
     runner.fit(live)

@@ -160,3 +160,10 @@ def test_bad_model_file_fails_start_up_naming_the_file(tmp_path, damage):
     result = subprocess.run([STEPSERVE, "serve", "--model", str(path), "--port", "0"], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert str(path) in result.stderr
+
+
+def test_openapi_schema_and_docs(server):
+    with server.client() as client:
+        schema = client.get("/openapi.json").json()
+        assert {"/infer", "/v1/completions", "/v1/chat/completions", "/v1/models", "/readyz", "/metrics"} <= set(schema["paths"])
+        assert client.get("/docs").status_code == 200

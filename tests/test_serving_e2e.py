@@ -8,7 +8,6 @@ import threading
 import time
 
 import httpx
-import pytest
 from openai import OpenAI
 
 from tests.server import STEPSERVE, ServerProcess
