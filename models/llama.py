@@ -50,9 +50,19 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, config: dict) -> "ModelArgs":
-        """Build from a config dict, ignoring keys this class does not know."""
+        """Build from a ``config.json`` dict, ignoring keys this class does not know.
+
+        ``rope_theta`` may be nested under ``rope_parameters`` (transformers >= 5), and the
+        quantization group size comes from ``quantization.group_size`` (mlx-lm's format).
+        """
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in config.items() if k in names})
+        values = {k: v for k, v in config.items() if k in names}
+        rope = config.get("rope_parameters") or {}
+        if "rope_theta" not in values and "rope_theta" in rope:
+            values["rope_theta"] = rope["rope_theta"]
+        if isinstance(config.get("quantization"), dict):
+            values["quant_group_size"] = config["quantization"].get("group_size", 64)
+        return cls(**values)
 
     @property
     def dim_per_head(self) -> int:
@@ -106,12 +116,19 @@ def _mlp(p: Params, x: mx.array, g: int) -> mx.array:
 
 
 def _project_qkv(p: Params, x: mx.array, args: ModelArgs):
-    """x [B, L, H] -> q [B, Hq, L, D], k and v [B, Hkv, L, D]."""
+    """x [B, L, H] -> q [B, Hq, L, D], k and v [B, Hkv, L, D].
+
+    Optional parts follow the parameters present: ``bias`` on the projections (Qwen2) and
+    ``q_norm``/``k_norm`` (Qwen3), so one function serves the Llama family.
+    """
     B, L, _ = x.shape
     D, g = args.dim_per_head, args.quant_group_size
     q = linear(x, p["q_proj"], g).reshape(B, L, args.num_attention_heads, D)
     k = linear(x, p["k_proj"], g).reshape(B, L, args.num_key_value_heads, D)
     v = linear(x, p["v_proj"], g).reshape(B, L, args.num_key_value_heads, D)
+    if "q_norm" in p:  # Qwen3: RMSNorm over each head's D values before RoPE
+        q = mx.fast.rms_norm(q, p["q_norm"]["weight"], args.rms_norm_eps)
+        k = mx.fast.rms_norm(k, p["k_norm"]["weight"], args.rms_norm_eps)
     return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
@@ -223,3 +240,12 @@ def decode(
         h = mx.fast.rms_norm(x, layer["post_attention_layernorm"]["weight"], args.rms_norm_eps)
         x = x + _mlp(layer["mlp"], h, args.quant_group_size)
     return _final_logits(params, x[:, 0, :], args), KVCache(new_keys, new_values)
+
+
+def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
+    """Drop checkpoint tensors the step functions do not use: precomputed RoPE frequencies,
+    and ``lm_head`` when the embeddings are tied (mlx-lm's llama.sanitize does the same)."""
+    weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+    if args.tie_word_embeddings:
+        weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+    return weights

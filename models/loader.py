@@ -11,6 +11,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from models.gguf import ModelLoadError, args_from_metadata, params_from_tensors, read_gguf
+from models.hf import load_dir
 from models.llama import ModelArgs, Params
 from models.tokenizer import ChatTokenizer, TokenizerError
 
@@ -78,10 +79,10 @@ def prepare_params(params: Params, dtype: mx.Dtype, weights: WeightsMode, group_
 
 
 def load_model(path: str | Path, name: str, dtype: mx.Dtype, weights: WeightsMode = "quantized") -> LoadedModel:
-    """Read a GGUF file and prepare it for serving.
+    """Read a GGUF file or a model directory and prepare it for serving.
 
     Args:
-        path: a Llama-family GGUF file.
+        path: a Llama-family GGUF file, or a Hugging Face / mlx-community directory.
         name: the model's public name.
         dtype: compute dtype (``mx.float32`` on the CPU, ``mx.float16`` on a GPU).
         weights: keep quantized weights ("quantized") or expand them ("dequantized").
@@ -91,13 +92,17 @@ def load_model(path: str | Path, name: str, dtype: mx.Dtype, weights: WeightsMod
     """
     start = time.perf_counter()
     path = Path(path)
-    tensors, metadata = read_gguf(path)
-    args = args_from_metadata(metadata, tensors, path)
-    try:
-        tokenizer = ChatTokenizer.from_gguf_metadata(metadata, path)
-    except (TokenizerError, KeyError) as exc:
-        raise ModelLoadError(f"{path}: cannot build the tokenizer ({exc})") from exc
-    params = prepare_params(params_from_tensors(tensors, args, path), dtype, weights, args.quant_group_size)
+    if path.is_dir():
+        args, params, tokenizer = load_dir(path)
+    else:
+        tensors, metadata = read_gguf(path)
+        args = args_from_metadata(metadata, tensors, path)
+        try:
+            tokenizer = ChatTokenizer.from_gguf_metadata(metadata, path)
+        except (TokenizerError, KeyError) as exc:
+            raise ModelLoadError(f"{path}: cannot build the tokenizer ({exc})") from exc
+        params = params_from_tensors(tensors, args, path)
+    params = prepare_params(params, dtype, weights, args.quant_group_size)
     try:
         mx.eval(params)
     except Exception as exc:  # a truncated file fails here, when the bytes are read

@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-grace-s", type=float, help="seconds running requests get after SIGTERM")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     sub.add_parser("bench", help="measure a running server over HTTP (see stepserve bench --help)", add_help=False)
+    convert = sub.add_parser("convert", help="write an mlx-community-format directory from a GGUF file")
+    convert.add_argument("gguf", help="the GGUF file")
+    convert.add_argument("out_dir", help="the directory to write (created)")
     return parser
 
 
@@ -107,7 +110,21 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "convert":
+        return convert(args)
     return 2
+
+
+def convert(args: argparse.Namespace) -> int:
+    from models.convert import convert_gguf
+
+    try:
+        out = convert_gguf(args.gguf, args.out_dir)
+    except ModelLoadError as exc:
+        print(f"stepserve convert: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":

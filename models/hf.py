@@ -1,0 +1,134 @@
+"""Load a Hugging Face / mlx-community model directory: ``config.json``, ``*.safetensors``
+(sharded with ``model.safetensors.index.json`` or not), ``tokenizer.json``,
+``tokenizer_config.json`` (or ``chat_template.jinja``) and ``generation_config.json``.
+
+Quantized checkpoints use mlx-lm's format: ``quantization: {group_size, bits}`` in
+``config.json`` with optional per-layer overrides keyed by module path, and each quantized
+linear stored as ``weight`` (uint32), ``scales`` and ``biases``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_unflatten
+from tokenizers import Tokenizer
+
+from models import llama, qwen2, qwen3
+from models.gguf import ModelLoadError
+from models.llama import ModelArgs, Params
+from models.tokenizer import ChatTokenizer
+
+#: model_type -> the module that implements it (mlx-lm's convention: one module per type).
+ARCHITECTURES: dict[str, ModuleType] = {"llama": llama, "mistral": llama, "smollm": llama, "qwen2": qwen2, "qwen3": qwen3}
+
+
+def architecture(model_type: str | None, path: Path) -> ModuleType:
+    """The module for ``model_type``. Raises ModelLoadError listing the supported types."""
+    if model_type not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: model_type '{model_type}' is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    return ARCHITECTURES[model_type]
+
+
+def _read_json(path: Path, required: bool = True) -> dict:
+    if not path.is_file():
+        if required:
+            raise ModelLoadError(f"{path} is missing; a model directory needs config.json, *.safetensors and tokenizer.json")
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path} is not valid JSON ({exc})") from exc
+
+
+def _check_quantization(config: dict, path: Path) -> None:
+    """stepserve reads bits from tensor shapes but needs one group size per model."""
+    quant = config.get("quantization")
+    if not isinstance(quant, dict):
+        return
+    group = quant.get("group_size", 64)
+    for key, value in quant.items():
+        if isinstance(value, dict) and value.get("group_size", group) != group:
+            raise ModelLoadError(f"{path}: layer '{key}' uses group size {value['group_size']}, the model {group}; "
+                                 "mixed group sizes are not supported")
+
+
+def read_weights(directory: Path) -> dict[str, mx.array]:
+    """All tensors of the directory's safetensors files (every shard)."""
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{directory} has no *.safetensors files")
+    weights: dict[str, mx.array] = {}
+    for file in files:
+        try:
+            weights.update(mx.load(str(file)))
+        except Exception as exc:
+            raise ModelLoadError(f"{file} could not be read as safetensors ({exc}); the file is truncated or corrupt") from exc
+    return weights
+
+
+def params_from_weights(weights: dict[str, mx.array], args: ModelArgs) -> Params:
+    """``model.layers.0.self_attn.q_proj.weight`` ... -> the stepserve parameter tree."""
+    items = [(k.removeprefix("model."), v) for k, v in weights.items()]
+    tree = tree_unflatten(items)
+    if not isinstance(tree.get("layers"), list) or len(tree["layers"]) != args.num_hidden_layers:
+        raise ModelLoadError(f"expected {args.num_hidden_layers} layers in the checkpoint")
+    return tree
+
+
+def tokenizer_from_dir(directory: Path, config: dict) -> ChatTokenizer:
+    """Tokenizer, chat template and stop ids of a model directory."""
+    file = directory / "tokenizer.json"
+    if not file.is_file():
+        raise ModelLoadError(f"{file} is missing; stepserve needs a tokenizers-format tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(file))
+    tok_config = _read_json(directory / "tokenizer_config.json", required=False)
+    template = tok_config.get("chat_template")
+    if (directory / "chat_template.jinja").is_file():
+        template = (directory / "chat_template.jinja").read_text()
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+
+    def token_id(value: Any) -> int | None:
+        if isinstance(value, dict):
+            value = value.get("content")
+        return tokenizer.token_to_id(value) if isinstance(value, str) else None
+
+    eos_ids: set[int] = set()
+    for source in (config, _read_json(directory / "generation_config.json", required=False)):
+        eos = source.get("eos_token_id")
+        eos_ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+    eos = token_id(tok_config.get("eos_token"))
+    if eos is not None:
+        eos_ids.add(eos)
+    if not eos_ids:
+        raise ModelLoadError(f"{directory}: no end-of-sequence token in config.json, generation_config.json or tokenizer_config.json")
+    return ChatTokenizer(
+        tokenizer=tokenizer,
+        chat_template=template,
+        bos_token_id=token_id(tok_config.get("bos_token")),
+        eos_token_id=eos if eos is not None else min(eos_ids),
+        add_bos=bool(tok_config.get("add_bos_token", False)),
+        stop_token_ids=frozenset(eos_ids),
+    )
+
+
+def load_dir(directory: Path) -> tuple[ModelArgs, Params, ChatTokenizer]:
+    """Read a model directory. Raises ModelLoadError naming the file and the problem."""
+    config = _read_json(directory / "config.json")
+    module = architecture(config.get("model_type"), directory / "config.json")
+    _check_quantization(config, directory / "config.json")
+    weights = read_weights(directory)
+    config = {"tie_word_embeddings": "lm_head.weight" not in weights, **config}
+    try:
+        args = module.ModelArgs.from_dict({**config, "model_type": config["model_type"]})
+    except TypeError as exc:
+        raise ModelLoadError(f"{directory / 'config.json'}: {exc}") from exc
+    weights = module.sanitize(weights, args)
+    return args, params_from_weights(weights, args), tokenizer_from_dir(directory, config)
