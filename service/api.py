@@ -84,7 +84,7 @@ async def readyz(state: State) -> dict:
     return {
         "status": "ready",
         "models": {
-            name: {"warmup_s": e.warmup_seconds, "compiled": e.warmup_buckets, "compile": state.settings.compile}
+            name: {"warmup_s": e.warmup_seconds, "compiled": e.warmup_buckets, "compile": "on" if e.runner.compiled.enabled else "off"}
             for name, e in state.engines.items()
         },
     }

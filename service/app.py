@@ -17,7 +17,9 @@ from service import openai_api
 from service.api import router
 from service.buckets import BucketTable
 from service.compile_cache import CompileCache
-from service.config import Settings
+from service import memory
+from service.config import ModelSettings, Settings
+from service.memory import MemoryEstimate
 from service.engine import Engine, WarmupSpec
 from service.errors import install_error_handlers
 from service.metrics import Metrics
@@ -25,6 +27,10 @@ from service.middleware import BodyLimitMiddleware, StatusCountMiddleware
 from service.state import AppState
 
 log = logging.getLogger("stepserve")
+
+
+class MemoryBudgetError(RuntimeError):
+    """The configured models may need more memory than ``memory_budget_bytes``."""
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -45,42 +51,71 @@ def weights_mode(setting: str) -> str:
     return setting
 
 
-def load_default(settings: Settings) -> LoadedModel:
-    """Load the configured model (the default GGUF when ``settings.model`` is unset).
+def load_models(settings: Settings) -> dict[str, LoadedModel]:
+    """Load every configured model (the default GGUF where no path is set), in order.
 
     Raises:
-        ModelLoadError: the file is missing, unreadable or unsupported.
+        ModelLoadError: a file is missing, unreadable or unsupported (the message names it).
     """
-    path = settings.model or default_model_path()
-    return load_model(path, settings.model_name, compute_dtype(settings.dtype), weights_mode(settings.weights))
+    return {
+        spec.name: load_model(spec.path or default_model_path(), spec.name, compute_dtype(spec.dtype), weights_mode(spec.weights))
+        for spec in settings.served_models()
+    }
+
+
+def buckets_of(spec: ModelSettings) -> BucketTable:
+    return BucketTable(tuple(spec.batch_buckets), tuple(spec.prompt_buckets), tuple(spec.capacity_buckets))
+
+
+def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> list[MemoryEstimate]:
+    """Worst-case memory of every model; raises MemoryBudgetError over ``memory_budget_bytes``."""
+    estimates = [
+        memory.estimate(models[spec.name], buckets_of(spec), spec.max_sequences or spec.batch_buckets[-1], settings.max_admit)
+        for spec in settings.served_models()
+    ]
+    total = sum(e.total for e in estimates)
+    for e in estimates:
+        log.info("memory estimate: %s", e.describe())
+    budget = settings.memory_budget_bytes
+    if budget is not None and total > budget:
+        lines = "; ".join(e.describe() for e in estimates)
+        raise MemoryBudgetError(
+            f"the models need up to {total / 1e9:.2f} GB, over memory_budget_bytes {budget / 1e9:.2f} GB ({lines}); "
+            "lower max_sequences or the largest capacity bucket, or serve fewer models"
+        )
+    if total > mx.get_memory_limit():
+        log.warning("worst-case memory %.2f GB exceeds MLX's memory limit %.2f GB", total / 1e9, mx.get_memory_limit() / 1e9)
+    return estimates
 
 
 def create_app(
     settings: Settings,
-    model: LoadedModel | None = None,
+    models: dict[str, LoadedModel] | None = None,
     progress: Callable[[int, str], None] | None = None,
 ) -> FastAPI:
-    """Build the app. The model is loaded (unless given) and warmed up in the lifespan;
-    ``/healthz`` answers at once and ``/readyz`` turns 200 when warm-up is done."""
+    """Build the app. Models are loaded (unless given) and warmed up in the lifespan;
+    ``/healthz`` answers at once and ``/readyz`` turns 200 when every warm-up is done."""
     metrics = Metrics(CollectorRegistry(), version=__version__, device=device_name())
-    cache = CompileCache(settings.compile == "on", metrics.record_lookup, metrics.record_compile)
-    buckets = BucketTable(tuple(settings.batch_buckets), tuple(settings.prompt_buckets), tuple(settings.capacity_buckets))
-    state = AppState(settings, metrics, cache, settings.model_name)
+    specs = settings.served_models()
+    state = AppState(settings, metrics, specs[0].name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        loaded = model or load_default(settings)
-        engine = Engine(loaded, buckets, cache, metrics, settings.max_waiting, settings.max_admit)
-        state.engines[loaded.name] = engine
-        state.default_model = loaded.name
-        log.info("model %s: %s, %.0f MB, %s weights, %s compute, compile %s", loaded.name, loaded.path,
-                 loaded.nbytes / 1e6, loaded.weights, loaded.dtype, settings.compile)
-        positions = settings.warmup_prompt_tokens + settings.default_max_tokens
-        engine.start(WarmupSpec(settings.warmup_prompt_tokens, settings.warmup_batch, positions), progress)
+        loaded = models or load_models(settings)
+        for spec in specs:
+            model = loaded[spec.name]
+            cache = CompileCache(spec.compile == "on", metrics.record_lookup, metrics.record_compile)
+            engine = Engine(model, buckets_of(spec), cache, metrics, settings.max_waiting, settings.max_admit, spec.max_sequences)
+            state.engines[spec.name] = engine
+            log.info("model %s: %s, %.0f MB, %s weights, %s compute, compile %s", model.name, model.path,
+                     model.nbytes / 1e6, model.weights, model.dtype, spec.compile)
+            positions = spec.warmup_prompt_tokens + settings.default_max_tokens
+            engine.start(WarmupSpec(spec.warmup_prompt_tokens, spec.warmup_batch, positions), progress)
         try:
             yield
         finally:
-            engine.stop()
+            for engine in state.engines.values():
+                engine.stop()
 
     app = FastAPI(title="stepserve", version=__version__, lifespan=lifespan,
                   description="MLX inference with compiled, bucketed prefill and decode steps.")

@@ -61,7 +61,7 @@ def _progress():
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from service.app import create_app, load_default
+    from service.app import MemoryBudgetError, check_memory, create_app, load_models
     from service.shutdown import DrainingServer
 
     try:
@@ -76,11 +76,12 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        model = load_default(settings)
-    except ModelLoadError as exc:
-        print(f"stepserve: cannot load the model: {exc}", file=sys.stderr)
+        models = load_models(settings)
+        check_memory(settings, models)
+    except (ModelLoadError, MemoryBudgetError) as exc:
+        print(f"stepserve: cannot serve: {exc}", file=sys.stderr)
         return 2
-    app = create_app(settings, model=model, progress=_progress())
+    app = create_app(settings, models=models, progress=_progress())
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=10)
     DrainingServer(config, app.state.stepserve, settings.shutdown_grace_s).run()
     _exit_now(0)

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -21,6 +21,35 @@ def _ascending(name: str, values: list[int]) -> list[int]:
     if not values or any(v <= 0 for v in values) or values != sorted(set(values)):
         raise ValueError(f"{name} must be a non-empty ascending list of distinct positive integers, got {values}")
     return values
+
+
+class ModelSettings(BaseModel):
+    """One served model (a ``[[models]]`` table in the TOML file). Unset fields take the
+    top-level setting of the same meaning (``path`` <- ``model``, ``name`` <- ``model_name``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    path: Path | None = None
+    compile: Literal["on", "off"] | None = None
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
+    weights: Literal["auto", "quantized", "dequantized"] | None = None
+    batch_buckets: list[int] | None = None
+    prompt_buckets: list[int] | None = None
+    capacity_buckets: list[int] | None = None
+    max_sequences: int | None = Field(None, ge=1)
+    warmup_prompt_tokens: int | None = Field(None, ge=0)
+    warmup_batch: int | None = Field(None, ge=1)
+
+    @field_validator("batch_buckets", "prompt_buckets", "capacity_buckets")
+    @classmethod
+    def _check_buckets(cls, values: list[int] | None, info) -> list[int] | None:
+        return None if values is None else _ascending(info.field_name, values)
+
+
+# ModelSettings field -> the top-level Settings field it inherits from.
+_INHERITED = {"name": "model_name", "path": "model", "compile": "compile", "dtype": "dtype", "weights": "weights",
+              "batch_buckets": "batch_buckets", "prompt_buckets": "prompt_buckets", "capacity_buckets": "capacity_buckets",
+              "max_sequences": "max_sequences", "warmup_prompt_tokens": "warmup_prompt_tokens", "warmup_batch": "warmup_batch"}
 
 
 class Settings(BaseSettings):
@@ -55,6 +84,13 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(600.0, gt=0, description="a request still running after this ends with 'timeout'")
     shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, running requests get this long to finish")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413")
+    max_sequences: int | None = Field(None, ge=1, description="running sequences at most; default: the largest batch bucket")
+    memory_budget_bytes: int | None = Field(
+        None, ge=1, description="refuse to start when weights plus the largest KV caches of all models exceed this"
+    )
+    models: list[ModelSettings] = Field(
+        default_factory=list, description="several models ([[models]] in TOML); empty: the one model set above"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @classmethod
@@ -74,13 +110,24 @@ class Settings(BaseSettings):
         return _ascending(info.field_name, values)
 
     @model_validator(mode="after")
-    def _check_fit(self) -> "Settings":
-        if self.prompt_buckets[-1] > self.capacity_buckets[-1]:
-            raise ValueError(
-                f"the largest prompt bucket ({self.prompt_buckets[-1]}) exceeds the largest capacity bucket "
-                f"({self.capacity_buckets[-1]}); add a capacity bucket or drop the prompt bucket"
-            )
+    def _check_models(self) -> "Settings":
+        names = set()
+        for spec in self.served_models():
+            if spec.name in names:
+                raise ValueError(f"two models are named '{spec.name}'; names must be unique")
+            names.add(spec.name)
+            if spec.prompt_buckets[-1] > spec.capacity_buckets[-1]:
+                raise ValueError(
+                    f"model '{spec.name}': the largest prompt bucket ({spec.prompt_buckets[-1]}) exceeds the largest "
+                    f"capacity bucket ({spec.capacity_buckets[-1]}); add a capacity bucket or drop the prompt bucket"
+                )
         return self
+
+    def served_models(self) -> list[ModelSettings]:
+        """One entry per model to serve, each field resolved (its own value, else the top-level one)."""
+        base = {field: getattr(self, top) for field, top in _INHERITED.items()}
+        specs = self.models or [ModelSettings(name=self.model_name)]
+        return [ModelSettings(**{**base, **spec.model_dump(exclude_none=True)}) for spec in specs]
 
 
 def load_settings(config_file: str | Path | None = None, **overrides) -> Settings:

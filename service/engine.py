@@ -50,13 +50,14 @@ class Engine:
         metrics: where stats go.
         max_waiting: queued requests beyond the running batch (more get 429).
         max_admit: requests prefilled per step at most.
+        max_running: running sequences at most (default and ceiling: the largest batch bucket).
     """
 
     def __init__(self, model: LoadedModel, buckets: BucketTable, cache: CompileCache, metrics: Metrics,
-                 max_waiting: int = 256, max_admit: int = 4):
+                 max_waiting: int = 256, max_admit: int = 4, max_running: int | None = None):
         self.model, self.buckets, self.metrics = model, buckets, metrics
         self.runner = ModelRunner(model, buckets, cache)
-        self.scheduler = Scheduler(buckets.batch[-1], max_waiting, max_admit)
+        self.scheduler = Scheduler(min(max_running or buckets.batch[-1], buckets.batch[-1]), max_waiting, max_admit)
         self.capacity_limit = buckets.capacity[-1]
         self._slots: list[Sequence | None] = []
         self._keys: dict[str, mx.array] = {}

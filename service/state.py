@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from service.compile_cache import CompileCache
 from service.config import Settings
 from service.engine import Engine
 from service.metrics import Metrics
@@ -13,11 +12,10 @@ from service.metrics import Metrics
 
 @dataclass
 class AppState:
-    """Settings, metrics, the compile cache and one engine per served model."""
+    """Settings, metrics and one engine per served model (the first is the default)."""
 
     settings: Settings
     metrics: Metrics
-    compile_cache: CompileCache
     default_model: str
     engines: dict[str, Engine] = field(default_factory=dict)
     started: int = field(default_factory=lambda: int(time.time()))

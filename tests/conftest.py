@@ -55,6 +55,15 @@ def random_params(args: ModelArgs = TINY, seed: int = 0) -> dict:
 
 
 @pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """The default model converted by `stepserve convert` into an mlx-community directory."""
+    from models.convert import convert_gguf
+    from models.gguf import default_model_path
+
+    return convert_gguf(default_model_path(), tmp_path_factory.mktemp("smollm2-mlx"))
+
+
+@pytest.fixture(scope="session")
 def server() -> ServerProcess:
     """The default model served by a real `stepserve serve` (compile on, default settings)."""
     proc = ServerProcess.start(["--compile", "on"])

@@ -18,7 +18,7 @@ from mlx_lm.models import qwen2 as lm_qwen2
 from mlx_lm.models import qwen3 as lm_qwen3
 from mlx_lm.models.cache import make_prompt_cache
 
-from models.convert import convert_gguf, unpermute_rows
+from models.convert import unpermute_rows
 from models.gguf import ModelLoadError, default_model_path
 from models.kv_cache import KVCache
 from models.llama import decode, prefill
@@ -29,11 +29,6 @@ from tests.server import ServerProcess
 TOL = 3e-2 if ON_GPU else 1e-3
 STEPS = 6
 PROMPTS = ["What is the capital of France?", "def add(a, b):", "Once upon a time, in a land far away,"]
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> Path:
-    return convert_gguf(default_model_path(), tmp_path_factory.mktemp("smollm2-mlx"))
 
 
 def stepserve_greedy(model, ids: list[int], steps: int = STEPS):

@@ -1,0 +1,77 @@
+"""Several models from one TOML file, routing by `model`, and the memory budget at start-up."""
+
+import subprocess
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from models.gguf import default_model_path
+from models.loader import LoadedModel
+from service.buckets import BucketTable
+from service.config import ConfigError, load_settings
+from service.memory import estimate
+from tests.conftest import TINY, random_params
+from tests.server import STEPSERVE, ServerProcess
+
+SMALL_BUCKETS = 'batch_buckets = [1, 2]\nprompt_buckets = [32, 64]\ncapacity_buckets = [256, 512]\n'
+
+
+def write_config(tmp_path, converted, extra: str = "") -> str:
+    config = tmp_path / "stepserve.toml"
+    config.write_text(
+        f"warmup_prompt_tokens = 64\n{extra}\n"
+        f'[[models]]\nname = "smol-gguf"\npath = "{default_model_path()}"\n{SMALL_BUCKETS}\n'
+        f'[[models]]\nname = "smol-mlx"\npath = "{converted}"\ncompile = "off"\nmax_sequences = 1\n{SMALL_BUCKETS}'
+    )
+    return str(config)
+
+
+def test_models_inherit_top_level_settings(tmp_path, converted):
+    settings = load_settings(write_config(tmp_path, converted))
+    gguf, mlx_dir = settings.served_models()
+    assert (gguf.name, gguf.compile, gguf.warmup_prompt_tokens, gguf.capacity_buckets) == ("smol-gguf", "on", 64, [256, 512])
+    assert (mlx_dir.compile, mlx_dir.max_sequences, mlx_dir.path) == ("off", 1, converted)
+    assert [m.name for m in load_settings().served_models()] == ["SmolLM2-135M-Instruct"]
+
+
+def test_duplicate_model_names_are_refused(tmp_path):
+    config = tmp_path / "dup.toml"
+    config.write_text('[[models]]\nname = "a"\n[[models]]\nname = "a"\n')
+    with pytest.raises(ConfigError, match="two models are named 'a'"):
+        load_settings(config)
+
+
+def test_memory_estimate_counts_weights_and_the_largest_caches():
+    model = LoadedModel("tiny", Path("-"), TINY, random_params(), None, mx.float32, "dequantized", 0.0)
+    est = estimate(model, BucketTable((1, 4), (32,), (256, 1024)), max_running=3, max_admit=2)
+    per_position = 2 * TINY.num_hidden_layers * TINY.num_key_value_heads * TINY.dim_per_head * 4
+    assert est.decode_cache == 4 * 1024 * per_position and est.prefill_cache == 4 * 32 * per_position
+    assert est.total == model.nbytes + 2 * est.decode_cache + est.prefill_cache
+
+
+def test_over_the_memory_budget_refuses_to_start(tmp_path, converted):
+    config = write_config(tmp_path, converted, "memory_budget_bytes = 100000000")
+    result = subprocess.run([STEPSERVE, "serve", "--config", config, "--port", "0"], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 2
+    assert "over memory_budget_bytes 0.10 GB" in result.stderr and "model 'smol-gguf'" in result.stderr
+
+
+def test_two_models_served_and_routed_by_name(tmp_path, converted):
+    server = ServerProcess.start(["--config", write_config(tmp_path, converted)])
+    try:
+        server.wait_ready()
+        with server.client() as client:
+            assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["smol-gguf", "smol-mlx"]
+            chat = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16}
+            default = client.post("/infer", json=chat).json()
+            gguf = client.post("/infer", json={**chat, "model": "smol-gguf"}).json()
+            converted_reply = client.post("/infer", json={**chat, "model": "smol-mlx"}).json()
+            ready = client.get("/readyz").json()["models"]
+        assert default["model"] == gguf["model"] == "smol-gguf" and converted_reply["model"] == "smol-mlx"
+        assert "Paris" in gguf["text"] and converted_reply["text"] == gguf["text"]
+        assert ready["smol-gguf"]["compile"] == "on" and ready["smol-mlx"]["compile"] == "off"
+        assert server.metric("stepserve_compile_cache_misses_total", model="smol-mlx", phase="decode") > 0
+    finally:
+        server.stop()
