@@ -56,8 +56,15 @@ def measure(dtype: str, weights: str, compiled: bool, batch: int, capacity: int,
             "weights_bytes": model.nbytes}
 
 
+def measure_load(path: Path, dtype: str, weights: str, repeats: int) -> dict:
+    """Median seconds of :func:`load_model` (read, prepare and evaluate every weight)."""
+    times = [load_model(path, "bench", DTYPES[dtype], weights).load_seconds for _ in range(repeats)]
+    return {"path": str(path), "dtype": dtype, "weights": weights, "load_s": statistics.median(times), "repeats": repeats}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--load", type=Path, nargs="+", help="time loading these models (GGUF files or directories) instead")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "float16"], choices=list(DTYPES))
     parser.add_argument("--weights", nargs="+", default=["quantized", "dequantized"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1])
@@ -67,6 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     rows = []
+    if args.load:
+        rows = [measure_load(p, d, w, 5) for p in args.load for d in args.dtypes for w in args.weights]
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        if args.out:
+            args.out.write_text(json.dumps({"command": "python -m service.bench_steps " + " ".join(argv or []), "rows": rows}, indent=2))
+        return 0
     for dtype in args.dtypes:
         # float16 on a CPU is ~30x slower: a few repeats are enough to show it.
         repeats = 2 if dtype != "float32" and device_name() == "cpu" else args.repeats
