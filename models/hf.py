@@ -52,6 +52,8 @@ def _check_quantization(config: dict, path: Path) -> None:
     quant = config.get("quantization")
     if not isinstance(quant, dict):
         return
+    if quant.get("mode", "affine") != "affine":
+        raise ModelLoadError(f"{path}: quantization mode '{quant['mode']}' is not supported; only MLX's affine mode")
     group = quant.get("group_size", 64)
     for key, value in quant.items():
         if isinstance(value, dict) and value.get("group_size", group) != group:
