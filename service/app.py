@@ -68,7 +68,8 @@ def buckets_of(spec: ModelSettings) -> BucketTable:
 
 
 def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> list[MemoryEstimate]:
-    """Worst-case memory of every model; raises MemoryBudgetError over ``memory_budget_bytes``."""
+    """Worst-case memory of every model. Raises MemoryBudgetError over ``memory_budget_bytes``,
+    or over ``mlx_memory_limit_bytes`` (MLX's memory limit, where set) when no budget is given."""
     estimates = [
         memory.estimate(models[spec.name], buckets_of(spec), spec.max_sequences or spec.batch_buckets[-1], settings.max_admit)
         for spec in settings.served_models()
@@ -76,11 +77,12 @@ def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> list[Mem
     total = sum(e.total for e in estimates)
     for e in estimates:
         log.info("memory estimate: %s", e.describe())
-    budget = settings.memory_budget_bytes
+    name, budget = ("memory_budget_bytes", settings.memory_budget_bytes) if settings.memory_budget_bytes else \
+        ("mlx_memory_limit_bytes", settings.mlx_memory_limit_bytes)
     if budget is not None and total > budget:
         lines = "; ".join(e.describe() for e in estimates)
         raise MemoryBudgetError(
-            f"the models need up to {total / 1e9:.2f} GB, over memory_budget_bytes {budget / 1e9:.2f} GB ({lines}); "
+            f"the models need up to {total / 1e9:.2f} GB, over {name} {budget / 1e9:.2f} GB ({lines}); "
             "lower max_sequences or the largest capacity bucket, or serve fewer models"
         )
     if total > mx.get_memory_limit():

@@ -75,6 +75,10 @@ def serve(args: argparse.Namespace) -> int:
         print(f"stepserve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.mlx_memory_limit_bytes:
+        import mlx.core as mx
+
+        mx.set_memory_limit(settings.mlx_memory_limit_bytes)
     try:
         models = load_models(settings)
         check_memory(settings, models)

@@ -88,6 +88,9 @@ class Settings(BaseSettings):
     memory_budget_bytes: int | None = Field(
         None, ge=1, description="refuse to start when weights plus the largest KV caches of all models exceed this"
     )
+    mlx_memory_limit_bytes: int | None = Field(
+        None, ge=1, description="set MLX's memory limit (mx.set_memory_limit); also the budget when none is given"
+    )
     models: list[ModelSettings] = Field(
         default_factory=list, description="several models ([[models]] in TOML); empty: the one model set above"
     )

@@ -50,12 +50,13 @@ def test_memory_estimate_counts_weights_and_the_largest_caches():
     assert est.total == model.nbytes + 2 * est.decode_cache + est.prefill_cache
 
 
-def test_over_the_memory_budget_refuses_to_start(tmp_path, converted):
-    config = write_config(tmp_path, converted, "memory_budget_bytes = 100000000")
+@pytest.mark.parametrize("setting", ["memory_budget_bytes", "mlx_memory_limit_bytes"])
+def test_over_the_memory_budget_refuses_to_start(tmp_path, converted, setting):
+    config = write_config(tmp_path, converted, f"{setting} = 100000000")
     result = subprocess.run([STEPSERVE, "serve", "--config", config, "--port", "0"], capture_output=True, text=True,
                             timeout=120, check=False)
     assert result.returncode == 2
-    assert "over memory_budget_bytes 0.10 GB" in result.stderr and "model 'smol-gguf'" in result.stderr
+    assert f"over {setting} 0.10 GB" in result.stderr and "model 'smol-gguf'" in result.stderr
 
 
 def test_two_models_served_and_routed_by_name(tmp_path, converted):
