@@ -84,7 +84,8 @@ async def readyz(state: State) -> dict:
     return {
         "status": "ready",
         "models": {
-            name: {"warmup_s": e.warmup_seconds, "compiled": e.warmup_buckets, "compile": "on" if e.runner.compiled.enabled else "off"}
+            name: {"warmup_s": e.warmup_seconds, "compiled": e.warmup_buckets, "compile": e.runner.compiled.policy,
+                   "buckets": e.compile_choices()}
             for name, e in state.engines.items()
         },
     }

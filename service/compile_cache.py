@@ -3,8 +3,13 @@
 One compiled function per :class:`StepKey` (model, phase, batch bucket, prompt or capacity
 bucket, dtype). Every lookup counts a hit or a miss; the first call of a new entry is timed
 (``mx.compile`` is lazy: tracing and kernel building happen on that call) and reported as
-its compile time. With compilation off the same functions are stored and run eagerly, so
-``--compile off`` is the exact eager baseline.
+its compile time. The policy decides what runs:
+
+* ``on``: the compiled function;
+* ``off``: the same function eagerly, so ``--compile off`` is the exact eager baseline;
+* ``auto``: whichever of the two :meth:`CompileCache.calibrate` measured faster for that key
+  at warm-up (compiled must win by ``AUTO_MARGIN``; ties go to eager). Uncalibrated keys run
+  compiled.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from service.metrics import CompileStat
+
+AUTO_MARGIN = 0.02  # compiled must be >= 2% faster than eager for ``auto`` to keep it
+Policy = str  # "on" | "off" | "auto"
 
 
 @dataclass(frozen=True)
@@ -61,11 +69,30 @@ class StepSpec:
 
 
 class _Entry:
-    """A compiled function whose first call is timed and reported."""
+    """A step function whose first call is timed and reported; under ``auto`` it holds the
+    compiled and the eager form and runs the one chosen."""
 
-    def __init__(self, key: StepKey, fn: Callable[..., Any], on_compiled: Callable[[CompileStat], None]):
-        self.key, self._fn, self._on_compiled = key, fn, on_compiled
+    def __init__(self, key: StepKey, fn: Callable[..., Any], eager: Callable[..., Any], on_compiled: Callable[[CompileStat], None]):
+        self.key, self._compiled, self._eager, self._on_compiled = key, fn, eager, on_compiled
+        self._fn = fn
         self.compile_seconds: float | None = None
+        self.timings: tuple[float, float] | None = None  # (compiled, eager) seconds, when calibrated
+
+    @property
+    def compiled(self) -> bool:
+        """Whether calls run the compiled function."""
+        return self._fn is not self._eager
+
+    def calibrate(self, args: tuple, repeats: int) -> bool:
+        """Time the compiled and the eager form on ``args`` (median of ``repeats`` runs after
+        one untimed call each) and keep the faster; returns whether compiled was kept."""
+        self._fn = self._compiled
+        mx.eval(self(*args))  # the compile
+        mx.eval(self._eager(*args))
+        compiled, eager = _median_seconds(self._compiled, args, repeats), _median_seconds(self._eager, args, repeats)
+        self.timings = (compiled, eager)
+        self._fn = self._compiled if compiled < eager * (1 - AUTO_MARGIN) else self._eager
+        return self.compiled
 
     def __call__(self, *args):
         if self.compile_seconds is not None:
@@ -78,22 +105,32 @@ class _Entry:
         return out
 
 
+def _median_seconds(fn: Callable[..., Any], args: tuple, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(fn(*args))
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
 class CompileCache:
-    """Compiled step functions keyed by bucket.
+    """Step functions keyed by bucket, compiled according to the policy.
 
     Args:
-        enabled: False stores the functions uncompiled (eager).
+        policy: "on", "off" or "auto" (see the module docstring); a bool means on/off.
         on_lookup: called with (model, phase, bucket, hit) for every lookup.
         on_compiled: called with a :class:`CompileStat` after each entry's first call.
     """
 
     def __init__(
         self,
-        enabled: bool,
+        policy: Policy | bool,
         on_lookup: Callable[[str, str, str, bool], None],
         on_compiled: Callable[[CompileStat], None],
     ):
-        self.enabled = enabled
+        self.policy = {True: "on", False: "off"}.get(policy, policy)
+        self.enabled = self.policy != "off"
         self._on_lookup, self._on_compiled = on_lookup, on_compiled
         self._entries: dict[StepKey, _Entry] = {}
         self._lock = threading.Lock()
@@ -110,10 +147,14 @@ class CompileCache:
             entry = self._entries.get(key)
             hit = entry is not None
             if entry is None:
-                entry = _Entry(key, self._build(spec), self._on_compiled)
+                entry = _Entry(key, self._build(spec), spec.fn, self._on_compiled)
                 self._entries[key] = entry
         self._on_lookup(key.model, key.phase, key.bucket, hit)
         return entry
+
+    def choices(self) -> dict[StepKey, bool]:
+        """For each key: whether it runs compiled."""
+        return {key: entry.compiled for key, entry in self._entries.items()}
 
     def _build(self, spec: StepSpec) -> Callable[..., Any]:
         if not self.enabled:

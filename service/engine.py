@@ -100,6 +100,10 @@ class Engine:
         self._abort.set()
         self.scheduler.drain()
 
+    def compile_choices(self) -> dict[str, str]:
+        """``{"decode b1x256": "compiled" | "eager", ...}`` for every step function built so far."""
+        return {f"{k.phase} {k.bucket}": "compiled" if c else "eager" for k, c in self.runner.compiled.choices().items()}
+
     @property
     def idle(self) -> bool:
         return self.scheduler.num_running == 0 and self.scheduler.num_waiting == 0
@@ -138,12 +142,15 @@ class Engine:
         plan = self.runner.warmup_plan(warmup.prompt_tokens, warmup.batch, self.scheduler.max_admit, warmup.batched_positions)
         for i, (phase, b, size) in enumerate(plan):
             t0 = time.perf_counter()
-            self.runner.warm(phase, b, size)
+            compiled = self.runner.warm(phase, b, size)
             label = f"{phase} b{b}x{size}" if size else (f"{phase} b{b}" if b else phase)
-            log.info("warm-up %d/%d: %s compiled in %.2f s", i + 1, len(plan), label, time.perf_counter() - t0)
+            log.info("warm-up %d/%d: %s ready in %.2f s, runs %s", i + 1, len(plan), label, time.perf_counter() - t0,
+                     "compiled" if compiled else "eager")
             if progress:
                 progress(len(plan), label)
         self.warmup_seconds, self.warmup_buckets = time.perf_counter() - start, len(plan)
+        for key, compiled in self.runner.compiled.choices().items():
+            self.metrics.compiled_step.labels(key.model, key.phase, key.bucket).set(int(compiled))
         log.info("warm-up done: %d buckets in %.1f s", len(plan), self.warmup_seconds)
 
     def _iteration(self) -> None:

@@ -67,6 +67,7 @@ class Metrics:
         step = ("model", "phase", "bucket")
         self.compile_hits = Counter("compile_cache_hits_total", "Compiled-step lookups that found the bucket compiled", step, namespace=ns, registry=reg)
         self.compile_misses = Counter("compile_cache_misses_total", "Compiled-step lookups that had to compile", step, namespace=ns, registry=reg)
+        self.compiled_step = Gauge("compiled_step", "1 if the bucket's step runs compiled, 0 if eager (compile policy)", step, namespace=ns, registry=reg)
         self.compile_seconds = Histogram("compile_seconds", "Seconds to trace and run a step the first time", step, namespace=ns, registry=reg, buckets=COMPILE_BUCKETS)
         self.request_duration = Histogram("request_duration_seconds", "Request time from arrival to last token", ["model"], namespace=ns, registry=reg, buckets=LATENCY_BUCKETS)
         self.ttft = Histogram("time_to_first_token_seconds", "Time from arrival to the first generated token", ["model"], namespace=ns, registry=reg, buckets=LATENCY_BUCKETS)

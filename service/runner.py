@@ -165,21 +165,25 @@ class ModelRunner:
         plan += [("sample", b, 0) for b in sorted({b for b, _ in prefill + decode})] + [("greedy", 0, 0)]
         return plan
 
-    def warm(self, phase: str, batch: int, size: int) -> None:
-        """Compile and run one bucket's step on dummy inputs."""
+    def warm(self, phase: str, batch: int, size: int, repeats: int = 3) -> bool:
+        """Compile and run one bucket's step on dummy inputs. Under the ``auto`` policy, time
+        it compiled and eager (``repeats`` runs each) and keep the faster. Returns whether
+        the bucket runs compiled."""
         fn = self.step_fn(phase, batch, size)
         if phase == "prefill":
-            out = fn(self.model.params, mx.zeros((batch, size), mx.int32), mx.ones((batch,), mx.int32), self.new_kv(batch, size))
+            args = (self.model.params, mx.zeros((batch, size), mx.int32), mx.ones((batch,), mx.int32), self.new_kv(batch, size))
         elif phase == "decode":
-            out = fn(self.model.params, mx.zeros((batch,), mx.int32), mx.zeros((batch,), mx.int32), self.new_kv(batch, size))
+            args = (self.model.params, mx.zeros((batch,), mx.int32), mx.zeros((batch,), mx.int32), self.new_kv(batch, size))
+        elif phase == "greedy":
+            args = (mx.zeros((1, self.vocab), mx.float32),)
         else:
-            logits = mx.zeros((max(batch, 1), self.vocab), mx.float32)
-            if phase == "greedy":
-                out = fn(logits)
-            else:
-                ones = mx.ones((batch,), mx.float32)
-                out = fn(logits, ones, ones, mx.full((batch,), self.vocab, mx.int32), mx.zeros((batch, 2), mx.uint32), mx.zeros((batch,), mx.bool_))
-        mx.eval(out)
+            ones = mx.ones((batch,), mx.float32)
+            args = (mx.zeros((batch, self.vocab), mx.float32), ones, ones, mx.full((batch,), self.vocab, mx.int32),
+                    mx.zeros((batch, 2), mx.uint32), mx.zeros((batch,), mx.bool_))
+        if self.compiled.policy == "auto":
+            return fn.calibrate(args, repeats)
+        mx.eval(fn(*args))
+        return fn.compiled
 
 
 def _resize_batch(kv: KVCache, batch: int) -> KVCache:

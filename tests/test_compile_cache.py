@@ -102,3 +102,19 @@ def test_filters_restrict_the_choice():
     nucleus, _ = sampling.sample(logits, *_sample_args(64, 100, 1.0, 1e-6, 100), keys, seeded)
     greedy, _ = sampling.sample(logits, *_sample_args(64, 100, 0.0, 1.0, 100), keys, seeded)
     assert set(nucleus.tolist()) == set(greedy.tolist()) == {99}
+
+
+@pytest.mark.parametrize("compiled_s,eager_s,keeps_compiled", [(1.0, 2.0, True), (1.0, 1.01, False), (2.0, 1.0, False)])
+def test_auto_policy_keeps_the_faster_form(monkeypatch, compiled_s, eager_s, keeps_compiled):
+    import service.compile_cache as cc
+
+    spec = StepSpec(lambda x: mx.tanh(x) * 2)
+    cache = Recorder().cache("auto")
+    entry = cache.get(StepKey("m", "decode", 1, 16, "float32"), spec)
+    timings = iter([compiled_s, eager_s])
+    monkeypatch.setattr(cc, "_median_seconds", lambda fn, args, repeats: next(timings))
+    x = mx.random.normal((4,))
+    assert entry.calibrate((x,), repeats=3) is keeps_compiled
+    assert entry.compiled is keeps_compiled and entry.timings == (compiled_s, eager_s)
+    assert mx.allclose(entry(x), spec.fn(x))
+    assert cache.choices() == {StepKey("m", "decode", 1, 16, "float32"): keeps_compiled}

@@ -178,3 +178,20 @@ def test_bench_smoke(server, tmp_path):
     report = json.loads(out.read_text())
     assert [level["concurrency"] for level in report["levels"]] == [1, 2]
     assert all(level["errors"] == 0 and level["aggregate_tok_s"] > 0 for level in report["levels"])
+
+
+def test_compile_auto_chooses_per_bucket_and_answers_the_same(server):
+    auto = ServerProcess.start(["--compile", "auto", "--warmup-prompt-tokens", "32"])
+    try:
+        auto.wait_ready()
+        with auto.client() as client:
+            ready = client.get("/readyz").json()["models"][MODEL]
+            reply = client.post("/infer", json={"prompt": "The sky is", "max_tokens": 8}).json()
+        assert ready["compile"] == "auto" and ready["compiled"] == len(ready["buckets"])
+        assert set(ready["buckets"].values()) <= {"compiled", "eager"} and "decode b1x256" in ready["buckets"]
+        gauge = auto.metric("stepserve_compiled_step", phase="decode", bucket="b1x256")
+        assert gauge == (1 if ready["buckets"]["decode b1x256"] == "compiled" else 0)
+    finally:
+        auto.stop()
+    with server.client() as client:
+        assert client.post("/infer", json={"prompt": "The sky is", "max_tokens": 8}).json()["text"] == reply["text"]
