@@ -126,7 +126,13 @@ def _table(result: dict) -> Table:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[2:] if argv is None else argv
+    if "--micro" in argv:
+        from service.bench_micro import main as micro
+
+        return micro(argv)
     parser = argparse.ArgumentParser(prog="stepserve bench", description=__doc__)
+    parser.add_argument("--micro", action="store_true", help="plain vs compiled in-process instead (see bench_micro)")
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1], help="client streams per level")
     parser.add_argument("--requests", type=int, default=3, help="requests per stream and level")
@@ -134,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the JSON result here")
     args = parser.parse_args(argv)
     result = run(args.url, args.concurrency, args.requests, args.max_tokens)
-    result.update(command="stepserve bench " + " ".join(argv if argv is not None else sys.argv[2:]),
+    result.update(command="stepserve bench " + " ".join(argv),
                   machine={"platform": platform.platform(), "processor": platform.machine()},
                   time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     Console(stderr=True).print(_table(result))

@@ -1,5 +1,6 @@
-"""Buckets, settings and per-request stop handling."""
+"""Buckets, settings, per-request stop handling and the micro-benchmark functions."""
 
+import mlx.core as mx
 import pytest
 
 from service.buckets import BucketLimitError, BucketTable
@@ -75,3 +76,13 @@ def test_partial_stop_prefix_is_released_when_it_does_not_complete():
     seq, streamed = _run(["", "a E", "N", "x", "!"], stop=("END",), max_tokens=4)
     assert seq.finish_reason is FinishReason.LENGTH
     assert streamed == seq.text == "a ENx!"
+
+
+def test_micro_benchmark_functions_compute_what_they_name():
+    from service.bench_micro import gelu, plain_vs_compiled, tanh_chain
+
+    x = mx.array([-1.0, 0.0, 2.0])
+    assert mx.allclose(gelu(x), mx.array([-0.158655, 0.0, 1.954500]), atol=1e-5)
+    assert mx.allclose(tanh_chain(x), mx.array([-0.261639, 0.0, 0.267209]), atol=1e-5)  # tanh applied 20 times
+    row = plain_vs_compiled("tanh20", tanh_chain, (8, 8), repeats=2)
+    assert row["plain_ms"] > 0 and row["compiled_ms"] > 0
