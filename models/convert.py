@@ -31,8 +31,11 @@ def _bits(leaf: dict) -> int:
     return leaf["weight"].shape[-1] * 32 // (leaf["scales"].shape[-1] * GGUF_GROUP_SIZE)
 
 
-def convert_gguf(gguf: str | Path, out_dir: str | Path) -> Path:
+def convert_gguf(gguf: str | Path, out_dir: str | Path, dtype: mx.Dtype | None = None) -> Path:
     """Convert a Llama-family GGUF into ``out_dir`` (created). Returns ``out_dir``.
+
+    ``dtype`` casts the floating tensors (norms, scales, biases, unquantized weights), e.g.
+    float32 for a CPU, where float16 compute is slow; None keeps the GGUF's.
 
     Raises:
         ModelLoadError: the GGUF is missing, unreadable or unsupported.
@@ -58,6 +61,8 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path) -> Path:
         quantization.update({p: {"group_size": GGUF_GROUP_SIZE, "bits": b} for p, b in quantized.items() if b != bits})
 
     weights = {f"{path}.{k}": v for path, leaf in modules.items() for k, v in leaf.items()}
+    if dtype is not None:
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     config = {

@@ -1,11 +1,12 @@
 """``stepserve bench``: measure a running server from the outside, over HTTP.
 
-For each concurrency level, that many client streams send greedy ``POST /infer`` requests
-one after another (a shared, generated prompt set of mixed lengths). Reported per level:
-aggregate tokens/s (all completion tokens over the level's wall time), per-stream tokens/s
-(completion tokens over request time, median), TTFT and inter-token latency p50/p99 (the
-server's own timings), errors, and the compile-cache misses the server counted during the
-level. A table goes to stderr, JSON to stdout and optionally a file.
+For each concurrency level, that many client streams send greedy, streamed requests one
+after another (``POST /infer`` or OpenAI's ``POST /v1/completions``; a generated prompt set
+of mixed lengths). Reported per level: aggregate tokens/s (all completion tokens over the
+level's wall time), per-stream tokens/s (completion tokens over request time, median), TTFT
+and inter-token latency p50/p99 as the client sees them (first text chunk; gaps between
+chunks), errors, and the compile-cache misses a stepserve counted during the level. A table
+goes to stderr, JSON to stdout and optionally a file.
 """
 
 from __future__ import annotations
@@ -57,24 +58,53 @@ def _pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def run_level(url: str, concurrency: int, requests_per_stream: int, max_tokens: int, prompts: list[str]) -> dict:
+def _request(api: str, prompt: str, max_tokens: int, model: str | None) -> tuple[str, dict]:
+    """Path and streaming JSON body of one greedy request in the chosen API."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    if api == "openai":
+        return "/v1/completions", {**body, "model": model, "stream_options": {"include_usage": True}}
+    return "/infer", {**body, **({"model": model} if model else {})}
+
+
+async def _one(client: httpx.AsyncClient, api: str, prompt: str, max_tokens: int, model: str | None) -> dict | None:
+    """Send one streaming request; TTFT and ITL are measured here, at the client."""
+    path, body = _request(api, prompt, max_tokens, model)
+    start = time.perf_counter()
+    arrivals, usage = [], None
+    async with client.stream("POST", path, json=body) as reply:
+        if reply.status_code != 200:
+            await reply.aread()
+            return None
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            usage = event.get("usage") or usage
+            choices = event.get("choices") or [{}]
+            if event.get("text") or choices[0].get("text"):
+                arrivals.append(time.perf_counter())
+    wall = time.perf_counter() - start
+    tokens = usage["completion_tokens"] if usage else len(arrivals)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    return {"tokens": tokens, "wall_s": wall, "ttft_s": arrivals[0] - start if arrivals else None, "itl_s": gaps}
+
+
+async def run_level(url: str, concurrency: int, requests_per_stream: int, max_tokens: int, prompts: list[str],
+                    api: str = "infer", model: str | None = None) -> dict:
     """Run one concurrency level; figures in seconds and tokens per second."""
     records, errors = [], 0
 
     async def stream(client: httpx.AsyncClient, index: int) -> None:
         nonlocal errors
         for j in range(requests_per_stream):
-            body = {"prompt": prompts[(index + j * concurrency) % len(prompts)], "max_tokens": max_tokens, "temperature": 0}
-            start = time.perf_counter()
-            reply = await client.post("/infer", json=body)
-            wall = time.perf_counter() - start
-            if reply.status_code != 200:
+            try:
+                record = await _one(client, api, prompts[(index + j * concurrency) % len(prompts)], max_tokens, model)
+            except httpx.HTTPError:
+                record = None
+            if record is None:
                 errors += 1
-                continue
-            data = reply.json()
-            tokens, t = data["usage"]["completion_tokens"], data["timings"]
-            records.append({"tokens": tokens, "wall_s": wall, "ttft_s": t["ttft_s"],
-                            "itl_s": t["decode_s"] / (tokens - 1) if tokens > 1 else None})
+            else:
+                records.append(record)
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
@@ -82,7 +112,7 @@ async def run_level(url: str, concurrency: int, requests_per_stream: int, max_to
         await asyncio.gather(*(stream(client, i) for i in range(concurrency)))
         elapsed = time.perf_counter() - start
     ttft = [r["ttft_s"] for r in records if r["ttft_s"] is not None]
-    itl = [r["itl_s"] for r in records if r["itl_s"] is not None]
+    itl = [gap for r in records for gap in r["itl_s"]]
     return {
         "concurrency": concurrency,
         "requests": len(records),
@@ -96,20 +126,22 @@ async def run_level(url: str, concurrency: int, requests_per_stream: int, max_to
     }
 
 
-def run(url: str, levels: list[int], requests_per_stream: int, max_tokens: int) -> dict:
-    """Every concurrency level in turn, with the compile misses the server counted in each."""
+def run(url: str, levels: list[int], requests_per_stream: int, max_tokens: int, api: str = "infer",
+        model: str | None = None) -> dict:
+    """Every concurrency level in turn, with the compile misses the server counted in each
+    (None for a server without stepserve's /metrics, such as mlx_lm.server)."""
     prompts = prompt_set()
     with httpx.Client(base_url=url, timeout=60) as client:
-        if client.get("/readyz").status_code != 200:
-            raise SystemExit(f"{url} is not ready (GET /readyz is not 200)")
-        _, build = scrape(client, "stepserve_build_info")
+        stepserve = client.get("/metrics").status_code == 200
+        build = scrape(client, "stepserve_build_info")[1] if stepserve else {}
         results = []
         for level in levels:
-            misses_before, _ = scrape(client, "stepserve_compile_cache_misses_total")
-            result = asyncio.run(run_level(url, level, requests_per_stream, max_tokens, prompts))
-            result["compile_misses"] = scrape(client, "stepserve_compile_cache_misses_total")[0] - misses_before
+            misses_before = scrape(client, "stepserve_compile_cache_misses_total")[0] if stepserve else None
+            result = asyncio.run(run_level(url, level, requests_per_stream, max_tokens, prompts, api, model))
+            result["compile_misses"] = (scrape(client, "stepserve_compile_cache_misses_total")[0] - misses_before) if stepserve else None
             results.append(result)
-    return {"url": url, "build": build, "max_tokens": max_tokens, "requests_per_stream": requests_per_stream, "levels": results}
+    return {"url": url, "api": api, "build": build, "max_tokens": max_tokens, "requests_per_stream": requests_per_stream,
+            "levels": results}
 
 
 def _table(result: dict) -> Table:
@@ -121,7 +153,7 @@ def _table(result: dict) -> Table:
             return "-" if v is None else f"{v * scale:.{digits}f}"
         table.add_row(str(r["concurrency"]), str(r["requests"]), str(r["errors"]), f"{r['aggregate_tok_s']:.1f}",
                       fmt(r["per_stream_tok_s_p50"], digits=1), f"{fmt(r['ttft_s_p50'])}/{fmt(r['ttft_s_p99'])}",
-                      f"{fmt(r['itl_s_p50'], 1e3, 1)}/{fmt(r['itl_s_p99'], 1e3, 1)}", f"{r['compile_misses']:.0f}")
+                      f"{fmt(r['itl_s_p50'], 1e3, 1)}/{fmt(r['itl_s_p99'], 1e3, 1)}", fmt(r["compile_misses"], digits=0))
     return table
 
 
@@ -131,15 +163,22 @@ def main(argv: list[str] | None = None) -> int:
         from service.bench_micro import main as micro
 
         return micro(argv)
+    if "--side-by-side" in argv:
+        from service.bench_compare import main as side_by_side
+
+        return side_by_side(argv)
     parser = argparse.ArgumentParser(prog="stepserve bench", description=__doc__)
     parser.add_argument("--micro", action="store_true", help="plain vs compiled in-process instead (see bench_micro)")
+    parser.add_argument("--side-by-side", action="store_true", help="stepserve vs mlx_lm.server on the same weights (see bench_compare)")
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1], help="client streams per level")
     parser.add_argument("--requests", type=int, default=3, help="requests per stream and level")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--api", choices=["infer", "openai"], default="infer", help="POST /infer or /v1/completions (streamed)")
+    parser.add_argument("--model", help="model name to send (required by some OpenAI servers)")
     parser.add_argument("--out", type=Path, help="write the JSON result here")
     args = parser.parse_args(argv)
-    result = run(args.url, args.concurrency, args.requests, args.max_tokens)
+    result = run(args.url, args.concurrency, args.requests, args.max_tokens, args.api, args.model)
     result.update(command="stepserve bench " + " ".join(argv),
                   machine={"platform": platform.platform(), "processor": platform.machine()},
                   time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))

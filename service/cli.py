@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     convert = sub.add_parser("convert", help="write an mlx-community-format directory from a GGUF file")
     convert.add_argument("gguf", help="the GGUF file")
     convert.add_argument("out_dir", help="the directory to write (created)")
+    convert.add_argument("--dtype", choices=["float16", "bfloat16", "float32"],
+                         help="cast norms, scales and biases (default: as in the GGUF; float32 suits a CPU)")
     return parser
 
 
@@ -122,10 +124,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def convert(args: argparse.Namespace) -> int:
+    import mlx.core as mx
+
     from models.convert import convert_gguf
 
     try:
-        out = convert_gguf(args.gguf, args.out_dir)
+        out = convert_gguf(args.gguf, args.out_dir, getattr(mx, args.dtype) if args.dtype else None)
     except ModelLoadError as exc:
         print(f"stepserve convert: {exc}", file=sys.stderr)
         return 2

@@ -195,3 +195,16 @@ def test_compile_auto_chooses_per_bucket_and_answers_the_same(server):
         auto.stop()
     with server.client() as client:
         assert client.post("/infer", json={"prompt": "The sky is", "max_tokens": 8}).json()["text"] == reply["text"]
+
+
+def test_side_by_side_smoke(tmp_path):
+    """The side-by-side command runs end to end: both servers, the same load, ratios and a plot."""
+    result = subprocess.run([STEPSERVE, "bench", "--side-by-side", "--concurrency", "1", "--requests", "1",
+                             "--max-tokens", "4", "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=900,
+                            check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "side-by-side.json").read_text())
+    assert set(report["results"]) == {"stepserve", "mlx_lm.server"}
+    assert all(r["levels"][0]["errors"] == 0 and r["levels"][0]["completion_tokens"] > 0 for r in report["results"].values())
+    assert report["ratios"][0]["aggregate_tok_s"] > 0
+    assert (tmp_path / "side-by-side.png").stat().st_size > 1000
