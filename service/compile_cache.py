@@ -138,9 +138,6 @@ class CompileCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def keys(self) -> list[StepKey]:
-        return list(self._entries)
-
     def get(self, key: StepKey, spec: StepSpec) -> Callable[..., Any]:
         """The function for ``key``, compiling ``spec`` on the first lookup (a miss)."""
         with self._lock:

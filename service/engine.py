@@ -65,7 +65,6 @@ class Engine:
         self._abort = threading.Event()
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()
-        self.failed = threading.Event()
         self.not_ready_reason = "warming up"
         self.warmup_seconds: float | None = None
         self.warmup_buckets = 0
@@ -116,7 +115,6 @@ class Engine:
         except Exception as exc:  # a model that cannot run is not ready, and says why
             log.exception("warm-up failed")
             self.not_ready_reason = f"warm-up failed: {type(exc).__name__}"
-            self.failed.set()
             return
         self.not_ready_reason = ""
         self.ready.set()

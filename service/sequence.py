@@ -62,10 +62,6 @@ class FinalEvent:
     total_s: float
     error: str | None = None
 
-    @property
-    def failed(self) -> bool:
-        return self.finish_reason is FinishReason.ERROR
-
 
 Event = TokenEvent | FinalEvent
 _ids = itertools.count()

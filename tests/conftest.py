@@ -63,23 +63,22 @@ def converted(tmp_path_factory):
     return convert_gguf(default_model_path(), tmp_path_factory.mktemp("smollm2-mlx"))
 
 
-@pytest.fixture(scope="session")
-def server() -> ServerProcess:
-    """The default model served by a real `stepserve serve` (compile on, default settings)."""
-    proc = ServerProcess.start(["--compile", "on"])
+def _serving(args: list[str]):
+    proc = ServerProcess.start(args)
     try:
         proc.wait_ready()
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+def server() -> ServerProcess:
+    """The default model served by a real `stepserve serve` (compile on, default settings)."""
+    yield from _serving(["--compile", "on"])
 
 
 @pytest.fixture(scope="session")
 def eager_server() -> ServerProcess:
     """The same model with `--compile off` (the eager baseline)."""
-    proc = ServerProcess.start(["--compile", "off"])
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+    yield from _serving(["--compile", "off"])
