@@ -129,7 +129,7 @@ def load_dir(directory: Path) -> tuple[ModelArgs, Params, ChatTokenizer]:
     weights = read_weights(directory)
     config = {"tie_word_embeddings": "lm_head.weight" not in weights, **config}
     try:
-        args = module.ModelArgs.from_dict({**config, "model_type": config["model_type"]})
+        args = module.ModelArgs.from_dict(config)
     except TypeError as exc:
         raise ModelLoadError(f"{directory / 'config.json'}: {exc}") from exc
     weights = module.sanitize(weights, args)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map_with_path
+from mlx.utils import tree_flatten, tree_map
 
 from models.gguf import ModelLoadError, args_from_metadata, params_from_tensors, read_gguf
 from models.hf import load_dir
@@ -72,10 +72,10 @@ def prepare_params(params: Params, dtype: mx.Dtype, weights: WeightsMode, group_
             return [expand(v) for v in node]
         return node
 
-    def cast(_, leaf: mx.array):
+    def cast(leaf: mx.array):
         return leaf.astype(dtype) if mx.issubdtype(leaf.dtype, mx.floating) else leaf
 
-    return tree_map_with_path(cast, expand(params))
+    return tree_map(cast, expand(params))
 
 
 def load_model(path: str | Path, name: str, dtype: mx.Dtype, weights: WeightsMode = "quantized") -> LoadedModel:

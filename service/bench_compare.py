@@ -31,7 +31,8 @@ from service.bench import run
 START_TIMEOUT_S = 900
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on loopback."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     peer = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir)]
     results = {}
     for name, command, model in (("stepserve", stepserve, "model"), ("mlx_lm.server", peer, str(model_dir))):
-        port = _free_port()
+        port = free_port()
         results[name] = _serve_and_measure(name, [*command, "--port", str(port)], port, args.out_dir / f"{name}.log", model, args)
     report = {"command": "stepserve bench " + " ".join(argv or []), "device": device_name(), "mlx": mx.__version__,
               "machine": platform.platform(), "weights": str(model_dir), "results": results,

@@ -13,8 +13,6 @@ import argparse
 import json
 import math
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import models  # noqa: F401  (first: the CPU BLAS)
@@ -23,7 +21,7 @@ import mlx.core as mx
 from models.gguf import default_model_path
 from models.loader import device_name, load_model
 from service.buckets import BucketTable
-from service.compile_cache import CompileCache, StepKey, StepSpec
+from service.compile_cache import CompileCache, StepKey, StepSpec, median_seconds
 from service.runner import ModelRunner
 
 
@@ -40,13 +38,9 @@ def tanh_chain(x: mx.array) -> mx.array:
 
 
 def median_ms(fn, args: tuple, repeats: int) -> float:
+    """Milliseconds per evaluated call (median), after one untimed call (the compile)."""
     mx.eval(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        mx.eval(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_seconds(fn, args, repeats) * 1e3
 
 
 def plain_vs_compiled(name: str, fn, shape: tuple[int, ...], repeats: int) -> dict:

@@ -9,7 +9,6 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import models  # noqa: F401  (first: the CPU BLAS)
@@ -18,7 +17,7 @@ import mlx.core as mx
 from models.gguf import default_model_path
 from models.loader import device_name, load_model
 from service.buckets import BucketTable
-from service.compile_cache import CompileCache
+from service.compile_cache import CompileCache, median_seconds
 from service.runner import ModelRunner
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -28,12 +27,7 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 def time_step(fn, repeats: int) -> float:
     """Median seconds of ``fn()`` evaluated, after one untimed call (the compile)."""
     mx.eval(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(fn, (), repeats)
 
 
 def measure(dtype: str, weights: str, compiled: bool, batch: int, capacity: int, prompt: int, repeats: int) -> dict:

@@ -89,7 +89,7 @@ class _Entry:
         self._fn = self._compiled
         mx.eval(self(*args))  # the compile
         mx.eval(self._eager(*args))
-        compiled, eager = _median_seconds(self._compiled, args, repeats), _median_seconds(self._eager, args, repeats)
+        compiled, eager = median_seconds(self._compiled, args, repeats), median_seconds(self._eager, args, repeats)
         self.timings = (compiled, eager)
         self._fn = self._compiled if compiled < eager * (1 - AUTO_MARGIN) else self._eager
         return self.compiled
@@ -105,7 +105,8 @@ class _Entry:
         return out
 
 
-def _median_seconds(fn: Callable[..., Any], args: tuple, repeats: int) -> float:
+def median_seconds(fn: Callable[..., Any], args: tuple, repeats: int) -> float:
+    """Median wall seconds of ``mx.eval(fn(*args))`` over ``repeats`` runs (no warm-up run)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

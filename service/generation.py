@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from models.tokenizer import TokenizerError
+from service.buckets import BucketLimitError
 from service.engine import Engine
 from service.errors import ApiError
 from service.scheduler import DrainingError, QueueFullError
@@ -55,11 +56,12 @@ def prompt_ids(engine: Engine, prompt: str | None, messages: list[dict] | None) 
     except TokenizerError as exc:
         raise ApiError(400, str(exc), param="messages") from exc
     ids = tokenizer.encode(text)
-    limit = engine.buckets.prompt[-1]
     if not ids:
         raise ApiError(400, "prompt encodes to no tokens", param="prompt")
-    if len(ids) > limit:
-        raise ApiError(400, f"prompt is {len(ids)} tokens; the largest prompt bucket is {limit} tokens", param="prompt")
+    try:
+        engine.buckets.prompt_for(len(ids))
+    except BucketLimitError as exc:
+        raise ApiError(400, f"prompt is {len(ids)} tokens: {exc}", param="prompt") from exc
     return ids
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,14 +14,10 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.bench_compare import free_port
+
 STEPSERVE = str(Path(sys.executable).parent / "stepserve")
 START_TIMEOUT_S = 600  # warm-up on a slow 2-core CI machine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
