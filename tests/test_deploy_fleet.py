@@ -1,0 +1,279 @@
+"""The fleet artefacts against the real programs: Debian's Prometheus scraping two real
+`stepserve serve` processes (and one dead port) with deploy/prometheus/'s config and rules, and
+Debian's nginx with deploy/nginx/stepserve.conf in front of the same two.
+
+Only what cannot run here is swapped: Prometheus gets 1 s scrape/evaluation intervals, the
+targets are loopback ports and the Alertmanager is dropped; nginx gets loopback upstreams and
+listen port. Dashboard queries are evaluated as Grafana would send them with instance=All
+(`$instance` -> the variable's allValue) and `$__rate_interval` -> 1m (Grafana's value for a
+15 s scrape interval, 4 scrapes; the load below falls inside that window).
+
+The Prometheus test runs first: the nginx test stops the second server.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from service.bench_compare import free_port
+from tests.server import ServerProcess
+from tests.test_deploy_files import DASHBOARD, DEPLOY, PROMETHEUS, tool
+
+pytestmark = pytest.mark.slow
+RATE_INTERVAL = "1m"
+# Panels that may read 0 right after this load: nothing failed with 5xx, the queue is empty
+# again, batch-1 steps pad nothing, and counters such as the 429s' are born at their first
+# increment, so rate() cannot see the increments of a series' first scrape.
+ZERO_OK = {"Error ratio", "Queue depth", "Padding waste", "Rejections / s"}
+PROMPT = "The sky is"
+
+
+@pytest.fixture(scope="module")
+def second():
+    """A second instance with one slot and one queue place, so a burst gets 429s; a small
+    warm-up (short prompts only) keeps its start short."""
+    proc = ServerProcess.start(["--warmup-prompt-tokens", "32", "--max-waiting", "1"], env={"STEPSERVE_MAX_SEQUENCES": "1"})
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def wait_for(check, what: str, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def infer(url: str, max_tokens: int = 4, stream: bool = False) -> int:
+    with httpx.Client(base_url=url, timeout=120) as client:
+        reply = client.post("/infer", json={"prompt": PROMPT, "max_tokens": max_tokens, "stream": stream})
+        return reply.status_code
+
+
+# --- Prometheus --------------------------------------------------------------------------------
+
+
+def prometheus_config(tmp: Path, live: list[str], dead: str, listen: str) -> Path:
+    """deploy/prometheus/prometheus.yml with test intervals, loopback targets and absolute rule paths."""
+    config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
+    config["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
+    config["rule_files"] = [str(PROMETHEUS / f) for f in config["rule_files"]]
+    del config["alerting"]
+    (tmp / "targets.yml").write_text(yaml.safe_dump([{"targets": live + [dead], "labels": {"site": "test"}}]))
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    jobs["stepserve"]["file_sd_configs"] = [{"files": [str(tmp / "targets.yml")], "refresh_interval": "1s"}]
+    jobs["prometheus"]["static_configs"] = [{"targets": [listen]}]
+    path = tmp / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture
+def prometheus(tmp_path, server, second):
+    """A real Prometheus on loopback scraping `server`, `second` and a port nobody listens on."""
+    binary = tool("prometheus")
+    listen = f"127.0.0.1:{free_port()}"
+    live = [f"127.0.0.1:{server.port}", f"127.0.0.1:{second.port}"]
+    dead = f"127.0.0.1:{free_port()}"
+    config = prometheus_config(tmp_path, live, dead, listen)
+    log = (tmp_path / "prometheus.log").open("wb")
+    proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                             f"--web.listen-address={listen}"], stdout=log, stderr=subprocess.STDOUT)
+    api = httpx.Client(base_url=f"http://{listen}", timeout=10)
+    try:
+        wait_for(lambda: proc.poll() is not None or ready(api), "Prometheus to be ready")
+        assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()
+        yield api, live, dead
+    finally:
+        api.close()
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def ready(api: httpx.Client) -> bool:
+    try:
+        return api.get("/-/ready").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def query(api: httpx.Client, expr: str) -> list[dict]:
+    """An instant query's result; fails on an invalid expression with Prometheus' message."""
+    reply = api.get("/api/v1/query", params={"query": expr})
+    body = reply.json()
+    assert reply.status_code == 200 and body["status"] == "success", f"{expr}\n{body.get('error')}"
+    return body["data"]["result"]
+
+
+def scraped(api: httpx.Client, instance: str, proc: ServerProcess) -> bool:
+    """Prometheus holds `proc`'s current request count (its last scrape came after the load)."""
+    result = query(api, f'sum(stepserve_requests_total{{instance="{instance}"}})')
+    return bool(result) and float(result[0]["value"][1]) == proc.metric("stepserve_requests_total")
+
+
+def load(server: ServerProcess, second: ServerProcess) -> list[int]:
+    """Requests to both instances, streamed and not, and a burst the second one must refuse in
+    part (one slot, one queue place): histograms, counters and 429s for every panel."""
+    for proc in (server, second):
+        for stream in (False, True):
+            assert infer(proc.url, max_tokens=8, stream=stream) == 200
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(lambda _: infer(second.url, max_tokens=24), range(4)))
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every target, with the variables as Grafana fills them."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    all_value = next(v for v in dashboard["templating"]["list"] if v["name"] == "instance")["allValue"]
+    return [(panel["title"], target["expr"].replace("$instance", all_value).replace("$__rate_interval", RATE_INTERVAL))
+            for panel in dashboard["panels"] if panel["type"] != "row" for target in panel["targets"]]
+
+
+def test_prometheus_scrapes_the_fleet_and_every_rule_and_panel_query_works(prometheus, server, second):
+    api, live, dead = prometheus
+    wait_for(lambda: len(query(api, 'up{job="stepserve"} == 1')) == 2, "both servers scraped")
+    codes = load(server, second)
+    assert 429 in codes and 200 in codes, codes
+    for instance, proc in zip(live, (server, second)):
+        wait_for(lambda i=instance, p=proc: scraped(api, i, p), f"a scrape of {instance} after the load")
+
+    # Rules: all loaded and evaluated without error; recording rules produce series.
+    groups = yaml.safe_load((PROMETHEUS / "rules/stepserve.yml").read_text())["groups"]
+    recorded = [r["record"] for g in groups for r in g["rules"] if "record" in r]
+    wait_for(lambda: all(query(api, name) for name in recorded), "every recording rule to have data")
+    rules = [r for g in api.get("/api/v1/rules").json()["data"]["groups"] for r in g["rules"]]
+    assert {r["name"] for r in rules} == {r.get("record") or r.get("alert") for g in groups for r in g["rules"]}
+    for rule in rules:
+        assert rule["health"] == "ok" and not rule.get("lastError"), rule
+        query(api, rule["query"])  # valid on its own too
+    down = next(r for r in rules if r["name"] == "StepserveInstanceDown")
+    assert [a["labels"]["instance"] for a in down["alerts"]] == [dead]  # pending: `for: 2m` not over yet
+
+    # Dashboard: the instance variable lists the live servers; every panel query has data.
+    values = api.get("/api/v1/label/instance/values", params={"match[]": "stepserve_build_info"}).json()["data"]
+    assert sorted(values) == sorted(live)
+    for title, expr in dashboard_queries():
+        values = [float(sample["value"][1]) for sample in query(api, expr)]
+        assert any(math.isfinite(v) for v in values), f"panel {title!r}: no data from {expr}"
+        assert title in ZERO_OK or any(v > 0 for v in values), f"panel {title!r}: only zeros from {expr}"
+
+
+# --- nginx -------------------------------------------------------------------------------------
+
+
+def nginx_config(tmp: Path, upstreams: list[str], listen: str) -> Path:
+    """A main nginx.conf around deploy/nginx/stepserve.conf, its upstream servers and listen
+    address replaced (their parameters kept)."""
+    front = (DEPLOY / "nginx/stepserve.conf").read_text()
+    block = re.search(r"upstream stepserve \{.*?\n\}", front, re.DOTALL).group(0)
+    servers = re.findall(r"^\s*server \S+ ([^;]*);", block, re.MULTILINE)
+    assert servers, "no server lines in the upstream block"
+    local = block.replace("".join(re.findall(r"^\s*server .*\n", block, re.MULTILINE)),
+                          "".join(f"    server {addr} {servers[0]};\n" for addr in upstreams))
+    front = front.replace(block, local)
+    front, listens = re.subn(r"listen 80;", f"listen {listen};", front)
+    assert listens == 1
+    (tmp / "stepserve.conf").write_text(front)
+    temp = "\n".join(f"    {kind}_temp_path {tmp / kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    main = tmp / "nginx.conf"
+    main.write_text(f"""
+{'user root;' if os.geteuid() == 0 else ''}
+worker_processes 1;
+daemon off;
+pid {tmp / 'nginx.pid'};
+error_log {tmp / 'error.log'} info;
+events {{ worker_connections 256; }}
+http {{
+    log_format upstreams '$request_uri $status upstream=[$upstream_addr] upstream_status=[$upstream_status]';
+    access_log {tmp / 'access.log'} upstreams;
+{temp}
+    include {tmp / 'stepserve.conf'};
+}}
+""")
+    return main
+
+
+@pytest.fixture
+def nginx(tmp_path, server, second):
+    binary = tool("nginx")
+    port = free_port()
+    config = nginx_config(tmp_path, [f"127.0.0.1:{server.port}", f"127.0.0.1:{second.port}"], f"127.0.0.1:{port}")
+    args = [binary, "-p", str(tmp_path), "-c", str(config)]
+    check = subprocess.run([*args, "-t"], check=False, capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    proc = subprocess.Popen(args, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: proc.poll() is not None or port_open(url), "nginx to listen")
+        assert proc.poll() is None, (tmp_path / "error.log").read_text()
+        yield url, tmp_path / "access.log"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def port_open(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def served(procs) -> list[float]:
+    return [p.metric("stepserve_requests_total", status="200") for p in procs]
+
+
+def test_nginx_spreads_streams_and_survives_a_stopped_instance(nginx, server, second):
+    url, access_log = nginx
+    before = served((server, second))
+    assert [infer(url) for _ in range(6)] == [200] * 6
+    after = served((server, second))
+    assert all(a > b for a, b in zip(after, before)) and sum(after) - sum(before) == 6, (before, after)
+
+    # Events pass through as they come: the first arrives long before the last. (nginx 1.22 here
+    # also passes them on with proxy_buffering on, and stepserve sends X-Accel-Buffering: no, so
+    # this cannot pin that directive; test_deploy_files checks it is there.)
+    with httpx.Client(base_url=url, timeout=120) as client:
+        start, arrivals = time.monotonic(), []
+        with client.stream("POST", "/infer", json={"prompt": PROMPT, "max_tokens": 32, "stream": True}) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data:"):
+                    arrivals.append(time.monotonic() - start)
+    assert len(arrivals) > 5 and arrivals[-1] - arrivals[0] > 0.5, arrivals
+
+    # SIGTERM to the second while it streams a long answer: it drains (503 to new requests),
+    # then exits. nginx moves every request to the first; none fails.
+    long_status = []
+    long = threading.Thread(target=lambda: long_status.append(infer(second.url, 64, stream=True)))
+    long.start()
+    wait_for(lambda: second.metric("stepserve_requests_running") == 1, "the long request to run")
+    second.process.send_signal(signal.SIGTERM)
+    wait_for(lambda: httpx.get(f"{second.url}/readyz", timeout=5).status_code == 503, "the second server to drain")
+    assert [infer(url) for _ in range(4)] == [200] * 4
+    second_addr = f"127.0.0.1:{second.port}"
+    retried = [line for line in access_log.read_text().splitlines()
+               if f"[{second_addr}, 127.0.0.1:{server.port}]" in line and re.search(r"\[50[23], 200\]", line)]
+    assert retried, access_log.read_text()  # nginx tried the stopping server (503 draining, 502 gone) and moved on
+    long.join()
+    assert long_status == [200] and second.process.wait(60) == 0  # the drain let it finish
+    assert [infer(url) for _ in range(4)] == [200] * 4
