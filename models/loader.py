@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from models.gguf import ModelLoadError, args_from_metadata, params_from_tensors, read_gguf
 from models.hf import load_dir
-from models.llama import ModelArgs, Params
+from models.llama import ModelArgs, Params, fuse_projections
 from models.tokenizer import ChatTokenizer, TokenizerError
 
 WeightsMode = Literal["quantized", "dequantized"]
@@ -102,7 +102,7 @@ def load_model(path: str | Path, name: str, dtype: mx.Dtype, weights: WeightsMod
         except (TokenizerError, KeyError) as exc:
             raise ModelLoadError(f"{path}: cannot build the tokenizer ({exc})") from exc
         params = params_from_tensors(tensors, args, path)
-    params = prepare_params(params, dtype, weights, args.quant_group_size)
+    params = fuse_projections(prepare_params(params, dtype, weights, args.quant_group_size))
     try:
         mx.eval(params)
     except Exception as exc:  # a truncated file fails here, when the bytes are read

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.out_dir / f"model-{dtype}"
     if not (model_dir / "config.json").is_file():
         convert_gguf(args.gguf or default_model_path(), model_dir, getattr(mx, dtype))
-    stepserve = [str(Path(sys.executable).parent / "stepserve"), "serve", "--model", str(model_dir), "--model-name", "model",
+    stepserve = [sys.executable, "-m", "service.cli", "serve", "--model", str(model_dir), "--model-name", "model",
                  "--warmup-batch", str(max(args.concurrency)), "--warmup-prompt-tokens", "256"]
     peer = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir)]
     results = {}

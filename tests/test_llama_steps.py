@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from models.kv_cache import KVCache
-from models.llama import decode, prefill
+from models.llama import decode, fuse_projections, prefill
 from models.loader import prepare_params
 from tests.conftest import ATOL, TINY, random_params
 
@@ -91,18 +91,47 @@ def test_gguf_qk_layout_needs_traditional_rope(params):
     assert mx.abs(wrong - reference).max().item() > 10 * max(ATOL, 1e-2), "the wrong RoPE layout must change the logits"
 
 
-def test_quantized_weights_match_their_dequantized_form(params):
-    def quantize(node):
-        if isinstance(node, dict):
-            if "weight" in node and node["weight"].ndim == 2:
-                w, s, b = mx.quantize(node["weight"], group_size=32, bits=4)
-                return {"weight": w, "scales": s, "biases": b}
-            return {k: quantize(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [quantize(v) for v in node]
-        return node
+def _quantize(node):
+    if isinstance(node, dict):
+        if "weight" in node and node["weight"].ndim == 2:
+            w, s, b = mx.quantize(node["weight"], group_size=32, bits=4)
+            return {"weight": w, "scales": s, "biases": b}
+        return {k: _quantize(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_quantize(v) for v in node]
+    return node
 
-    quantized = quantize(params)
+
+@pytest.mark.parametrize("fmt", ["dense", "quantized", "biased"])
+def test_fused_projections_give_the_same_steps(params, fmt):
+    if fmt == "quantized":
+        params = _quantize(params)
+    elif fmt == "biased":  # Qwen2-style Q/K/V biases travel with the fused weight
+        params = {**params, "layers": [{**layer, "self_attn": {**layer["self_attn"], **{
+            n: {**layer["self_attn"][n], "bias": mx.random.normal((layer["self_attn"][n]["weight"].shape[0],))}
+            for n in ("q_proj", "k_proj", "v_proj")}}} for layer in params["layers"]]}
+    fused = fuse_projections(params)
+    assert all("qkv_proj" in layer["self_attn"] and "q_proj" not in layer["self_attn"] for layer in fused["layers"])
+    assert all("gate_up_proj" in layer["mlp"] for layer in fused["layers"])
+    ids = [5, 9, 2, 7]
+    (ref, ref_kv), (out, out_kv) = prefill_one(params, ids), prefill_one(fused, ids)
+    assert mx.allclose(ref, out, atol=ATOL)
+    tokens, positions = mx.array([3], mx.int32), mx.array([len(ids)], mx.int32)
+    ref_step, _ = decode(params, tokens, positions, ref_kv.resized(8), args=TINY)
+    out_step, _ = decode(fused, tokens, positions, out_kv.resized(8), args=TINY)
+    assert mx.allclose(ref_step, out_step, atol=ATOL)
+
+
+def test_projections_of_different_formats_stay_unfused(params):
+    mixed = {**params, "layers": [{**params["layers"][0], "self_attn": {**params["layers"][0]["self_attn"],
+             "k_proj": _quantize(params["layers"][0]["self_attn"]["k_proj"])}}, *params["layers"][1:]]}
+    fused = fuse_projections(mixed)
+    assert "q_proj" in fused["layers"][0]["self_attn"] and "qkv_proj" not in fused["layers"][0]["self_attn"]
+    assert "qkv_proj" in fused["layers"][1]["self_attn"]
+
+
+def test_quantized_weights_match_their_dequantized_form(params):
+    quantized = _quantize(params)
     dense = prepare_params(quantized, mx.float32, "dequantized", 32)
     ids = [1, 2, 3, 4, 5]
     q_logits, _ = prefill_one(quantized, ids)

@@ -1,0 +1,159 @@
+"""Where a decode step's time goes, in-process: ``python -m service.bench_profile --out FILE``.
+
+For each batch bucket B (capacity bucket C, every row at position C/2) it times the default
+model's decode step plus greedy token selection, compiled, four ways:
+
+* ``dispatch_s``: Python and graph building only: making the inputs and calling the compiled
+  functions, which returns lazy arrays (median of ``--repeats``);
+* ``eval_s``: evaluating that already-built graph (kernels, launches and the wait);
+* ``sync_step_s``: a step as a synchronous loop runs it: inputs from Python lists, dispatch,
+  then ``tolist()`` of the tokens before the next step is built (mean over ``--steps``);
+* ``pipelined_step_s``: the step ``t+1`` built from step ``t``'s still-lazy tokens and queued
+  with ``mx.async_eval`` before step ``t``'s tokens are read back, as mlx-lm's generator does
+  (mean over ``--steps``). The gap ``sync - pipelined`` is host time the GPU sat idle.
+
+With ``--peer``, mlx-lm's own model and KV cache (``mlx_lm.load`` of the converted default
+model, one cache of batch B at the same offset) run the pipelined loop too, as the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import models  # noqa: F401  (first: the CPU BLAS)
+import mlx.core as mx
+
+from models.gguf import default_model_path
+from models.loader import device_name, load_model
+from service.buckets import BucketTable
+from service.compile_cache import CompileCache
+from service.runner import ModelRunner
+
+
+def _median(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def profile_stepserve(model, batch: int, capacity: int, steps: int, repeats: int) -> dict:
+    """Seconds per decode step of stepserve's compiled step, split as the module docstring says."""
+    runner = ModelRunner(model, BucketTable((batch,), (16,), (capacity,)), CompileCache(True, lambda *a: None, lambda s: None))
+    decode, greedy = runner.step_fn("decode", batch, capacity), runner.step_fn("greedy")
+    kv = runner.new_kv(batch, capacity)
+    position = capacity // 2
+    py_tokens, py_positions = [0] * batch, [position] * batch
+
+    def build(tokens=None):
+        toks = mx.array(py_tokens, mx.int32) if tokens is None else tokens
+        logits, new_kv = decode(model.params, toks, mx.array(py_positions, mx.int32), kv)
+        return greedy(logits), new_kv
+
+    mx.eval(build())  # compile and JIT the kernels
+    mx.eval(build())
+    built = []
+    dispatch_s = _median(lambda: built.append(build()), repeats)
+    eval_times = []
+    for graph in built:
+        t0 = time.perf_counter()
+        mx.eval(graph)
+        eval_times.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    for _ in range(steps):  # the engine's synchronous loop: read each step's tokens back
+        tokens, kv_out = build()
+        tokens.tolist()
+    sync_step_s = (time.perf_counter() - t0) / steps
+
+    tokens, _ = build()
+    mx.async_eval(tokens)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        nxt, kv_out = build(tokens)
+        mx.async_eval(nxt, kv_out)
+        tokens.tolist()
+        tokens = nxt
+    tokens.tolist()
+    pipelined_step_s = (time.perf_counter() - t0) / steps
+    return {"dispatch_s": dispatch_s, "eval_s": statistics.median(eval_times), "sync_step_s": sync_step_s,
+            "pipelined_step_s": pipelined_step_s, "tok_s_sync": batch / sync_step_s, "tok_s_pipelined": batch / pipelined_step_s}
+
+
+def profile_peer(model_dir: Path, batch: int, capacity: int, steps: int) -> dict:
+    """mlx-lm's model and KV cache at offset capacity/2, pipelined like ``mlx_lm.generate``."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    peer, _ = load(str(model_dir))
+    cache = make_prompt_cache(peer)
+    offset = capacity // 2
+    mx.eval(peer(mx.zeros((batch, offset), mx.int32), cache=cache))
+
+    def step(tokens):
+        return mx.argmax(peer(tokens[:, None], cache=cache)[:, -1, :], axis=-1)
+
+    tokens = step(mx.zeros((batch,), mx.int32))
+    mx.eval(tokens)
+    for c in cache:  # keep the offset fixed at capacity/2 +- steps, like the static cache
+        c.offset = offset
+    tokens = step(tokens)
+    mx.async_eval(tokens)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        nxt = step(tokens)
+        mx.async_eval(nxt)
+        tokens.tolist()
+        tokens = nxt
+    tokens.tolist()
+    step_s = (time.perf_counter() - t0) / steps
+    return {"pipelined_step_s": step_s, "tok_s_pipelined": batch / step_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--capacity", type=int, default=256)
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                        help="compute dtype (default: float16 on a GPU, float32 on the CPU)")
+    parser.add_argument("--weights", choices=["quantized", "dequantized"], default=None,
+                        help="default: quantized on a GPU, dequantized on the CPU (stepserve's defaults)")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--peer", action="store_true", help="also profile mlx-lm's model (needs mlx-lm)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    gpu = device_name() == "gpu"
+    dtype = args.dtype or ("float16" if gpu else "float32")
+    weights = args.weights or ("quantized" if gpu else "dequantized")
+    model = load_model(default_model_path(), "profile", getattr(mx, dtype), weights)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        peer_dir = None
+        if args.peer:
+            from models.convert import convert_gguf
+
+            peer_dir = convert_gguf(default_model_path(), Path(tmp) / "model", getattr(mx, dtype))
+        for batch in args.batch:
+            row = {"batch": batch, "capacity": args.capacity, **profile_stepserve(model, batch, args.capacity, args.steps, args.repeats)}
+            if peer_dir is not None:
+                row["mlx_lm"] = profile_peer(peer_dir, batch, args.capacity, args.steps)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    result = {"command": "python -m service.bench_profile " + " ".join(argv or []), "mlx": mx.__version__,
+              "device": device_name(), "dtype": dtype, "weights": weights, "machine": platform.platform(), "rows": rows}
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
