@@ -78,7 +78,7 @@ def prepare_params(params: Params, dtype: mx.Dtype, weights: WeightsMode, group_
     return tree_map(cast, expand(params))
 
 
-def load_model(path: str | Path, name: str, dtype: mx.Dtype, weights: WeightsMode = "quantized") -> LoadedModel:
+def load_model(path: str | Path, name: str, dtype: mx.Dtype, weights: WeightsMode = "quantized", fuse: bool = False) -> LoadedModel:
     """Read a GGUF file or a model directory and prepare it for serving.
 
     Args:
@@ -86,6 +86,7 @@ def load_model(path: str | Path, name: str, dtype: mx.Dtype, weights: WeightsMod
         name: the model's public name.
         dtype: compute dtype (``mx.float32`` on the CPU, ``mx.float16`` on a GPU).
         weights: keep quantized weights ("quantized") or expand them ("dequantized").
+        fuse: concatenate Q/K/V and gate/up projections (:func:`models.llama.fuse_projections`).
 
     Raises:
         ModelLoadError: the file is missing, unreadable or unsupported (the message names it).
@@ -102,7 +103,9 @@ def load_model(path: str | Path, name: str, dtype: mx.Dtype, weights: WeightsMod
         except (TokenizerError, KeyError) as exc:
             raise ModelLoadError(f"{path}: cannot build the tokenizer ({exc})") from exc
         params = params_from_tensors(tensors, args, path)
-    params = fuse_projections(prepare_params(params, dtype, weights, args.quant_group_size))
+    params = prepare_params(params, dtype, weights, args.quant_group_size)
+    if fuse:
+        params = fuse_projections(params)
     try:
         mx.eval(params)
     except Exception as exc:  # a truncated file fails here, when the bytes are read

@@ -127,21 +127,35 @@ async def run_level(url: str, concurrency: int, requests_per_stream: int, max_to
 
 
 def run(url: str, levels: list[int], requests_per_stream: int, max_tokens: int, api: str = "infer",
-        model: str | None = None) -> dict:
+        model: str | None = None, warmup_requests: int = 0) -> dict:
     """Every concurrency level in turn, with the compile misses the server counted in each
-    (None for a server without stepserve's /metrics, such as mlx_lm.server)."""
+    (None for a server without stepserve's /metrics, such as mlx_lm.server).
+
+    ``warmup_requests`` > 0 first runs each level untimed with that many requests per
+    stream, so that a server which builds its kernels on first use (on CUDA, NVRTC takes
+    seconds per new kernel) is measured warm; misses during that pass are reported as
+    ``warmup_compile_misses`` (stepserve should have none: it warms up before it is ready).
+    """
     prompts = prompt_set()
     with httpx.Client(base_url=url, timeout=60) as client:
         stepserve = client.get("/metrics").status_code == 200
+
+        def misses() -> float | None:
+            return scrape(client, "stepserve_compile_cache_misses_total")[0] if stepserve else None
+
         build = scrape(client, "stepserve_build_info")[1] if stepserve else {}
         results = []
         for level in levels:
-            misses_before = scrape(client, "stepserve_compile_cache_misses_total")[0] if stepserve else None
+            before = misses()
+            if warmup_requests:
+                asyncio.run(run_level(url, level, warmup_requests, max_tokens, prompts, api, model))
+            timed = misses()
             result = asyncio.run(run_level(url, level, requests_per_stream, max_tokens, prompts, api, model))
-            result["compile_misses"] = (scrape(client, "stepserve_compile_cache_misses_total")[0] - misses_before) if stepserve else None
+            result["compile_misses"] = misses() - timed if stepserve else None
+            result["warmup_compile_misses"] = timed - before if stepserve and warmup_requests else None
             results.append(result)
     return {"url": url, "api": api, "build": build, "max_tokens": max_tokens, "requests_per_stream": requests_per_stream,
-            "levels": results}
+            "warmup_requests_per_stream": warmup_requests, "levels": results}
 
 
 def _table(result: dict) -> Table:

@@ -57,7 +57,8 @@ def _serve_and_measure(name: str, command: list[str], port: int, log: Path, mode
             if time.monotonic() > deadline:
                 raise SystemExit(f"{name} not ready after {START_TIMEOUT_S} s; see {log}")
             time.sleep(0.5)
-        return run(url, args.concurrency, args.requests, args.max_tokens, api="openai", model=model)
+        return run(url, args.concurrency, args.requests, args.max_tokens, api="openai", model=model,
+                   warmup_requests=args.warmup_requests)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -109,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--requests", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--warmup-requests", type=int, default=1,
+                        help="untimed requests per stream before each level, for both servers (0: none)")
     parser.add_argument("--dtype", choices=["float16", "float32"], default=None,
                         help="dtype of the converted weights' scales and norms (default: float32 on the CPU, float16 on a GPU)")
     args = parser.parse_args(argv)

@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="compute dtype (default: float16 on a GPU, float32 on the CPU)")
     parser.add_argument("--weights", choices=["quantized", "dequantized"], default=None,
                         help="default: quantized on a GPU, dequantized on the CPU (stepserve's defaults)")
+    parser.add_argument("--fuse", choices=["on", "off"], nargs="+", default=["on"],
+                        help="fused Q/K/V and gate/up projections (stepserve's default: on)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--peer", action="store_true", help="also profile mlx-lm's model (needs mlx-lm)")
@@ -134,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     gpu = device_name() == "gpu"
     dtype = args.dtype or ("float16" if gpu else "float32")
     weights = args.weights or ("quantized" if gpu else "dequantized")
-    model = load_model(default_model_path(), "profile", getattr(mx, dtype), weights)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         peer_dir = None
@@ -142,10 +143,15 @@ def main(argv: list[str] | None = None) -> int:
             from models.convert import convert_gguf
 
             peer_dir = convert_gguf(default_model_path(), Path(tmp) / "model", getattr(mx, dtype))
-        for batch in args.batch:
-            row = {"batch": batch, "capacity": args.capacity, **profile_stepserve(model, batch, args.capacity, args.steps, args.repeats)}
-            if peer_dir is not None:
-                row["mlx_lm"] = profile_peer(peer_dir, batch, args.capacity, args.steps)
+        for fuse in args.fuse:
+            model = load_model(default_model_path(), "profile", getattr(mx, dtype), weights, fuse=fuse == "on")
+            for batch in args.batch:
+                row = {"batch": batch, "capacity": args.capacity, "fuse": fuse,
+                       **profile_stepserve(model, batch, args.capacity, args.steps, args.repeats)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        for batch in args.batch if peer_dir is not None else []:
+            row = {"batch": batch, "capacity": args.capacity, "mlx_lm": profile_peer(peer_dir, batch, args.capacity, args.steps)}
             print(json.dumps(row), flush=True)
             rows.append(row)
     result = {"command": "python -m service.bench_profile " + " ".join(argv or []), "mlx": mx.__version__,

@@ -36,6 +36,25 @@ class WarmupSpec:
     prompt_tokens: int = 512
     batch: int = 1
     batched_positions: int | None = None
+
+
+@dataclass
+class _DecodeStep:
+    """A decode step queued on the device whose tokens have not been read back yet.
+
+    Attributes:
+        rows: the sequence in each batch row when the step was queued (None: empty slot).
+        tokens: int32 [B], the step's selected tokens (lazy until read back).
+        queued: ``time.perf_counter()`` when it was queued.
+        bucket: (batch, capacity) bucket it ran at.
+    """
+
+    rows: list[Sequence | None]
+    tokens: mx.array
+    queued: float
+    bucket: tuple[int, int]
+
+
 IDLE_WAIT_S = 0.05
 SHUTDOWN = "server shutting down"
 
@@ -61,6 +80,8 @@ class Engine:
         self.capacity_limit = buckets.capacity[-1]
         self._slots: list[Sequence | None] = []
         self._keys: dict[str, mx.array] = {}
+        self._inflight: _DecodeStep | None = None
+        self._last_read_back = 0.0
         self._stop = threading.Event()
         self._abort = threading.Event()
         self._thread: threading.Thread | None = None
@@ -107,6 +128,11 @@ class Engine:
     def idle(self) -> bool:
         return self.scheduler.num_running == 0 and self.scheduler.num_waiting == 0
 
+    @property
+    def alive(self) -> bool:
+        """The engine thread is running (False before :meth:`start` and once it ended)."""
+        return self._thread is not None and self._thread.is_alive()
+
     # -- the thread ----------------------------------------------------------------------
 
     def _main(self, warmup: WarmupSpec, progress) -> None:
@@ -132,7 +158,7 @@ class Engine:
         for seq in self.scheduler.abort_all(FinishReason.CANCELLED):
             self._release(seq)
             self._finish(seq, error=SHUTDOWN)
-        self._slots = []
+        self._slots, self._inflight = [], None
         self.runner.reset()
 
     def _warmup(self, warmup: WarmupSpec, progress) -> None:
@@ -152,6 +178,16 @@ class Engine:
         log.info("warm-up done: %d buckets in %.1f s", len(plan), self.warmup_seconds)
 
     def _iteration(self) -> None:
+        """Schedule, prefill arrivals, queue decode step t+1, then read back step t.
+
+        Step t+1 is built from step t's tokens while they are still on the device, so the
+        device runs t+1 while this thread turns t's tokens into text and events: one sync
+        per step, and the host's work hides behind the device's (mlx-lm's generator
+        overlaps its steps with ``mx.async_eval`` the same way). A row that stops on an EOS
+        token or a stop string has already been queued once more; that step's token for it
+        is dropped. Rows that reach ``max_tokens`` or the capacity limit are known in advance
+        and not queued.
+        """
         out = self.scheduler.schedule()
         for seq, reason in out.aborted:
             self._release(seq)
@@ -159,9 +195,11 @@ class Engine:
             self._finish(seq)
         if out.admitted:
             self._prefill(out.admitted)
-        if any(s is not None for s in self._slots):
-            self._decode()
-        elif not out.admitted:
+        step = self._queue_decode() if any(s is not None for s in self._slots) else None
+        previous, self._inflight = self._inflight, step
+        if previous is not None:
+            self._read_back(previous)
+        elif step is None and not out.admitted:
             self.scheduler.wait_for_work(IDLE_WAIT_S)
 
     def _prefill(self, admitted: list[Sequence]) -> None:
@@ -206,33 +244,61 @@ class Engine:
             self.runner.insert(seq, slot, prompt_kv, row)
             self._slots[slot] = seq
 
-    def _decode(self) -> None:
-        """One decode step for the running batch, then per-row stop checks."""
-        start = time.perf_counter()
-        slots = self._slots
-        logits = self.runner.decode(slots)
-        keys = [self._keys.get(s.request_id) if s else None for s in slots]
-        tokens, next_keys = self.runner.select(logits, slots, keys)
-        token_list = tokens.tolist()
-        live = sum(s is not None for s in slots)
-        self._record_step("decode", self.runner.kv.batch, self.runner.kv.capacity, live, start)
+    def _queue_decode(self) -> _DecodeStep | None:
+        """Queue one decode step (``mx.async_eval``) for every row that can still grow."""
+        prev = self._inflight
+        pending = {id(s): i for i, s in enumerate(prev.rows) if s is not None} if prev else {}
+        for seq in [s for s in self._slots if s is not None]:
+            produced = len(seq.output_ids) + (id(seq) in pending)
+            if produced >= seq.params.max_tokens or seq.position >= self.capacity_limit:
+                self._vacate(seq)  # its last token is in flight; it finishes when that is read back
+        live = [s for s in self._slots if s is not None]
+        if not live:
+            self._slots = []
+            self.runner.reset()
+            return None
+        self._fit(live)
+        rows = list(self._slots)  # a snapshot: slots change before this step is read back
+        logits = self.runner.decode(rows, self._input_tokens(rows, prev, pending))
+        keys = [self._keys.get(s.request_id) if s else None for s in rows]
+        tokens, next_keys = self.runner.select(logits, rows, keys)
+        for i, seq in enumerate(rows):
+            if seq is not None:
+                seq.position += 1
+                if next_keys[i] is not None:
+                    self._keys[seq.request_id] = next_keys[i]
+        mx.async_eval(tokens, *(k for k in next_keys if k is not None))
+        return _DecodeStep(rows, tokens, time.perf_counter(), (self.runner.kv.batch, self.runner.kv.capacity))
+
+    @staticmethod
+    def _input_tokens(rows: list[Sequence | None], prev: _DecodeStep | None, pending: dict[int, int]) -> mx.array:
+        """int32 [B]: each row's newest token, taken on the device from the queued step
+        ``prev`` where that step produced it, from Python otherwise (just prefilled)."""
+        src = [pending.get(id(s), -1) if s is not None else -1 for s in rows]
+        if prev is not None and prev.tokens.shape[0] == len(rows) and all(j == i for i, j in enumerate(src) if rows[i] is not None):
+            return prev.tokens  # the steady state: every row stayed in its slot
+        known = mx.array([s.last_token if s is not None and j < 0 else 0 for s, j in zip(rows, src, strict=True)], mx.int32)
+        if prev is None or all(j < 0 for j in src):
+            return known
+        from_prev = mx.array([j >= 0 for j in src])
+        return mx.where(from_prev, prev.tokens[mx.array([max(j, 0) for j in src], mx.int32)], known)
+
+    def _read_back(self, step: _DecodeStep) -> None:
+        """Wait for a queued step's tokens, append them, and end the rows that stop."""
+        token_list = step.tokens.tolist()
+        now = time.perf_counter()
+        live = sum(s is not None for s in step.rows)
+        # Step time as the clients see it: since the later of its queueing and the last read-back.
+        self._record_step("decode", *step.bucket, live, max(step.queued, self._last_read_back), now)
+        self._last_read_back = now
         stop_ids = self.model.tokenizer.stop_token_ids
-        for i, (seq, token) in enumerate(zip(slots, token_list, strict=True)):
-            if seq is None:
-                continue
-            seq.position += 1
-            if next_keys[i] is not None:
-                self._keys[seq.request_id] = next_keys[i]
+        for seq, token in zip(step.rows, token_list, strict=True):
+            if seq is None or seq.finish_reason is not None:
+                continue  # an empty slot, or a row that ended after this step was queued
             seq.append(token, stop_ids, self.capacity_limit)
             if seq.finish_reason is not None:
                 self._release(seq)
                 self._finish(seq)
-        live_seqs = [s for s in self._slots if s is not None]
-        if live_seqs:
-            self._fit(live_seqs)
-        else:
-            self._slots = []
-            self.runner.reset()
 
     # -- slots and bookkeeping -----------------------------------------------------------
 
@@ -245,15 +311,20 @@ class Engine:
         for seq in live:
             self._slots[seq.slot] = seq
 
-    def _release(self, seq: Sequence) -> None:
-        """Free the request's slot (if it has one) and its scheduler entry."""
+    def _vacate(self, seq: Sequence) -> None:
+        """Free the request's decode slot (if it has one); it stays running until finished."""
         if 0 <= seq.slot < len(self._slots) and self._slots[seq.slot] is seq:
             self._slots[seq.slot] = None
         seq.slot = -1
+
+    def _release(self, seq: Sequence) -> None:
+        """Free the request's slot (if it has one) and its scheduler entry."""
+        self._vacate(seq)
         self.scheduler.finish(seq)
 
-    def _record_step(self, phase: str, batch: int, size: int, rows: int, start: float) -> None:
-        self.metrics.record_step(StepStat(self.model.name, phase, f"b{batch}x{size}", rows, batch, time.perf_counter() - start))
+    def _record_step(self, phase: str, batch: int, size: int, rows: int, start: float, end: float | None = None) -> None:
+        seconds = (end or time.perf_counter()) - start
+        self.metrics.record_step(StepStat(self.model.name, phase, f"b{batch}x{size}", rows, batch, seconds))
 
     def _finish(self, seq: Sequence, error: str | None = None) -> None:
         self.scheduler.finish(seq)
@@ -267,8 +338,8 @@ class Engine:
         seq.emit(final)
 
     def _fail_running(self, message: str) -> None:
-        for seq in [s for s in self._slots if s is not None]:
+        for seq in list(self.scheduler.running):  # in a slot, or ending with a step in flight
             self._release(seq)
             self._finish(seq, error=message)
-        self._slots = []
+        self._slots, self._inflight = [], None
         self.runner.reset()

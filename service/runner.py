@@ -55,7 +55,9 @@ class ModelRunner:
         """Pick one token per row of ``logits`` [B, V] with each row's parameters.
 
         ``keys[i]`` is row i's PRNG key (uint32 [2]) or None (unseeded or empty row).
-        Returns (tokens int32 [B], the rows' next keys). An all-greedy batch uses the
+        Returns (tokens int32 [B], the rows' next keys), both lazy: the caller evaluates them
+        (the engine with ``mx.async_eval``), so keys never chain unevaluated for long. An
+        all-greedy batch uses the
         shapeless greedy step; otherwise the sampler of batch bucket B.
         """
         B = logits.shape[0]
@@ -69,7 +71,6 @@ class ModelRunner:
         seeded = mx.array([k is not None for k in keys])
         key_rows = mx.stack([k if k is not None else zero_key for k in keys])
         tokens, next_keys = self.step_fn("sample", B)(logits, temperature, top_p, mx.minimum(top_k, self.vocab), key_rows, seeded)
-        mx.eval(tokens, next_keys)  # keys must not chain lazily from step to step
         return tokens, [next_keys[i] if k is not None else None for i, k in enumerate(keys)]
 
     # -- prefill -------------------------------------------------------------------------
@@ -136,13 +137,22 @@ class ModelRunner:
             kv.values[layer][slot] = src.values[layer][row]
         seq.slot = slot
 
-    def decode(self, slots: list[Sequence | None]) -> mx.array:
-        """One decode step over all slots; returns logits float32 [B, V] (lazy)."""
+    def decode(self, slots: list[Sequence | None], tokens: mx.array | None = None) -> mx.array:
+        """One decode step over all slots; returns logits float32 [B, V] (lazy).
+
+        ``tokens``: int32 [B], each slot's input token, possibly still lazy (the previous
+        step's output); default: each sequence's ``last_token``. Each row's token is
+        written at ``seq.position``.
+
+        Raises:
+            ValueError: a position is beyond the cache's capacity (call :meth:`fit` first).
+        """
         kv = self.kv
         positions_list = [s.position if s else 0 for s in slots]
         if max(positions_list) >= kv.capacity:  # a scatter past the buffer would corrupt memory
             raise ValueError(f"position {max(positions_list)} is beyond the KV capacity {kv.capacity}")
-        tokens = mx.array([s.last_token if s else 0 for s in slots], mx.int32)
+        if tokens is None:
+            tokens = mx.array([s.last_token if s else 0 for s in slots], mx.int32)
         positions = mx.array(positions_list, mx.int32)
         fn = self.step_fn("decode", kv.batch, kv.capacity)
         logits, self.kv = fn(self.model.params, tokens, positions, kv)

@@ -114,8 +114,12 @@ class Sequence:
         else:
             self.text += self.detokenizer.step(token_id)
             self._check_stop_strings()
+        # The new token would be written at prompt + outputs - 1: stop when that is past the
+        # largest capacity. (``position`` may already be one step ahead: the engine queues the
+        # next step before it reads this token back.)
         if self.finish_reason is None and (
-            len(self.output_ids) >= self.params.max_tokens or self.position >= capacity_limit
+            len(self.output_ids) >= self.params.max_tokens
+            or len(self.prompt_ids) + len(self.output_ids) - 1 >= capacity_limit
         ):
             self.finish_reason = FinishReason.LENGTH
         self._emit_text(token_id)

@@ -207,4 +207,6 @@ def test_side_by_side_smoke(tmp_path):
     assert set(report["results"]) == {"stepserve", "mlx_lm.server"}
     assert all(r["levels"][0]["errors"] == 0 and r["levels"][0]["completion_tokens"] > 0 for r in report["results"].values())
     assert report["ratios"][0]["aggregate_tok_s"] > 0
+    ours = report["results"]["stepserve"]["levels"][0]
+    assert ours["warmup_compile_misses"] == 0 and ours["compile_misses"] == 0, "stepserve compiled after its warm-up"
     assert (tmp_path / "side-by-side.png").stat().st_size > 1000
