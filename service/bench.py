@@ -158,6 +158,34 @@ def run(url: str, levels: list[int], requests_per_stream: int, max_tokens: int, 
             "warmup_requests_per_stream": warmup_requests, "levels": results}
 
 
+def plot_levels(results: dict[str, dict], path: Path, title: str) -> Path | None:
+    """Write a PNG of aggregate tokens/s and TTFT p50 against concurrency, one line per
+    ``{name: run() result}``. Returns ``path``, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, result in results.items():
+        levels = [r["concurrency"] for r in result["levels"]]
+        left.plot(levels, [r["aggregate_tok_s"] for r in result["levels"]], marker="o", label=name)
+        right.plot(levels, [r["ttft_s_p50"] for r in result["levels"]], marker="o", label=name)
+    left.set(xlabel="concurrent streams", ylabel="aggregate tokens/s", title="Throughput")
+    right.set(xlabel="concurrent streams", ylabel="TTFT p50 (s)", title="Time to first token")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _table(result: dict) -> Table:
     table = Table(title=f"stepserve bench: {result['url']} (max_tokens {result['max_tokens']})")
     for col in ("streams", "requests", "errors", "aggregate tok/s", "per-stream tok/s", "TTFT p50/p99 s", "ITL p50/p99 ms", "compile misses"):
@@ -190,15 +218,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--api", choices=["infer", "openai"], default="infer", help="POST /infer or /v1/completions (streamed)")
     parser.add_argument("--model", help="model name to send (required by some OpenAI servers)")
-    parser.add_argument("--out", type=Path, help="write the JSON result here")
+    parser.add_argument("--out", type=Path, help="write the JSON result here, and the plot next to it (.png)")
     args = parser.parse_args(argv)
     result = run(args.url, args.concurrency, args.requests, args.max_tokens, args.api, args.model)
     result.update(command="stepserve bench " + " ".join(argv),
                   machine={"platform": platform.platform(), "processor": platform.machine()},
                   time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     Console(stderr=True).print(_table(result))
-    text = json.dumps(result, indent=2)
     if args.out:
-        args.out.write_text(text)
+        plot = plot_levels({result["url"]: result}, args.out.with_suffix(".png"), f"stepserve bench: {result['url']}")
+        result["plot"] = str(plot) if plot else None
+        args.out.write_text(json.dumps(result, indent=2))
+    text = json.dumps(result, indent=2)
     print(text)
     return 0

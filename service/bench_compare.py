@@ -26,7 +26,7 @@ from rich.table import Table
 from models.convert import convert_gguf
 from models.gguf import default_model_path
 from models.loader import device_name
-from service.bench import run
+from service.bench import plot_levels, run
 
 START_TIMEOUT_S = 900
 
@@ -62,31 +62,6 @@ def _serve_and_measure(name: str, command: list[str], port: int, log: Path, mode
     finally:
         proc.terminate()
         proc.wait(60)
-
-
-def _plot(results: dict[str, dict], path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, result in results.items():
-        levels = [r["concurrency"] for r in result["levels"]]
-        left.plot(levels, [r["aggregate_tok_s"] for r in result["levels"]], marker="o", label=name)
-        right.plot(levels, [r["ttft_s_p50"] for r in result["levels"]], marker="o", label=name)
-    left.set(xlabel="concurrent streams", ylabel="aggregate tokens/s", title="Throughput")
-    right.set(xlabel="concurrent streams", ylabel="TTFT p50 (s)", title="Time to first token")
-    for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"stepserve vs mlx_lm.server ({device_name()}, MLX {mx.__version__})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
 
 
 def ratios(ours: dict, peer: dict) -> list[dict]:
@@ -130,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": "stepserve bench " + " ".join(argv or []), "device": device_name(), "mlx": mx.__version__,
               "machine": platform.platform(), "weights": str(model_dir), "results": results,
               "ratios": ratios(results["stepserve"], results["mlx_lm.server"])}
-    plot = _plot(results, args.out_dir / "side-by-side.png")
+    plot = plot_levels(results, args.out_dir / "side-by-side.png", f"stepserve vs mlx_lm.server ({device_name()}, MLX {mx.__version__})")
     report["plot"] = str(plot) if plot else None
     (args.out_dir / "side-by-side.json").write_text(json.dumps(report, indent=2))
     table = Table(title="stepserve / mlx_lm.server (> 1: stepserve better)")

@@ -12,6 +12,7 @@ model's decode step plus greedy token selection, compiled, four ways:
   with ``mx.async_eval`` before step ``t``'s tokens are read back, as mlx-lm's generator does
   (mean over ``--steps``). The gap ``sync - pipelined`` is host time the GPU sat idle.
 
+``--fuse on off`` times both parameter layouts (:func:`models.llama.fuse_projections`).
 With ``--peer``, mlx-lm's own model and KV cache (``mlx_lm.load`` of the converted default
 model, one cache of batch B at the same offset) run the pipelined loop too, as the reference.
 """
@@ -22,6 +23,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--peer", action="store_true", help="also profile mlx-lm's model (needs mlx-lm)")
     parser.add_argument("--out", type=Path)
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     gpu = device_name() == "gpu"
     dtype = args.dtype or ("float16" if gpu else "float32")

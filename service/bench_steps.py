@@ -9,6 +9,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 from pathlib import Path
 
 import models  # noqa: F401  (first: the CPU BLAS)
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=128, help="prefill length to time (0: skip prefill)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path)
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     rows = []
     if args.load:

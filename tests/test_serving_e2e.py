@@ -178,6 +178,7 @@ def test_bench_smoke(server, tmp_path):
     report = json.loads(out.read_text())
     assert [level["concurrency"] for level in report["levels"]] == [1, 2]
     assert all(level["errors"] == 0 and level["aggregate_tok_s"] > 0 for level in report["levels"])
+    assert out.with_suffix(".png").stat().st_size > 1000 and report["plot"] == str(out.with_suffix(".png"))
 
 
 def test_compile_auto_chooses_per_bucket_and_answers_the_same(server):
