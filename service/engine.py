@@ -89,6 +89,7 @@ class Engine:
         self.not_ready_reason = "warming up"
         self.warmup_seconds: float | None = None
         self.warmup_buckets = 0
+        metrics.init_model(model.name)
         metrics.running.labels(model.name).set_function(lambda: self.scheduler.num_running)
         metrics.waiting.labels(model.name).set_function(lambda: self.scheduler.num_waiting)
 

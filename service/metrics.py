@@ -90,6 +90,20 @@ class Metrics:
         self.peak_memory.set_function(mx.get_peak_memory)
         info = Gauge("build_info", "Build information (value 1)", ["version", "mlx_version", "device"], namespace=ns, registry=reg)
         info.labels(version, mx.__version__, device).set(1)
+        for status in ("200", "400", "401", "413", "422", "429", "499", "500", "503", "504"):
+            self.requests.labels(status)  # zero series from the start, so rate() sees the first one
+
+    def init_model(self, model: str) -> None:
+        """Create a model's labelled counters at zero, so that Prometheus' ``rate()`` and
+        ``increase()`` count their first event (a series born at 1 is invisible to them)."""
+        for metric in (self.prompt_tokens, self.generation_tokens):
+            metric.labels(model)
+        for reason in ("queue_full", "draining", "memory"):
+            self.queue_rejections.labels(model, reason)
+        for reason in ("client_disconnected", "shutdown"):
+            self.cancellations.labels(model, reason)
+        for reason in ("waiting", "running"):
+            self.timeouts.labels(model, reason)
 
     def record_lookup(self, model: str, phase: str, bucket: str, hit: bool) -> None:
         """Count one compile-cache lookup."""
