@@ -84,9 +84,11 @@ async def readyz(state: State) -> dict:
     return {
         "status": "ready",
         "models": {
-            name: {"warmup_s": e.warmup_seconds, "compiled": e.warmup_buckets, "compile": e.runner.compiled.policy,
-                   "buckets": e.compile_choices()}
+            name: {"warmup_s": e.warmup_seconds, "warmed": e.warmup_buckets,
+                   "compiled": sum(c == "compiled" for c in choices.values()), "compile": e.runner.compiled.policy,
+                   "buckets": choices}
             for name, e in state.engines.items()
+            for choices in [e.compile_choices()]
         },
     }
 
