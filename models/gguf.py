@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from models.gguf_header import GGUFLayoutError, check_gguf_layout
 from models.llama import ModelArgs, Params
 
 GGUF_GROUP_SIZE = 32  # values per Q4_0 / Q4_1 / Q8_0 block (ggml-common.h: QK4_0, QK8_0)
@@ -70,6 +71,10 @@ def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"model file {path} does not exist; pass --model PATH to a GGUF file")
+    try:  # MLX's reader segfaults on damaged metadata: check the layout first
+        check_gguf_layout(path)
+    except GGUFLayoutError as exc:
+        raise ModelLoadError(f"model file {path} is corrupt or not GGUF: {exc}; download or reinstall it") from exc
     try:
         tensors, metadata = mx.load(str(path), return_metadata=True)
     except Exception as exc:  # MLX raises ValueError/RuntimeError for damaged files

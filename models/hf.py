@@ -89,7 +89,10 @@ def tokenizer_from_dir(directory: Path, config: dict) -> ChatTokenizer:
     file = directory / "tokenizer.json"
     if not file.is_file():
         raise ModelLoadError(f"{file} is missing; stepserve needs a tokenizers-format tokenizer.json")
-    tokenizer = Tokenizer.from_file(str(file))
+    try:
+        tokenizer = Tokenizer.from_file(str(file))
+    except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
+        raise ModelLoadError(f"{file} could not be read as a tokenizers tokenizer.json ({exc}); the file is corrupt") from exc
     tok_config = _read_json(directory / "tokenizer_config.json", required=False)
     template = tok_config.get("chat_template")
     if (directory / "chat_template.jinja").is_file():

@@ -17,11 +17,12 @@ from service import openai_api
 from service.api import router
 from service.buckets import BucketTable
 from service.compile_cache import CompileCache
-from service import memory
+from service import memory, security
 from service.config import ModelSettings, Settings
 from service.memory import MemoryEstimate
 from service.engine import Engine, WarmupSpec
 from service.errors import install_error_handlers
+from service.faults import EngineWatchdog
 from service.metrics import Metrics
 from service.middleware import BodyLimitMiddleware, StatusCountMiddleware
 from service.state import AppState
@@ -100,6 +101,7 @@ def create_app(
     metrics = Metrics(CollectorRegistry(), version=__version__, device=device_name())
     specs = settings.served_models()
     state = AppState(settings, metrics, specs[0].name)
+    watchdog = EngineWatchdog(state)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -113,18 +115,25 @@ def create_app(
                      model.nbytes / 1e6, model.weights, model.dtype, spec.compile)
             positions = spec.warmup_prompt_tokens + settings.default_max_tokens
             engine.start(WarmupSpec(spec.warmup_prompt_tokens, spec.warmup_batch, positions), progress)
+        watchdog.start()
         try:
             yield
         finally:
+            watchdog.stop()
             for engine in state.engines.values():
                 engine.stop()
 
     app = FastAPI(title="stepserve", version=__version__, lifespan=lifespan,
                   description="MLX inference with compiled, bucketed prefill and decode steps.")
     app.state.stepserve = state
+    app.state.watchdog = watchdog  # `stepserve serve` exits with its exit_code
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(openai_api.router)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    # The middleware added last runs first: CORS, request counting, API key, body bounds.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.read_timeout_s)
+    security.add_auth(app, settings)
     app.add_middleware(StatusCountMiddleware, metrics=metrics)
+    security.add_cors(app, settings)
+    security.warn_if_exposed(settings)
     return app

@@ -32,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-grace-s", type=float, help="seconds running requests get after SIGTERM")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     sub.add_parser("bench", help="measure a running server over HTTP (see stepserve bench --help)", add_help=False)
+    sub.add_parser("soak", help="bounded mixed load on loopback, reported as JSON (see stepserve soak --help)", add_help=False)
     convert = sub.add_parser("convert", help="write an mlx-community-format directory from a GGUF file")
     convert.add_argument("gguf", help="the GGUF file")
     convert.add_argument("out_dir", help="the directory to write (created)")
@@ -65,6 +66,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from service.app import MemoryBudgetError, check_memory, create_app, load_models
+    from service.middleware import header_timeout_protocol
     from service.shutdown import DrainingServer
 
     try:
@@ -89,9 +91,10 @@ def serve(args: argparse.Namespace) -> int:
         print(f"stepserve: cannot serve: {exc}", file=sys.stderr)
         return 2
     app = create_app(settings, models=models, progress=_progress())
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=10)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=10,
+                            http=header_timeout_protocol(settings.read_timeout_s))
     DrainingServer(config, app.state.stepserve, settings.shutdown_grace_s).run()
-    _exit_now(0)
+    _exit_now(app.state.watchdog.exit_code)  # non-zero when an engine thread died
     return 0
 
 
@@ -115,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         from service.bench import main as bench
 
         return bench(argv[1:])
+    if argv[:1] == ["soak"]:
+        from service.soak import main as soak
+
+        return soak(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)

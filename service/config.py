@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -97,6 +97,19 @@ class Settings(BaseSettings):
         default_factory=list, description="several models ([[models]] in TOML); empty: the one model set above"
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    read_timeout_s: float = Field(
+        30.0, gt=0, description="a client gets this long for its request headers and again for its body; "
+        "slower ones are cut off (a body with 408)"
+    )
+    api_key: SecretStr | None = Field(
+        None, description="require 'Authorization: Bearer <key>' on every route but auth_exempt_paths; unset: no auth"
+    )
+    auth_exempt_paths: list[Literal["/healthz", "/readyz", "/metrics", "/docs", "/openapi.json"]] = Field(
+        default_factory=lambda: ["/healthz", "/readyz"], description="routes answered without the API key"
+    )
+    cors_origins: list[str] = Field(
+        default_factory=list, description="origins browsers may call from (CORS); empty: no CORS headers at all"
+    )
 
     @classmethod
     def settings_customise_sources(
@@ -113,6 +126,13 @@ class Settings(BaseSettings):
     @classmethod
     def _check_buckets(cls, values: list[int], info) -> list[int]:
         return _ascending(info.field_name, values)
+
+    @field_validator("api_key")
+    @classmethod
+    def _check_api_key(cls, key: SecretStr | None) -> SecretStr | None:
+        if key is not None and not key.get_secret_value().strip():
+            raise ValueError("api_key is empty; set a non-empty key or leave it unset to serve without authentication")
+        return key
 
     @model_validator(mode="after")
     def _check_models(self) -> "Settings":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -25,6 +26,16 @@ def error_response(status: int, message: str, type: str, param: str | None = Non
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+async def send_error(send, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                     headers: list[tuple[bytes, bytes]] = ()) -> None:
+    """Send a whole JSON error response through a raw ASGI ``send`` (for middleware that
+    answers before the app runs). ``headers`` are extra (name, value) byte pairs."""
+    body = json.dumps({"error": {"message": message, "type": type, "param": param, "code": status}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
 def _field_path(loc) -> str:
     return ".".join(str(p) for p in loc if p != "body") or "body"
 
@@ -46,7 +57,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error", headers=getattr(exc, "headers", None))
+        # FastAPI raises a bare 400 when reading the body fails past JSON syntax (e.g. nesting
+        # deeper than Python's recursion limit); routes raise ApiError, never this.
+        param = "body" if exc.status_code == 400 else None
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error", param, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):

@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from models.tokenizer import TokenizerError
+from service import faults, security
 from service.buckets import BucketLimitError
 from service.engine import Engine
 from service.errors import ApiError
@@ -55,6 +56,7 @@ def prompt_ids(engine: Engine, prompt: str | None, messages: list[dict] | None) 
         text = tokenizer.apply_chat_template(messages) if messages is not None else prompt
     except TokenizerError as exc:
         raise ApiError(400, str(exc), param="messages") from exc
+    security.check_prompt_chars(tokenizer, text, engine.buckets.prompt[-1])
     ids = tokenizer.encode(text)
     if not ids:
         raise ApiError(400, "prompt encodes to no tokens", param="prompt")
@@ -79,7 +81,9 @@ def sampling_params(engine: Engine, n_prompt: int, max_tokens: int, **sampling) 
 
 
 def start(state: AppState, engine: Engine, ids: list[int], params: SamplingParams) -> tuple[Sequence, asyncio.Queue]:
-    """Submit a request; its events arrive on the returned queue. 429 when the queue is full."""
+    """Submit a request; its events arrive on the returned queue. 429 when the queue is full,
+    503 when it could take MLX past its memory limit (:func:`service.faults.admit_memory`)."""
+    faults.admit_memory(state, engine, len(ids), params.max_tokens)
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     seq = Sequence(ids, params, engine.model.tokenizer.detokenizer(), lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
     seq.deadline = seq.arrival + state.settings.request_timeout_s

@@ -7,6 +7,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 512
+MAX_TOP_K = 2**31 - 1  # the sampler takes top_k as an int32 array (larger: std::bad_cast, a 500)
 
 
 class ChatMessage(BaseModel):
@@ -27,10 +29,10 @@ class InferRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most; default from settings")
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass; 1 = off")
-    top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = off")
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="keep the k most likely tokens; 0 = off")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="same seed, same output")
     stop: str | list[str] | None = Field(
-        default_factory=list, validate_default=True, description=f"up to {MAX_STOP_STRINGS} strings that end the text"
+        default_factory=list, validate_default=True, description=f"up to {MAX_STOP_STRINGS} strings of up to {MAX_STOP_CHARS} characters that end the text"
     )
     stream: bool = Field(False, description="answer text/event-stream: one event per text chunk, then a final event")
 
@@ -40,6 +42,8 @@ class InferRequest(BaseModel):
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):  # each token's stop check costs up to text x stop length
+            raise ValueError(f"stop strings are at most {MAX_STOP_CHARS} characters")
         return stops
 
     @model_validator(mode="after")
@@ -129,7 +133,7 @@ class OpenAISampling(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="not in OpenAI's API; as in vLLM")
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="not in OpenAI's API; as in vLLM")
     n: Literal[1] = 1
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = Field(default_factory=list, validate_default=True)

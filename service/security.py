@@ -1,0 +1,115 @@
+"""Who may call stepserve and how much one call may ask: the optional API key, CORS, a
+warning for exposed binds, and the prompt-size bound checked before tokenizing."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+from typing import Iterable
+
+from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
+
+from models.tokenizer import ChatTokenizer
+from service.config import Settings
+from service.errors import ApiError, send_error
+
+log = logging.getLogger("stepserve.security")
+
+_BEARER = b"bearer "
+_LONGEST_TOKEN: dict[int, int] = {}  # id(ChatTokenizer) -> bytes of its longest token
+
+
+class ApiKeyMiddleware:
+    """Answer 401 unless the request carries ``Authorization: Bearer <api_key>``.
+
+    The key is compared with ``hmac.compare_digest`` on SHA-256 digests, so the time taken
+    reveals neither the key's bytes nor its length. Paths in ``exempt`` (exact matches)
+    pass without a key; so do CORS preflights, which the CORS middleware outside this one
+    answers before they get here.
+    """
+
+    def __init__(self, app, api_key: str, exempt: Iterable[str] = ()):
+        self.app = app
+        self._digest = hashlib.sha256(api_key.strip().encode()).digest()  # as the given key is stripped
+        self.exempt = frozenset(exempt)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.exempt or self._authorized(scope):
+            return await self.app(scope, receive, send)
+        await send_error(send, 401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+                         type="authentication_error", param="Authorization", headers=[(b"www-authenticate", b"Bearer")])
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope.get("headers") or []:
+            if name == b"authorization" and value[: len(_BEARER)].lower() == _BEARER:
+                given = hashlib.sha256(value[len(_BEARER):].strip()).digest()
+                return hmac.compare_digest(given, self._digest)
+        return False
+
+
+def add_auth(app: FastAPI, settings: Settings) -> None:
+    """Require the API key (when ``api_key`` is set) on every route but ``auth_exempt_paths``."""
+    if settings.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key.get_secret_value(), exempt=settings.auth_exempt_paths)
+
+
+def add_cors(app: FastAPI, settings: Settings) -> None:
+    """Answer CORS (preflights included) for ``cors_origins`` only; without origins nothing is
+    added, no response carries CORS headers and browsers refuse cross-origin calls. Add it
+    last, so that it runs first and a 401 still carries the CORS headers."""
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP address or ``localhost``) only accepts local connections."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def warn_if_exposed(settings: Settings) -> None:
+    """Log a warning when the server listens beyond loopback without an API key."""
+    if not is_loopback(settings.host) and settings.api_key is None:
+        log.warning("listening on %s without an API key: anyone who can reach this port can generate; "
+                    "set api_key (STEPSERVE_API_KEY) or bind 127.0.0.1 behind a proxy that authenticates", settings.host)
+
+
+def longest_token_bytes(tokenizer: ChatTokenizer) -> int:
+    """Bytes of the longest token in the vocabulary, added tokens included (cached).
+
+    Byte-level BPE vocabulary entries spell one character per byte (GPT-2's byte-to-unicode
+    table), so an entry's length is its byte count; added tokens are plain text and are
+    measured in UTF-8.
+    """
+    key = id(tokenizer)
+    if key not in _LONGEST_TOKEN:
+        tok = tokenizer.tokenizer
+        added = [t.content for t in tok.get_added_tokens_decoder().values()]
+        base = max(len(t) for t in tok.get_vocab(with_added_tokens=False))
+        _LONGEST_TOKEN[key] = max([base, *(len(t.encode()) for t in added)])
+    return _LONGEST_TOKEN[key]
+
+
+def check_prompt_chars(tokenizer: ChatTokenizer, text: str, max_tokens: int) -> None:
+    """Refuse, without tokenizing it, a text too long to fit ``max_tokens`` tokens.
+
+    Every token covers at most :func:`longest_token_bytes` bytes and a character is at least
+    one byte, so more characters than ``max_tokens`` times that cannot encode to
+    ``max_tokens`` tokens or fewer: the check never refuses a prompt that would fit, and it
+    keeps a megabyte of text from holding the event loop in the tokenizer (~0.5 s here).
+
+    Raises:
+        ApiError: 400 naming ``prompt`` and both limits.
+    """
+    limit = max_tokens * longest_token_bytes(tokenizer)
+    if len(text) > limit:
+        raise ApiError(400, f"prompt is {len(text)} characters: more than the largest prompt bucket ({max_tokens} "
+                            f"tokens) can hold, which is at most {limit} characters", param="prompt")

@@ -1,0 +1,262 @@
+"""Faults against real `stepserve serve` processes: damaged model files, a request over MLX's
+memory limit, the engine thread dying, and clients whose body is slow, stalled or endless."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from types import SimpleNamespace
+
+import httpx
+import mlx.core as mx
+import pytest
+
+from models.gguf import ModelLoadError, default_model_path
+from models.gguf_header import GGUFLayoutError, check_gguf_layout
+from models.hf import tokenizer_from_dir
+from models.loader import LoadedModel
+from service.bench_compare import free_port
+from service.buckets import BucketTable
+from service.faults import ENGINE_DIED_EXIT, engine_bytes
+from service.scheduler import Scheduler
+from tests.conftest import TINY, random_params
+from tests.server import STEPSERVE, ServerProcess
+
+SHORT = {"prompt": "The sky is", "max_tokens": 2}
+MEMORY_LIMIT = 700_000_000  # above the weights (538 MB dequantized here) + a short request, below a long one
+READ_TIMEOUT_S = 2
+
+
+@pytest.fixture(scope="module")
+def gguf_bytes() -> bytes:
+    return default_model_path().read_bytes()
+
+
+def damaged(data: bytes, kind: str) -> bytes:
+    """``data`` with its GGUF header or metadata broken in one of the ways MLX segfaults on."""
+    b = bytearray(data)
+    if kind == "key-length":  # the first metadata key's length: random bytes
+        b[24:32] = (0x7A_1B_33_9C_00_4F_12_A4).to_bytes(8, "little")
+    elif kind == "tensor-count":
+        b[8:16] = (1 << 40).to_bytes(8, "little")
+    elif kind == "value-type":  # the first metadata value's type (after the 8 + len(key) key)
+        key_len = int.from_bytes(b[24:32], "little")
+        b[32 + key_len : 36 + key_len] = (77).to_bytes(4, "little")
+    elif kind == "not-gguf":
+        b[:4] = b"\x00ELF"
+    return bytes(b)
+
+
+@pytest.mark.parametrize("kind", ["key-length", "tensor-count", "value-type", "not-gguf"])
+def test_damaged_gguf_layout_is_refused_before_mlx_reads_it(tmp_path, gguf_bytes, kind):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(damaged(gguf_bytes[:3_000_000], kind))
+    with pytest.raises(GGUFLayoutError):
+        check_gguf_layout(path)
+
+
+def test_intact_gguf_layout_passes():
+    check_gguf_layout(default_model_path())
+
+
+@pytest.mark.parametrize("kind", ["key-length", "empty"])
+def test_corrupt_model_file_fails_start_up_naming_the_file(tmp_path, gguf_bytes, kind):
+    # Without the layout check, "key-length" killed the process with SIGSEGV and no message.
+    path = tmp_path / f"{kind}.gguf"
+    path.write_bytes(b"" if kind == "empty" else damaged(gguf_bytes, kind))
+    result = subprocess.run([STEPSERVE, "serve", "--model", str(path), "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert str(path) in result.stderr and "corrupt" in result.stderr
+
+
+@pytest.mark.parametrize("content", ["{}", "{oops", ""])
+def test_corrupt_tokenizer_json_names_the_file(tmp_path, content):
+    (tmp_path / "tokenizer.json").write_text(content)
+    with pytest.raises(ModelLoadError, match=str(tmp_path / "tokenizer.json")):
+        tokenizer_from_dir(tmp_path, {})
+
+
+# -- a request over MLX's memory limit, slow and endless bodies -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def limited_server():
+    """Memory limit 700 MB (the start-up budget set far above it, so only admission guards
+    memory), read timeout 2 s, no warm-up."""
+    env = {"STEPSERVE_MLX_MEMORY_LIMIT_BYTES": str(MEMORY_LIMIT), "STEPSERVE_MEMORY_BUDGET_BYTES": str(100 * 10**9),
+           "STEPSERVE_READ_TIMEOUT_S": str(READ_TIMEOUT_S)}
+    proc = ServerProcess.start(["--warmup-prompt-tokens", "0"], env=env)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_request_over_the_memory_limit_gets_503_and_the_server_keeps_serving(limited_server):
+    with limited_server.client() as client:
+        assert client.post("/infer", json=SHORT).status_code == 200
+        reply = client.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 8000})
+        assert reply.status_code == 503, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == "max_tokens" and "memory limit" in error["message"] and "0.70 GB" in error["message"]
+        assert client.post("/infer", json=SHORT).status_code == 200
+    assert limited_server.metric("stepserve_queue_rejections_total", reason="memory") == 1
+
+
+def test_memory_estimate_follows_the_load():
+    # An engine's parts the estimate reads: a tiny model (2 layers, 2 KV heads of 16, float32:
+    # 512 bytes per position), its buckets and its scheduler.
+    model = LoadedModel("tiny", Path("-"), TINY, random_params(), None, mx.float32, "dequantized", 0.0)
+    engine = SimpleNamespace(model=model, buckets=BucketTable((1, 2, 4), (16, 32), (64, 128)),
+                             scheduler=Scheduler(max_running=4, max_waiting=8, max_admit=2))
+    per_position, scores = 512, 4 * 4  # 4 query heads of float32 scores per (query, key) pair
+    weights = model.nbytes
+    assert engine_bytes(engine, []) == weights
+    alone = engine_bytes(engine, [(10, 20)])  # batch 1, capacity 64, prompt bucket 16
+    assert alone == weights + 2 * 64 * per_position + 16 * (per_position + 16 * scores)
+    three = engine_bytes(engine, [(10, 20), (30, 20), (10, 90)])  # batch 4, capacity 128, prefill 2 x 32
+    assert three == weights + 2 * 4 * 128 * per_position + 2 * 32 * (per_position + 32 * scores)
+    assert engine_bytes(engine, [(10, 20)] * 9) == engine_bytes(engine, [(10, 20)] * 4)  # waiting rows add no slots
+
+
+def raw_request(port: int, head: bytes, parts: list[bytes], pause_s: float = 0.0, timeout: float = 30) -> tuple[bytes, float]:
+    """Send ``head`` then each part (``pause_s`` apart); return what the server answered by
+    the time it closed the connection, and how long that took."""
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(head)
+        try:
+            for part in parts:
+                sock.sendall(part)
+                time.sleep(pause_s)
+        except OSError:  # the server closed first
+            pass
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer, time.monotonic() - start
+
+
+def test_stalled_body_gets_408_after_the_read_timeout(limited_server):
+    head = b"POST /infer HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
+    answer, seconds = raw_request(limited_server.port, head, [b'{"prompt": "a'])
+    assert answer.startswith(b"HTTP/1.1 408") and b"read_timeout_s" in answer
+    assert READ_TIMEOUT_S <= seconds < READ_TIMEOUT_S + 5
+
+
+def test_trickled_body_is_bounded_by_the_read_timeout_too(limited_server):
+    head = b"POST /infer HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+    answer, seconds = raw_request(limited_server.port, head, [b" "] * 60, pause_s=0.1)  # 1 byte / 100 ms
+    assert answer.startswith(b"HTTP/1.1 408")
+    assert seconds < READ_TIMEOUT_S + 5
+
+
+@pytest.mark.parametrize("headers", [[], [b"GET /healthz HTTP/1.1\r\n", b"host: x\r\n"] + [b"x-a: b\r\n"] * 100])
+def test_idle_or_trickling_connection_is_closed_after_the_read_timeout(limited_server, headers):
+    answer, seconds = raw_request(limited_server.port, b"", headers, pause_s=0.1)  # nothing, or a header line / 100 ms
+    assert answer == b""
+    assert READ_TIMEOUT_S <= seconds < READ_TIMEOUT_S + 5
+
+
+def test_endless_chunked_body_gets_413(limited_server):
+    head = b"POST /infer HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+    chunk = b"%x\r\n%s\r\n" % (65536, b"a" * 65536)
+    answer, _ = raw_request(limited_server.port, head, [chunk] * 64)  # 4 MiB, over the 1 MiB limit
+    assert answer.startswith(b"HTTP/1.1 413") and b"max_body_bytes" in answer
+    with limited_server.client() as client:
+        assert client.post("/infer", json=SHORT).status_code == 200
+
+
+# -- the engine thread dying ---------------------------------------------------------------------------
+
+# Runs `stepserve serve` with the engine thread made to die at its third scheduling step with
+# a request running: an exception that escapes the loop's `except Exception`, as a bug in its
+# error path would.
+DYING_ENGINE = """
+import sys
+import models
+from service.scheduler import Scheduler
+
+class InjectedFault(BaseException):
+    pass
+
+original, steps = Scheduler.schedule, []
+
+def schedule(self, *args, **kwargs):
+    if self.running:
+        steps.append(1)
+        if len(steps) == 3:
+            raise InjectedFault("injected engine fault")
+    return original(self, *args, **kwargs)
+
+Scheduler.schedule = schedule
+from service.cli import main
+sys.exit(main())
+"""
+
+
+# The same with warm-up failing: the engine thread logs why and ends before it is ready.
+FAILING_WARMUP = """
+import sys
+import models
+from service.runner import ModelRunner
+
+def warm(self, *args, **kwargs):
+    raise RuntimeError("injected warm-up fault")
+
+ModelRunner.warm = warm
+from service.cli import main
+sys.exit(main())
+"""
+
+
+def start_with(code: str, args: list[str]) -> ServerProcess:
+    port = free_port()
+    log = Path(tempfile.mkstemp(prefix="stepserve-", suffix=".log")[1])
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--port", str(port), *args], stdout=out,
+                                stderr=subprocess.STDOUT, env=dict(os.environ))
+    return ServerProcess(proc, port, log)
+
+
+def test_engine_thread_death_fails_readyz_and_exits_non_zero():
+    server = start_with(DYING_ENGINE, ["--warmup-prompt-tokens", "0"])
+    try:
+        server.wait_ready()
+        replies: list[httpx.Response] = []
+        worker = threading.Thread(target=lambda: replies.append(
+            httpx.post(f"{server.url}/infer", json={"prompt": "1, 2, 3,", "max_tokens": 50}, timeout=60)))
+        worker.start()
+        readyz = []
+        with httpx.Client(base_url=server.url, timeout=5) as client:
+            while server.process.poll() is None:
+                try:
+                    readyz.append(client.get("/readyz"))
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.02)
+        worker.join(30)
+        assert server.process.wait(60) == ENGINE_DIED_EXIT, server.log()
+    finally:
+        server.stop()
+    assert replies and replies[0].status_code == 500, replies
+    assert "engine thread died" in replies[0].json()["error"]["message"]
+    assert any(r.status_code == 503 and "engine thread died" in r.text for r in readyz), [r.text for r in readyz[-5:]]
+    assert "engine thread of model 'SmolLM2-135M-Instruct' died" in server.log()
+
+
+def test_failed_warm_up_exits_non_zero_instead_of_staying_unready():
+    server = start_with(FAILING_WARMUP, ["--warmup-prompt-tokens", "32"])
+    try:
+        assert server.process.wait(120) == ENGINE_DIED_EXIT, server.log()
+    finally:
+        server.stop()
+    assert "warm-up failed" in server.log() and "died" in server.log()
