@@ -5,7 +5,6 @@ exactly the greedy tokens of their own sequence run alone, and nothing else."""
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,9 +54,9 @@ def params():
     return random_params(seed=3)
 
 
-def run_engine(params, stop: frozenset[int], requests: list[tuple[list[int], int, float]]) -> tuple[list[tuple[list[int], FinalEvent]], Metrics]:
-    """Serve ``(prompt, max_tokens, arrival delay s)`` requests on a real Engine thread;
-    returns each request's (tokens, final event) and the engine's metrics."""
+def run_engine(params, stop: frozenset[int], requests: list[tuple[list[int], int]]) -> tuple[list[tuple[list[int], FinalEvent]], Metrics]:
+    """Submit ``(prompt, max_tokens)`` requests at once to a real Engine thread; returns each
+    request's (tokens, final event) and the engine's metrics."""
     model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(stop), mx.float32, "dequantized", 0.0)
     metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
     engine = Engine(model, BUCKETS, CompileCache(True, lambda *a: None, lambda s: None), metrics, max_admit=2)
@@ -67,10 +66,7 @@ def run_engine(params, stop: frozenset[int], requests: list[tuple[list[int], int
     done = threading.Semaphore(0)
     seqs = []
     try:
-        start = time.perf_counter()
-        for i, (prompt, max_tokens, delay) in enumerate(requests):
-            time.sleep(max(0.0, start + delay - time.perf_counter()))
-
+        for i, (prompt, max_tokens) in enumerate(requests):
             def emit(event, i=i):
                 if isinstance(event, FinalEvent):
                     results[i] = (list(seqs[i].output_ids), event)
@@ -96,12 +92,11 @@ def test_staggered_requests_get_their_own_greedy_tokens(params):
     max_tokens = [9, 4, 30, 30, 1, 12]
     first = reference(params, prompts[0], max_tokens[0], frozenset(), limit)
     stop = frozenset({first[5]})  # the first request stops on an "EOS" mid-way; others may too
-    # All at once: two are admitted per step and four run at most (the largest batch bucket),
-    # so the last two join slots that others free while the batch keeps running.
-    delays = [0.0] * 6
-    requests = list(zip(prompts, max_tokens, delays, strict=True))
+    # Two are admitted per step and four run at most (the largest batch bucket), so the last
+    # two join slots that others free while the batch keeps running.
+    requests = list(zip(prompts, max_tokens, strict=True))
     results, metrics = run_engine(params, stop, requests)
-    for (prompt, m, _), (tokens, final) in zip(requests, results, strict=True):
+    for (prompt, m), (tokens, final) in zip(requests, results, strict=True):
         expected = reference(params, prompt, m, stop, limit)
         assert tokens == expected, f"prompt {prompt}: got {tokens}, alone it gives {expected}"
         assert final.completion_tokens == len(expected)
