@@ -10,6 +10,7 @@ are the ones llama.cpp (llama-vocab.cpp) and the models' own ``tokenizer.json`` 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,18 @@ class ChatTokenizer:
     def detokenizer(self) -> "Detokenizer":
         """A fresh incremental detokenizer for one sequence."""
         return Detokenizer(self.tokenizer)
+
+    @cached_property
+    def longest_token_bytes(self) -> int:
+        """Bytes of the longest token in the vocabulary, added tokens included.
+
+        Byte-level BPE vocabulary entries spell one character per byte (GPT-2's
+        byte-to-unicode table), so an entry's length is its byte count; added tokens are
+        plain text and are measured in UTF-8.
+        """
+        added = [t.content for t in self.tokenizer.get_added_tokens_decoder().values()]
+        base = max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=False))
+        return max([base, *(len(t.encode()) for t in added)])
 
 
 class Detokenizer:

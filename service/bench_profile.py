@@ -38,15 +38,6 @@ from service.compile_cache import CompileCache
 from service.runner import ModelRunner
 
 
-def _median(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def profile_stepserve(model, batch: int, capacity: int, steps: int, repeats: int) -> dict:
     """Seconds per decode step of stepserve's compiled step, split as the module docstring says."""
     runner = ModelRunner(model, BucketTable((batch,), (16,), (capacity,)), CompileCache(True, lambda *a: None, lambda s: None))
@@ -62,13 +53,14 @@ def profile_stepserve(model, batch: int, capacity: int, steps: int, repeats: int
 
     mx.eval(build())  # compile and JIT the kernels
     mx.eval(build())
-    built = []
-    dispatch_s = _median(lambda: built.append(build()), repeats)
-    eval_times = []
-    for graph in built:
+    dispatch_times, eval_times = [], []
+    for _ in range(repeats):
         t0 = time.perf_counter()
+        graph = build()
+        t1 = time.perf_counter()
         mx.eval(graph)
-        eval_times.append(time.perf_counter() - t0)
+        dispatch_times.append(t1 - t0)
+        eval_times.append(time.perf_counter() - t1)
 
     t0 = time.perf_counter()
     for _ in range(steps):  # the engine's synchronous loop: read each step's tokens back
@@ -86,7 +78,7 @@ def profile_stepserve(model, batch: int, capacity: int, steps: int, repeats: int
         tokens = nxt
     tokens.tolist()
     pipelined_step_s = (time.perf_counter() - t0) / steps
-    return {"dispatch_s": dispatch_s, "eval_s": statistics.median(eval_times), "sync_step_s": sync_step_s,
+    return {"dispatch_s": statistics.median(dispatch_times), "eval_s": statistics.median(eval_times), "sync_step_s": sync_step_s,
             "pipelined_step_s": pipelined_step_s, "tok_s_sync": batch / sync_step_s, "tok_s_pipelined": batch / pipelined_step_s}
 
 
@@ -128,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="compute dtype (default: float16 on a GPU, float32 on the CPU)")
     parser.add_argument("--weights", choices=["quantized", "dequantized"], default=None,
                         help="default: quantized on a GPU, dequantized on the CPU (stepserve's defaults)")
-    parser.add_argument("--fuse", choices=["on", "off"], nargs="+", default=["on"],
-                        help="fused Q/K/V and gate/up projections (stepserve's default: on)")
+    parser.add_argument("--fuse", choices=["on", "off"], nargs="+", default=["off"],
+                        help="fused Q/K/V and gate/up projections (stepserve's default: off)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--peer", action="store_true", help="also profile mlx-lm's model (needs mlx-lm)")

@@ -21,16 +21,20 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.headers = status, message, type, param, headers
 
 
+def error_body(status: int, message: str, type: str, param: str | None = None) -> dict:
+    """The JSON body of every error: ``{"error": {message, type, param, code}}``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": status}}
+
+
 def error_response(status: int, message: str, type: str, param: str | None = None, headers: dict | None = None, **extra) -> JSONResponse:
-    body = {"error": {"message": message, "type": type, "param": param, "code": status}, **extra}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse({**error_body(status, message, type, param), **extra}, status_code=status, headers=headers)
 
 
 async def send_error(send, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
                      headers: list[tuple[bytes, bytes]] = ()) -> None:
     """Send a whole JSON error response through a raw ASGI ``send`` (for middleware that
     answers before the app runs). ``headers`` are extra (name, value) byte pairs."""
-    body = json.dumps({"error": {"message": message, "type": type, "param": param, "code": status}}).encode()
+    body = json.dumps(error_body(status, message, type, param)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
     await send({"type": "http.response.body", "body": body})

@@ -23,6 +23,7 @@ import mlx.core as mx
 
 from service.engine import Engine
 from service.errors import ApiError
+from service.memory import kv_bytes_per_position
 from service.sequence import FinishReason
 from service.state import AppState
 
@@ -53,7 +54,7 @@ def engine_bytes(engine: Engine, rows: list[tuple[int, int]]) -> int:
     if not rows:
         return engine.model.nbytes
     buckets, a = engine.buckets, engine.model.args
-    per_position = 2 * a.num_hidden_layers * a.num_key_value_heads * a.dim_per_head * engine.model.dtype.size
+    per_position = kv_bytes_per_position(engine.model)
     running = min(len(rows), engine.scheduler.max_running)
     batch = buckets.batch_for(running)
     capacity = buckets.capacity_for(min(max(p + m for p, m in rows), buckets.capacity[-1]))

@@ -34,11 +34,16 @@ class MemoryEstimate:
                 f"{self.decode_cache / gb:.2f} GB + prefill KV cache {self.prefill_cache / gb:.2f} GB")
 
 
-def estimate(model: LoadedModel, buckets: BucketTable, max_running: int, max_admit: int) -> MemoryEstimate:
-    """Worst-case bytes of ``model`` served with ``buckets`` (keys and values of every layer:
-    2 x layers x Hkv x D x dtype size per position and row)."""
+def kv_bytes_per_position(model: LoadedModel) -> int:
+    """Bytes one row's KV cache takes per position: keys and values of every layer,
+    2 x layers x Hkv x D x the compute dtype's size."""
     a = model.args
-    per_position = 2 * a.num_hidden_layers * a.num_key_value_heads * a.dim_per_head * model.dtype.size
+    return 2 * a.num_hidden_layers * a.num_key_value_heads * a.dim_per_head * model.dtype.size
+
+
+def estimate(model: LoadedModel, buckets: BucketTable, max_running: int, max_admit: int) -> MemoryEstimate:
+    """Worst-case bytes of ``model`` served with ``buckets`` (see :func:`kv_bytes_per_position`)."""
+    per_position = kv_bytes_per_position(model)
     decode = buckets.batch_for(max_running) * buckets.capacity[-1] * per_position
     prefill = buckets.batch_for(min(max_admit, max_running)) * buckets.prompt[-1] * per_position
     return MemoryEstimate(model.name, model.nbytes, decode, prefill)

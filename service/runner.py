@@ -67,10 +67,10 @@ class ModelRunner:
         zero_key = mx.zeros((2,), mx.uint32)
         temperature = mx.array([s.params.temperature if s else 0.0 for s in rows], mx.float32)
         top_p = mx.array([s.params.top_p if s else 1.0 for s in rows], mx.float32)
-        top_k = mx.array([(s.params.top_k or self.vocab) if s else self.vocab for s in rows], mx.int32)
+        top_k = mx.array([min(s.params.top_k or self.vocab, self.vocab) if s else self.vocab for s in rows], mx.int32)
         seeded = mx.array([k is not None for k in keys])
         key_rows = mx.stack([k if k is not None else zero_key for k in keys])
-        tokens, next_keys = self.step_fn("sample", B)(logits, temperature, top_p, mx.minimum(top_k, self.vocab), key_rows, seeded)
+        tokens, next_keys = self.step_fn("sample", B)(logits, temperature, top_p, top_k, key_rows, seeded)
         return tokens, [next_keys[i] if k is not None else None for i, k in enumerate(keys)]
 
     # -- prefill -------------------------------------------------------------------------

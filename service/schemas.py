@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 512
-MAX_TOP_K = 2**31 - 1  # the sampler takes top_k as an int32 array (larger: std::bad_cast, a 500)
+MAX_TOP_K = 2**31 - 1  # top_k is an int32 in the sampler; the runner clamps it to the vocabulary
 
 
 class ChatMessage(BaseModel):

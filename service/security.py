@@ -19,7 +19,6 @@ from service.errors import ApiError, send_error
 log = logging.getLogger("stepserve.security")
 
 _BEARER = b"bearer "
-_LONGEST_TOKEN: dict[int, int] = {}  # id(ChatTokenizer) -> bytes of its longest token
 
 
 class ApiKeyMiddleware:
@@ -82,26 +81,10 @@ def warn_if_exposed(settings: Settings) -> None:
                     "set api_key (STEPSERVE_API_KEY) or bind 127.0.0.1 behind a proxy that authenticates", settings.host)
 
 
-def longest_token_bytes(tokenizer: ChatTokenizer) -> int:
-    """Bytes of the longest token in the vocabulary, added tokens included (cached).
-
-    Byte-level BPE vocabulary entries spell one character per byte (GPT-2's byte-to-unicode
-    table), so an entry's length is its byte count; added tokens are plain text and are
-    measured in UTF-8.
-    """
-    key = id(tokenizer)
-    if key not in _LONGEST_TOKEN:
-        tok = tokenizer.tokenizer
-        added = [t.content for t in tok.get_added_tokens_decoder().values()]
-        base = max(len(t) for t in tok.get_vocab(with_added_tokens=False))
-        _LONGEST_TOKEN[key] = max([base, *(len(t.encode()) for t in added)])
-    return _LONGEST_TOKEN[key]
-
-
 def check_prompt_chars(tokenizer: ChatTokenizer, text: str, max_tokens: int) -> None:
     """Refuse, without tokenizing it, a text too long to fit ``max_tokens`` tokens.
 
-    Every token covers at most :func:`longest_token_bytes` bytes and a character is at least
+    Every token covers at most ``tokenizer.longest_token_bytes`` bytes and a character is at least
     one byte, so more characters than ``max_tokens`` times that cannot encode to
     ``max_tokens`` tokens or fewer: the check never refuses a prompt that would fit, and it
     keeps a megabyte of text from holding the event loop in the tokenizer (~0.5 s here).
@@ -109,7 +92,7 @@ def check_prompt_chars(tokenizer: ChatTokenizer, text: str, max_tokens: int) -> 
     Raises:
         ApiError: 400 naming ``prompt`` and both limits.
     """
-    limit = max_tokens * longest_token_bytes(tokenizer)
+    limit = max_tokens * tokenizer.longest_token_bytes
     if len(text) > limit:
         raise ApiError(400, f"prompt is {len(text)} characters: more than the largest prompt bucket ({max_tokens} "
                             f"tokens) can hold, which is at most {limit} characters", param="prompt")
