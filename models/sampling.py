@@ -1,6 +1,6 @@
 """Token selection from logits with per-row parameters, as pure MLX functions.
 
-Both functions are compiled by ``service.compile_cache``: :func:`greedy` shapeless (it is
+Both functions are compiled by ``service.engine.compile_cache``: :func:`greedy` shapeless (it is
 one ``argmax``), :func:`sample` once per batch bucket with ``mx.random.state`` captured
 (``inputs=outputs=mx.random.state``, the pattern of MLX's compile guide).
 

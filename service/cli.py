@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from models.gguf import ModelLoadError
+from models.blas import load_cpu_blas
 from service.config import ConfigError, load_settings
 
 
@@ -65,9 +65,10 @@ def _progress():
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from service.app import MemoryBudgetError, check_memory, create_app, load_models
-    from service.middleware import header_timeout_protocol
-    from service.shutdown import DrainingServer
+    from models.gguf import ModelLoadError
+    from service.api.app import MemoryBudgetError, check_memory, create_app, load_models
+    from service.api.middleware import header_timeout_protocol
+    from service.process.shutdown import DrainingServer
 
     try:
         settings = load_settings(
@@ -113,13 +114,14 @@ def _exit_now(code: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    load_cpu_blas()  # before anything imports MLX
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from service.bench import main as bench
+        from service.bench.load import main as bench
 
         return bench(argv[1:])
     if argv[:1] == ["soak"]:
-        from service.soak import main as soak
+        from service.bench.soak import main as soak
 
         return soak(argv[1:])
     args = _parser().parse_args(argv)
@@ -134,6 +136,7 @@ def convert(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from models.convert import convert_gguf
+    from models.gguf import ModelLoadError
 
     try:
         out = convert_gguf(args.gguf, args.out_dir, getattr(mx, args.dtype) if args.dtype else None)

@@ -3,13 +3,15 @@ end-to-end tests."""
 
 from __future__ import annotations
 
-import models  # noqa: F401  (loads the CPU BLAS before MLX, as the service does)
+from models.blas import load_cpu_blas
 
-import mlx.core as mx
-import pytest
+load_cpu_blas()  # before MLX is imported, as `stepserve` does
 
-from models.llama import ModelArgs
-from tests.server import ServerProcess
+import mlx.core as mx  # noqa: E402
+import pytest  # noqa: E402
+
+from models.llama import ModelArgs  # noqa: E402
+from tests.server import ServerProcess  # noqa: E402
 
 # Float32 matmuls on CUDA run at TF32-like precision (a 64x64 matmul: 2.9e-4 relative error
 # on an H200, against ~1e-7 on the CPU), so logit comparisons there need a looser bound.

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.bench_compare import free_port
+from service.bench.compare import free_port
 
 STEPSERVE = str(Path(sys.executable).parent / "stepserve")
 START_TIMEOUT_S = 600  # warm-up on a slow 2-core CI machine

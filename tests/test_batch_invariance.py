@@ -7,9 +7,9 @@ import pytest
 
 from models.gguf import default_model_path
 from models.loader import load_model
-from service.buckets import BucketTable
-from service.compile_cache import CompileCache
-from service.runner import ModelRunner
+from service.engine.buckets import BucketTable
+from service.engine.compile_cache import CompileCache
+from service.engine.runner import ModelRunner
 from tests.conftest import ON_GPU
 
 PROMPTS = [

@@ -9,7 +9,7 @@ import pytest
 from models import sampling
 from models.kv_cache import KVCache
 from models.llama import decode
-from service.compile_cache import CompileCache, StepKey, StepSpec
+from service.engine.compile_cache import CompileCache, StepKey, StepSpec
 from tests.conftest import TINY, random_params
 
 
@@ -106,7 +106,7 @@ def test_filters_restrict_the_choice():
 
 @pytest.mark.parametrize("compiled_s,eager_s,keeps_compiled", [(1.0, 2.0, True), (1.0, 1.01, False), (2.0, 1.0, False)])
 def test_auto_policy_keeps_the_faster_form(monkeypatch, compiled_s, eager_s, keeps_compiled):
-    import service.compile_cache as cc
+    import service.engine.compile_cache as cc
 
     spec = StepSpec(lambda x: mx.tanh(x) * 2)
     cache = Recorder().cache("auto")

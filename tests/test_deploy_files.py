@@ -17,7 +17,7 @@ from pathlib import PurePosixPath
 import pytest
 import yaml
 
-from service import shutdown
+from service.process import shutdown
 from service.config import Settings, load_settings
 from tests.test_readme import ROOT, readme_command
 

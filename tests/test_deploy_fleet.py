@@ -28,7 +28,7 @@ import httpx
 import pytest
 import yaml
 
-from service.bench_compare import free_port
+from service.bench.compare import free_port
 from tests.server import ServerProcess
 from tests.test_deploy_files import DASHBOARD, DEPLOY, PROMETHEUS, tool
 

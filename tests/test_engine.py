@@ -16,11 +16,11 @@ from tokenizers.models import WordLevel
 
 from models.loader import LoadedModel
 from models.tokenizer import Detokenizer
-from service.buckets import BucketTable
-from service.compile_cache import CompileCache
-from service.engine import Engine, WarmupSpec
+from service.engine.buckets import BucketTable
+from service.engine.compile_cache import CompileCache
+from service.engine.core import Engine, WarmupSpec
 from service.metrics import Metrics
-from service.sequence import FinalEvent, FinishReason, SamplingParams, Sequence
+from service.engine.sequence import FinalEvent, FinishReason, SamplingParams, Sequence
 from tests.conftest import TINY, random_params
 from tests.test_llama_steps import prefill_one
 

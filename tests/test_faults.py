@@ -23,10 +23,10 @@ from models.gguf import ModelLoadError, default_model_path
 from models.gguf_header import GGUFLayoutError, check_gguf_layout
 from models.hf import tokenizer_from_dir
 from models.loader import LoadedModel
-from service.bench_compare import free_port
-from service.buckets import BucketTable
-from service.faults import ENGINE_DIED_EXIT, engine_bytes
-from service.scheduler import Scheduler
+from service.bench.compare import free_port
+from service.engine.buckets import BucketTable
+from service.process.watchdog import ENGINE_DIED_EXIT, engine_bytes
+from service.engine.scheduler import Scheduler
 from tests.conftest import TINY, random_params
 from tests.server import STEPSERVE, ServerProcess
 
@@ -191,7 +191,7 @@ def test_endless_chunked_body_gets_413(limited_server):
 DYING_ENGINE = """
 import sys
 import models
-from service.scheduler import Scheduler
+from service.engine.scheduler import Scheduler
 
 class InjectedFault(BaseException):
     pass
@@ -215,7 +215,7 @@ sys.exit(main())
 FAILING_WARMUP = """
 import sys
 import models
-from service.runner import ModelRunner
+from service.engine.runner import ModelRunner
 
 def warm(self, *args, **kwargs):
     raise RuntimeError("injected warm-up fault")

@@ -8,9 +8,9 @@ import pytest
 
 from models.gguf import default_model_path
 from models.loader import LoadedModel
-from service.buckets import BucketTable
+from service.engine.buckets import BucketTable
 from service.config import ConfigError, load_settings
-from service.memory import estimate
+from service.process.memory import estimate
 from tests.conftest import TINY, random_params
 from tests.server import STEPSERVE, ServerProcess
 

@@ -7,10 +7,10 @@ import mlx.core as mx
 import pytest
 
 from models.loader import LoadedModel
-from service.buckets import BucketTable
-from service.compile_cache import CompileCache
-from service.runner import ModelRunner
-from service.sequence import SamplingParams, Sequence
+from service.engine.buckets import BucketTable
+from service.engine.compile_cache import CompileCache
+from service.engine.runner import ModelRunner
+from service.engine.sequence import SamplingParams, Sequence
 from tests.conftest import ATOL, TINY, random_params
 from tests.test_llama_steps import prefill_one
 

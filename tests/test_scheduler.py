@@ -2,8 +2,8 @@
 
 import pytest
 
-from service.scheduler import DrainingError, QueueFullError, Scheduler
-from service.sequence import FinishReason, SamplingParams, Sequence
+from service.engine.scheduler import DrainingError, QueueFullError, Scheduler
+from service.engine.sequence import FinishReason, SamplingParams, Sequence
 
 
 def seq(name: str, deadline: float | None = None) -> Sequence:

@@ -11,7 +11,7 @@ import pytest
 
 from models.gguf import default_model_path
 from service.config import ConfigError, Settings, load_settings
-from service.security import is_loopback, warn_if_exposed
+from service.api.security import is_loopback, warn_if_exposed
 from tests.server import ServerProcess
 
 KEY = "test-key-7f3a9c"

@@ -3,9 +3,9 @@
 import mlx.core as mx
 import pytest
 
-from service.buckets import BucketLimitError, BucketTable
+from service.engine.buckets import BucketLimitError, BucketTable
 from service.config import ConfigError, load_settings
-from service.sequence import FinishReason, SamplingParams, Sequence, TokenEvent
+from service.engine.sequence import FinishReason, SamplingParams, Sequence, TokenEvent
 
 TABLE = BucketTable(batch=(1, 2, 4), prompt=(32, 64, 128), capacity=(256, 512, 1024))
 
@@ -79,7 +79,7 @@ def test_partial_stop_prefix_is_released_when_it_does_not_complete():
 
 
 def test_micro_benchmark_functions_compute_what_they_name():
-    from service.bench_micro import gelu, plain_vs_compiled, tanh_chain
+    from service.bench.micro import gelu, plain_vs_compiled, tanh_chain
 
     x = mx.array([-1.0, 0.0, 2.0])
     assert mx.allclose(gelu(x), mx.array([-0.158655, 0.0, 1.954500]), atol=1e-5)

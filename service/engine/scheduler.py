@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from service.sequence import FinishReason, Sequence
+from service.engine.sequence import FinishReason, Sequence
 
 
 class QueueFullError(RuntimeError):

@@ -17,12 +17,12 @@ from typing import Callable
 import mlx.core as mx
 
 from models.loader import LoadedModel
-from service.buckets import BucketTable
-from service.compile_cache import CompileCache
+from service.engine.buckets import BucketTable
+from service.engine.compile_cache import CompileCache
 from service.metrics import Metrics, RequestStat, StepStat
-from service.runner import ModelRunner
-from service.scheduler import Scheduler
-from service.sequence import FinishReason, Sequence
+from service.engine.runner import ModelRunner
+from service.engine.scheduler import Scheduler
+from service.engine.sequence import FinishReason, Sequence
 
 log = logging.getLogger("stepserve.engine")
 

@@ -13,19 +13,20 @@ from prometheus_client import CollectorRegistry
 from models.gguf import default_model_path
 from models.loader import LoadedModel, device_name, load_model
 from service import __version__
-from service import openai_api
-from service.api import router
-from service.buckets import BucketTable
-from service.compile_cache import CompileCache
-from service import memory, security
+from service.api import openai as openai_api
+from service.api.routes import router
+from service.engine.buckets import BucketTable
+from service.engine.compile_cache import CompileCache
+from service.process import memory
+from service.api import security
 from service.config import ModelSettings, Settings
-from service.memory import MemoryEstimate
-from service.engine import Engine, WarmupSpec
-from service.errors import install_error_handlers
-from service.faults import EngineWatchdog
+from service.process.memory import MemoryEstimate
+from service.engine.core import Engine, WarmupSpec
+from service.api.errors import install_error_handlers
+from service.process.watchdog import EngineWatchdog
 from service.metrics import Metrics
-from service.middleware import BodyLimitMiddleware, StatusCountMiddleware
-from service.state import AppState
+from service.api.middleware import BodyLimitMiddleware, StatusCountMiddleware
+from service.api.state import AppState
 
 log = logging.getLogger("stepserve")
 

@@ -202,11 +202,11 @@ def _table(result: dict) -> Table:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[2:] if argv is None else argv
     if "--micro" in argv:
-        from service.bench_micro import main as micro
+        from service.bench.micro import main as micro
 
         return micro(argv)
     if "--side-by-side" in argv:
-        from service.bench_compare import main as side_by_side
+        from service.bench.compare import main as side_by_side
 
         return side_by_side(argv)
     parser = argparse.ArgumentParser(prog="stepserve bench", description=__doc__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.loader import LoadedModel
-from service.buckets import BucketTable
+from service.engine.buckets import BucketTable
 
 
 @dataclass(frozen=True)

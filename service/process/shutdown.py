@@ -15,7 +15,7 @@ import time
 
 import uvicorn
 
-from service.state import AppState
+from service.api.state import AppState
 
 log = logging.getLogger("stepserve.shutdown")
 POLL_S = 0.05

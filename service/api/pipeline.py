@@ -12,13 +12,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from models.tokenizer import TokenizerError
-from service import faults, security
-from service.buckets import BucketLimitError
-from service.engine import Engine
-from service.errors import ApiError
-from service.scheduler import DrainingError, QueueFullError
-from service.sequence import Event, FinalEvent, FinishReason, SamplingParams, Sequence
-from service.state import AppState
+from service.process import watchdog as faults
+from service.api import security
+from service.engine.buckets import BucketLimitError
+from service.engine.core import Engine
+from service.api.errors import ApiError
+from service.engine.scheduler import DrainingError, QueueFullError
+from service.engine.sequence import Event, FinalEvent, FinishReason, SamplingParams, Sequence
+from service.api.state import AppState
 
 DISCONNECT_POLL_S = 0.25
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer

@@ -1,4 +1,4 @@
-"""Where a decode step's time goes, in-process: ``python -m service.bench_profile --out FILE``.
+"""Where a decode step's time goes, in-process: ``python -m service.bench.profile --out FILE``.
 
 For each batch bucket B (capacity bucket C, every row at position C/2) it times the default
 model's decode step plus greedy token selection, compiled, four ways:
@@ -28,14 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import models  # noqa: F401  (first: the CPU BLAS)
 import mlx.core as mx
 
 from models.gguf import default_model_path
 from models.loader import device_name, load_model
-from service.buckets import BucketTable
-from service.compile_cache import CompileCache
-from service.runner import ModelRunner
+from service.engine.buckets import BucketTable
+from service.engine.compile_cache import CompileCache
+from service.engine.runner import ModelRunner
 
 
 def profile_stepserve(model, batch: int, capacity: int, steps: int, repeats: int) -> dict:
@@ -149,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"batch": batch, "capacity": args.capacity, "mlx_lm": profile_peer(peer_dir, batch, args.capacity, args.steps)}
             print(json.dumps(row), flush=True)
             rows.append(row)
-    result = {"command": "python -m service.bench_profile " + " ".join(argv or []), "mlx": mx.__version__,
+    result = {"command": "python -m service.bench.profile " + " ".join(argv or []), "mlx": mx.__version__,
               "device": device_name(), "dtype": dtype, "weights": weights, "machine": platform.platform(), "rows": rows}
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))

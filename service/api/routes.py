@@ -1,4 +1,4 @@
-"""HTTP routes of stepserve's own API: thin handlers over :mod:`service.generation`."""
+"""HTTP routes of stepserve's own API: thin handlers over :mod:`service.api.pipeline`."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from service import generation
-from service.errors import ApiError
-from service.schemas import ErrorBody, InferChunk, InferRequest, InferResponse, ModelCard, ModelList
-from service.sequence import FinalEvent
-from service.state import AppState
+from service.api import pipeline as generation
+from service.api.errors import ApiError
+from service.api.schemas import ErrorBody, InferChunk, InferRequest, InferResponse, ModelCard, ModelList
+from service.engine.sequence import FinalEvent
+from service.api.state import AppState
 
 router = APIRouter()
 ERRORS = {code: {"model": ErrorBody} for code in (400, 404, 413, 422, 429, 500, 503, 504)}

@@ -1,6 +1,6 @@
 """Time one prefill and one decode step of the default model per compute dtype, weight
 format and compile mode, in-process, and write JSON. This is how stepserve's CPU defaults
-(float32, dequantized weights) were chosen: ``python -m service.bench_steps --out FILE``.
+(float32, dequantized weights) were chosen: ``python -m service.bench.steps --out FILE``.
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ import statistics
 import sys
 from pathlib import Path
 
-import models  # noqa: F401  (first: the CPU BLAS)
 import mlx.core as mx
+
+from models.blas import cpu_blas
 
 from models.gguf import default_model_path
 from models.loader import device_name, load_model
-from service.buckets import BucketTable
-from service.compile_cache import CompileCache, median_seconds
-from service.runner import ModelRunner
+from service.engine.buckets import BucketTable
+from service.engine.compile_cache import CompileCache, median_seconds
+from service.engine.runner import ModelRunner
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             print(json.dumps(row), flush=True)
         if args.out:
-            args.out.write_text(json.dumps({"command": "python -m service.bench_steps " + " ".join(argv or []), "rows": rows}, indent=2))
+            args.out.write_text(json.dumps({"command": "python -m service.bench.steps " + " ".join(argv or []), "rows": rows}, indent=2))
         return 0
     for dtype in args.dtypes:
         # float16 on a CPU is ~30x slower: a few repeats are enough to show it.
@@ -87,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                         row = measure(dtype, weights, compiled, batch, capacity, args.prompt, repeats)
                         print(json.dumps(row), flush=True)
                         rows.append(row)
-    result = {"command": "python -m service.bench_steps " + " ".join(argv or []), "mlx": mx.__version__,
-              "device": device_name(), "cpu_blas": models.CPU_BLAS, "machine": platform.platform(), "rows": rows}
+    result = {"command": "python -m service.bench.steps " + " ".join(argv or []), "mlx": mx.__version__,
+              "device": device_name(), "cpu_blas": cpu_blas(), "machine": platform.platform(), "rows": rows}
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return 0

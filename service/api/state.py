@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from service.config import Settings
-from service.engine import Engine
+from service.engine.core import Engine
 from service.metrics import Metrics
 
 

@@ -11,9 +11,9 @@ import mlx.core as mx
 from models import llama, sampling
 from models.kv_cache import KVCache
 from models.loader import LoadedModel
-from service.buckets import BucketTable
-from service.compile_cache import CompileCache, StepKey, StepSpec
-from service.sequence import Sequence
+from service.engine.buckets import BucketTable
+from service.engine.compile_cache import CompileCache, StepKey, StepSpec
+from service.engine.sequence import Sequence
 
 
 class ModelRunner:

@@ -26,7 +26,7 @@ from rich.table import Table
 from models.convert import convert_gguf
 from models.gguf import default_model_path
 from models.loader import device_name
-from service.bench import plot_levels, run
+from service.bench.load import plot_levels, run
 
 START_TIMEOUT_S = 900
 

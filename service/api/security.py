@@ -14,7 +14,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from models.tokenizer import ChatTokenizer
 from service.config import Settings
-from service.errors import ApiError, send_error
+from service.api.errors import ApiError, send_error
 
 log = logging.getLogger("stepserve.security")
 

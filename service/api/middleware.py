@@ -10,7 +10,7 @@ import time
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from service.errors import send_error
+from service.api.errors import send_error
 from service.metrics import Metrics
 
 COUNTED_PATHS = ("/infer", "/v1/completions", "/v1/chat/completions")

@@ -1,6 +1,6 @@
 """Soak test: a bounded run of mixed load against a stepserve on loopback, reported as JSON.
 
-``python -m service.soak`` (or ``stepserve soak``) starts ``stepserve serve`` on a free
+``python -m service.bench.soak`` (or ``stepserve soak``) starts ``stepserve serve`` on a free
 loopback port with every batch bucket warmed up (``--warmup-batch`` = the largest batch
 bucket; settings come from the same environment and ``--config`` as ``serve``), then runs
 ``--concurrency`` streaming clients (default: twice the largest batch bucket) for
@@ -32,9 +32,9 @@ from urllib.parse import urlparse
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.bench_compare import free_port
+from service.bench.compare import free_port
 from service.config import load_settings
-from service.security import is_loopback
+from service.api.security import is_loopback
 
 PROMPT_TOKENS = (8, 24, 48, 100, 200, 400)  # roughly one token per word; all within warm-up's 512
 WORDS = ("river", "stone", "market", "harbour", "lantern", "winter", "garden", "letter", "engine", "valley")

@@ -21,11 +21,11 @@ import threading
 
 import mlx.core as mx
 
-from service.engine import Engine
-from service.errors import ApiError
-from service.memory import kv_bytes_per_position
-from service.sequence import FinishReason
-from service.state import AppState
+from service.engine.core import Engine
+from service.api.errors import ApiError
+from service.process.memory import kv_bytes_per_position
+from service.engine.sequence import FinishReason
+from service.api.state import AppState
 
 log = logging.getLogger("stepserve.faults")
 

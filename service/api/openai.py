@@ -8,10 +8,10 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from service import generation
-from service.api import ERRORS, State
-from service.schemas import ChatCompletionRequest, CompletionRequest, OpenAISampling
-from service.sequence import FinalEvent
+from service.api import pipeline as generation
+from service.api.routes import ERRORS, State
+from service.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAISampling
+from service.engine.sequence import FinalEvent
 
 router = APIRouter(prefix="/v1")
 

@@ -15,14 +15,13 @@ import math
 import platform
 from pathlib import Path
 
-import models  # noqa: F401  (first: the CPU BLAS)
 import mlx.core as mx
 
 from models.gguf import default_model_path
 from models.loader import device_name, load_model
-from service.buckets import BucketTable
-from service.compile_cache import CompileCache, StepKey, StepSpec, median_seconds
-from service.runner import ModelRunner
+from service.engine.buckets import BucketTable
+from service.engine.compile_cache import CompileCache, StepKey, StepSpec, median_seconds
+from service.engine.runner import ModelRunner
 
 
 def gelu(x: mx.array) -> mx.array:
