@@ -24,7 +24,13 @@ from models.llama import ModelArgs, Params
 from models.tokenizer import ChatTokenizer
 
 #: model_type -> the module that implements it (mlx-lm's convention: one module per type).
-ARCHITECTURES: dict[str, ModuleType] = {"llama": llama, "mistral": llama, "smollm": llama, "qwen2": qwen2, "qwen3": qwen3}
+ARCHITECTURES: dict[str, ModuleType] = {
+    "llama": llama,
+    "mistral": llama,
+    "smollm": llama,
+    "qwen2": qwen2,
+    "qwen3": qwen3,
+}
 
 
 def architecture(model_type: str | None, path: Path) -> ModuleType:
@@ -39,7 +45,9 @@ def architecture(model_type: str | None, path: Path) -> ModuleType:
 def _read_json(path: Path, required: bool = True) -> dict:
     if not path.is_file():
         if required:
-            raise ModelLoadError(f"{path} is missing; a model directory needs config.json, *.safetensors and tokenizer.json")
+            raise ModelLoadError(
+                f"{path} is missing; a model directory needs config.json, *.safetensors and tokenizer.json"
+            )
         return {}
     try:
         return json.loads(path.read_text())
@@ -57,8 +65,10 @@ def _check_quantization(config: dict, path: Path) -> None:
     group = quant.get("group_size", 64)
     for key, value in quant.items():
         if isinstance(value, dict) and value.get("group_size", group) != group:
-            raise ModelLoadError(f"{path}: layer '{key}' uses group size {value['group_size']}, the model {group}; "
-                                 "mixed group sizes are not supported")
+            raise ModelLoadError(
+                f"{path}: layer '{key}' uses group size {value['group_size']}, the model {group}; "
+                "mixed group sizes are not supported"
+            )
 
 
 def read_weights(directory: Path) -> dict[str, mx.array]:
@@ -71,7 +81,9 @@ def read_weights(directory: Path) -> dict[str, mx.array]:
         try:
             weights.update(mx.load(str(file)))
         except Exception as exc:
-            raise ModelLoadError(f"{file} could not be read as safetensors ({exc}); the file is truncated or corrupt") from exc
+            raise ModelLoadError(
+                f"{file} could not be read as safetensors ({exc}); the file is truncated or corrupt"
+            ) from exc
     return weights
 
 
@@ -92,7 +104,9 @@ def tokenizer_from_dir(directory: Path, config: dict) -> ChatTokenizer:
     try:
         tokenizer = Tokenizer.from_file(str(file))
     except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
-        raise ModelLoadError(f"{file} could not be read as a tokenizers tokenizer.json ({exc}); the file is corrupt") from exc
+        raise ModelLoadError(
+            f"{file} could not be read as a tokenizers tokenizer.json ({exc}); the file is corrupt"
+        ) from exc
     tok_config = _read_json(directory / "tokenizer_config.json", required=False)
     template = tok_config.get("chat_template")
     if (directory / "chat_template.jinja").is_file():
@@ -113,7 +127,9 @@ def tokenizer_from_dir(directory: Path, config: dict) -> ChatTokenizer:
     if eos is not None:
         eos_ids.add(eos)
     if not eos_ids:
-        raise ModelLoadError(f"{directory}: no end-of-sequence token in config.json, generation_config.json or tokenizer_config.json")
+        raise ModelLoadError(
+            f"{directory}: no end-of-sequence token in config.json, generation_config.json or tokenizer_config.json"
+        )
     return ChatTokenizer(
         tokenizer=tokenizer,
         chat_template=template,

@@ -39,9 +39,7 @@ class KVCache(NamedTuple):
         return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
 
     @staticmethod
-    def allocate(
-        layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: mx.Dtype
-    ) -> "KVCache":
+    def allocate(layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: mx.Dtype) -> KVCache:
         """Zero-filled cache of ``layers`` x [batch, kv_heads, capacity, head_dim]."""
         shape = (batch, kv_heads, capacity, head_dim)
         return KVCache(
@@ -49,7 +47,7 @@ class KVCache(NamedTuple):
             [mx.zeros(shape, dtype) for _ in range(layers)],
         )
 
-    def resized(self, capacity: int) -> "KVCache":
+    def resized(self, capacity: int) -> KVCache:
         """A copy at another capacity: zero-padded when growing, truncated when shrinking.
 
         Truncation drops positions >= ``capacity``; callers shrink only below every live

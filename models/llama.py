@@ -49,7 +49,7 @@ class ModelArgs:
     quant_group_size: int = 32
 
     @classmethod
-    def from_dict(cls, config: dict) -> "ModelArgs":
+    def from_dict(cls, config: dict) -> ModelArgs:
         """Build from a ``config.json`` dict, ignoring keys this class does not know.
 
         ``rope_theta`` may be nested under ``rope_parameters`` (transformers >= 5), and the
@@ -90,8 +90,13 @@ def linear(x: mx.array, p: Params, group_size: int = 32) -> mx.array:
     """
     if "scales" in p:
         out = mx.quantized_matmul(
-            x, p["weight"], p["scales"], p["biases"], transpose=True,
-            group_size=group_size, bits=_bits(p, group_size),
+            x,
+            p["weight"],
+            p["scales"],
+            p["biases"],
+            transpose=True,
+            group_size=group_size,
+            bits=_bits(p, group_size),
         )
     else:
         out = x @ p["weight"].T
@@ -104,8 +109,11 @@ def embed(tokens: mx.array, p: Params, group_size: int = 32) -> mx.array:
     if "scales" not in p:
         return w[tokens]
     return mx.dequantize(
-        w[tokens], p["scales"][tokens], p["biases"][tokens],
-        group_size=group_size, bits=_bits(p, group_size),
+        w[tokens],
+        p["scales"][tokens],
+        p["biases"][tokens],
+        group_size=group_size,
+        bits=_bits(p, group_size),
     )
 
 

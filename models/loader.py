@@ -78,7 +78,9 @@ def prepare_params(params: Params, dtype: mx.Dtype, weights: WeightsMode, group_
     return tree_map(cast, expand(params))
 
 
-def load_model(path: str | Path, name: str, dtype: mx.Dtype, weights: WeightsMode = "quantized", fuse: bool = False) -> LoadedModel:
+def load_model(
+    path: str | Path, name: str, dtype: mx.Dtype, weights: WeightsMode = "quantized", fuse: bool = False
+) -> LoadedModel:
     """Read a GGUF file or a model directory and prepare it for serving.
 
     Args:

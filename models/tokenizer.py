@@ -63,7 +63,7 @@ class ChatTokenizer:
     _template: Any = field(default=None, repr=False)
 
     @classmethod
-    def from_gguf_metadata(cls, metadata: dict[str, Any], path: Path | str = "<gguf>") -> "ChatTokenizer":
+    def from_gguf_metadata(cls, metadata: dict[str, Any], path: Path | str = "<gguf>") -> ChatTokenizer:
         """Rebuild the tokenizer from GGUF metadata (values as returned by ``mx.load``).
 
         Raises:
@@ -147,7 +147,7 @@ class ChatTokenizer:
         """Text of ``ids`` with special tokens left out."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def detokenizer(self) -> "Detokenizer":
+    def detokenizer(self) -> Detokenizer:
         """A fresh incremental detokenizer for one sequence."""
         return Detokenizer(self.tokenizer)
 

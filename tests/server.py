@@ -30,12 +30,16 @@ class ServerProcess:
     readyz_codes: list[int] = field(default_factory=list)
 
     @classmethod
-    def start(cls, args: list[str], env: dict | None = None) -> "ServerProcess":
+    def start(cls, args: list[str], env: dict | None = None) -> ServerProcess:
         port = free_port()
         log = Path(tempfile.mkstemp(prefix="stepserve-", suffix=".log")[1])
         with log.open("wb") as out:
-            proc = subprocess.Popen([STEPSERVE, "serve", "--port", str(port), *args], stdout=out, stderr=subprocess.STDOUT,
-                                    env={**os.environ, **(env or {})})
+            proc = subprocess.Popen(
+                [STEPSERVE, "serve", "--port", str(port), *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+            )
         return cls(proc, port, log)
 
     @property

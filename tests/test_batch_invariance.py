@@ -18,7 +18,8 @@ PROMPTS = [
     "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
     "def fibonacci(n):",
-    "Photosynthesis is the process by which green plants and some other organisms use sunlight to synthesize foods from carbon dioxide and water. It",
+    "Photosynthesis is the process by which green plants and some other organisms use sunlight to synthesize foods"
+    " from carbon dioxide and water. It",
     "Q: What is the boiling point of water at sea level? A:",
     "The three primary colours are",
 ]

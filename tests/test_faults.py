@@ -12,7 +12,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-
 from types import SimpleNamespace
 
 import httpx
@@ -25,8 +24,8 @@ from models.hf import tokenizer_from_dir
 from models.loader import LoadedModel
 from service.bench.compare import free_port
 from service.engine.buckets import BucketTable
-from service.process.watchdog import ENGINE_DIED_EXIT, engine_bytes
 from service.engine.scheduler import Scheduler
+from service.process.watchdog import ENGINE_DIED_EXIT, engine_bytes
 from tests.conftest import TINY, random_params
 from tests.server import STEPSERVE, ServerProcess
 
@@ -72,7 +71,9 @@ def test_corrupt_model_file_fails_start_up_naming_the_file(tmp_path, gguf_bytes,
     # Without the layout check, "key-length" killed the process with SIGSEGV and no message.
     path = tmp_path / f"{kind}.gguf"
     path.write_bytes(b"" if kind == "empty" else damaged(gguf_bytes, kind))
-    result = subprocess.run([STEPSERVE, "serve", "--model", str(path), "--port", "0"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [STEPSERVE, "serve", "--model", str(path), "--port", "0"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 2, result.stderr
     assert str(path) in result.stderr and "corrupt" in result.stderr
 
@@ -91,8 +92,11 @@ def test_corrupt_tokenizer_json_names_the_file(tmp_path, content):
 def limited_server():
     """Memory limit 700 MB (the start-up budget set far above it, so only admission guards
     memory), read timeout 2 s, no warm-up."""
-    env = {"STEPSERVE_MLX_MEMORY_LIMIT_BYTES": str(MEMORY_LIMIT), "STEPSERVE_MEMORY_BUDGET_BYTES": str(100 * 10**9),
-           "STEPSERVE_READ_TIMEOUT_S": str(READ_TIMEOUT_S)}
+    env = {
+        "STEPSERVE_MLX_MEMORY_LIMIT_BYTES": str(MEMORY_LIMIT),
+        "STEPSERVE_MEMORY_BUDGET_BYTES": str(100 * 10**9),
+        "STEPSERVE_READ_TIMEOUT_S": str(READ_TIMEOUT_S),
+    }
     proc = ServerProcess.start(["--warmup-prompt-tokens", "0"], env=env)
     try:
         proc.wait_ready()
@@ -116,8 +120,11 @@ def test_memory_estimate_follows_the_load():
     # An engine's parts the estimate reads: a tiny model (2 layers, 2 KV heads of 16, float32:
     # 512 bytes per position), its buckets and its scheduler.
     model = LoadedModel("tiny", Path("-"), TINY, random_params(), None, mx.float32, "dequantized", 0.0)
-    engine = SimpleNamespace(model=model, buckets=BucketTable((1, 2, 4), (16, 32), (64, 128)),
-                             scheduler=Scheduler(max_running=4, max_waiting=8, max_admit=2))
+    engine = SimpleNamespace(
+        model=model,
+        buckets=BucketTable((1, 2, 4), (16, 32), (64, 128)),
+        scheduler=Scheduler(max_running=4, max_waiting=8, max_admit=2),
+    )
     per_position, scores = 512, 4 * 4  # 4 query heads of float32 scores per (query, key) pair
     weights = model.nbytes
     assert engine_bytes(engine, []) == weights
@@ -128,7 +135,9 @@ def test_memory_estimate_follows_the_load():
     assert engine_bytes(engine, [(10, 20)] * 9) == engine_bytes(engine, [(10, 20)] * 4)  # waiting rows add no slots
 
 
-def raw_request(port: int, head: bytes, parts: list[bytes], pause_s: float = 0.0, timeout: float = 30) -> tuple[bytes, float]:
+def raw_request(
+    port: int, head: bytes, parts: list[bytes], pause_s: float = 0.0, timeout: float = 30
+) -> tuple[bytes, float]:
     """Send ``head`` then each part (``pause_s`` apart); return what the server answered by
     the time it closed the connection, and how long that took."""
     start = time.monotonic()
@@ -230,8 +239,12 @@ def start_with(code: str, args: list[str]) -> ServerProcess:
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="stepserve-", suffix=".log")[1])
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--port", str(port), *args], stdout=out,
-                                stderr=subprocess.STDOUT, env=dict(os.environ))
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, "serve", "--port", str(port), *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ),
+        )
     return ServerProcess(proc, port, log)
 
 
@@ -240,8 +253,11 @@ def test_engine_thread_death_fails_readyz_and_exits_non_zero():
     try:
         server.wait_ready()
         replies: list[httpx.Response] = []
-        worker = threading.Thread(target=lambda: replies.append(
-            httpx.post(f"{server.url}/infer", json={"prompt": "1, 2, 3,", "max_tokens": 50}, timeout=60)))
+        worker = threading.Thread(
+            target=lambda: replies.append(
+                httpx.post(f"{server.url}/infer", json={"prompt": "1, 2, 3,", "max_tokens": 50}, timeout=60)
+            )
+        )
         worker.start()
         readyz = []
         with httpx.Client(base_url=server.url, timeout=5) as client:

@@ -31,12 +31,23 @@ SCHEMATHESIS = str(Path(sys.executable).parent / "schemathesis")
 REPO = Path(__file__).resolve().parent.parent
 # Small buckets keep every generation short: a prompt + max_tokens beyond 64 positions gets
 # 400, and requests without max_tokens generate 8 tokens.
-FUZZ_ENV = {"STEPSERVE_CAPACITY_BUCKETS": "[64]", "STEPSERVE_PROMPT_BUCKETS": "[16, 32, 64]",
-            "STEPSERVE_BATCH_BUCKETS": "[1, 2, 4, 8]", "STEPSERVE_DEFAULT_MAX_TOKENS": "8"}
+FUZZ_ENV = {
+    "STEPSERVE_CAPACITY_BUCKETS": "[64]",
+    "STEPSERVE_PROMPT_BUCKETS": "[16, 32, 64]",
+    "STEPSERVE_BATCH_BUCKETS": "[1, 2, 4, 8]",
+    "STEPSERVE_DEFAULT_MAX_TOKENS": "8",
+}
 FUZZ_ARGS = ["--warmup-prompt-tokens", "64", "--warmup-batch", "8"]
-LEAKS = ("Traceback", 'File "', "site-packages", ".py\"", ".py,", "/work/", "/tmp/", str(default_model_path().parent))
-ROUTES = {"GET /healthz", "GET /readyz", "GET /metrics", "GET /v1/models", "POST /infer", "POST /v1/completions",
-          "POST /v1/chat/completions"}
+LEAKS = ("Traceback", 'File "', "site-packages", '.py"', ".py,", "/work/", "/tmp/", str(default_model_path().parent))
+ROUTES = {
+    "GET /healthz",
+    "GET /readyz",
+    "GET /metrics",
+    "GET /v1/models",
+    "POST /infer",
+    "POST /v1/completions",
+    "POST /v1/chat/completions",
+}
 
 
 @schemathesis.check
@@ -52,16 +63,37 @@ def error_bodies_are_clean(ctx, response, case) -> None:
             raise AssertionError(f"not a stepserve error body: {response.text[:300]}")
 
 
-def fuzz(url: str, examples: int, workers: int, report_dir: Path, seed: int = 1, mode: str = "all") -> tuple[int, str, dict]:
+def fuzz(
+    url: str, examples: int, workers: int, report_dir: Path, seed: int = 1, mode: str = "all"
+) -> tuple[int, str, dict]:
     """Run the schemathesis CLI (every phase; checks: no 5xx, :func:`error_bodies_are_clean`,
     60 s per request at most, so a hang fails) against ``url``. ``mode``: ``all``, or
     ``positive`` / ``negative`` for schema-valid / schema-violating requests only.
 
     Returns (exit code, the CLI's output, :func:`summarize` of its NDJSON report).
     """
-    command = [SCHEMATHESIS, "run", f"{url}/openapi.json", "--max-examples", str(examples), "--workers", str(workers),
-               "--checks", "not_a_server_error,error_bodies_are_clean", "--request-timeout", "60", "--seed", str(seed),
-               "--mode", mode, "--report", "ndjson", "--report-ndjson-path", str(report_dir / "events.ndjson"), "--no-color"]
+    command = [
+        SCHEMATHESIS,
+        "run",
+        f"{url}/openapi.json",
+        "--max-examples",
+        str(examples),
+        "--workers",
+        str(workers),
+        "--checks",
+        "not_a_server_error,error_bodies_are_clean",
+        "--request-timeout",
+        "60",
+        "--seed",
+        str(seed),
+        "--mode",
+        mode,
+        "--report",
+        "ndjson",
+        "--report-ndjson-path",
+        str(report_dir / "events.ndjson"),
+        "--no-color",
+    ]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.test_fuzz", "PYTHONPATH": str(REPO)}
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=report_dir, timeout=3600)
     return result.returncode, result.stdout + result.stderr, summarize(report_dir / "events.ndjson")
@@ -76,9 +108,13 @@ def summarize(ndjson: Path) -> dict:
             continue
         recorder = event["recorder"]
         for interaction in recorder.get("interactions", {}).values():
-            routes[recorder["label"]][str(interaction["response"]["status_code"]) if interaction.get("response") else "none"] += 1
-    return {label: {"requests": sum(codes.values()), "statuses": dict(sorted(codes.items()))}
-            for label, codes in sorted(routes.items())}
+            routes[recorder["label"]][
+                str(interaction["response"]["status_code"]) if interaction.get("response") else "none"
+            ] += 1
+    return {
+        label: {"requests": sum(codes.values()), "statuses": dict(sorted(codes.items()))}
+        for label, codes in sorted(routes.items())
+    }
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +136,10 @@ def test_fuzzed_requests_get_no_server_error(fuzz_server, tmp_path):
 
 # What the full runs found, kept as explicit cases: a top_k beyond int32 crashed the sampler's
 # array construction (std::bad_cast, a 500); it is now refused by the schema.
-FOUND = [({"prompt": "Hi", "top_k": 2**40, "temperature": 0.5}, 422),
-         ({"prompt": "Hi", "top_k": 2**31 - 1, "temperature": 0.5}, 200)]
+FOUND = [
+    ({"prompt": "Hi", "top_k": 2**40, "temperature": 0.5}, 422),
+    ({"prompt": "Hi", "top_k": 2**31 - 1, "temperature": 0.5}, 200),
+]
 
 
 @pytest.mark.parametrize("body,status", FOUND)
@@ -113,7 +151,9 @@ def test_fuzz_findings_stay_fixed(fuzz_server, body, status):
 
 def test_server_answers_normally_after_fuzzing(fuzz_server):
     with fuzz_server.client() as client:
-        reply = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        reply = client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        )
         assert reply.status_code == 200, reply.text
         assert client.get("/readyz").status_code == 200
     assert fuzz_server.metric("stepserve_requests_total", status="500") == 0
@@ -136,8 +176,13 @@ def main(argv: list[str] | None = None) -> int:
         normal = server.client().post("/infer", json={"prompt": "The sky is", "max_tokens": 4}).status_code
     finally:
         server.stop()
-    report = {"exit_code": code, "requests": sum(r["requests"] for r in summary.values()), "routes": summary,
-              "normal_request_after": normal, "output_tail": output[-4000:]}
+    report = {
+        "exit_code": code,
+        "requests": sum(r["requests"] for r in summary.values()),
+        "routes": summary,
+        "normal_request_after": normal,
+        "output_tail": output[-4000:],
+    }
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -1,7 +1,6 @@
 """The pure step functions on a tiny random model: padding, slots and stale cache entries
 never change a real row, decode continues prefill exactly, and the GGUF RoPE layout."""
 
-
 import mlx.core as mx
 import pytest
 
@@ -12,15 +11,21 @@ from tests.conftest import ATOL, TINY, random_params
 
 
 def new_cache(batch, capacity, args=TINY, fill=None):
-    kv = KVCache.allocate(args.num_hidden_layers, batch, args.num_key_value_heads, capacity, args.dim_per_head, mx.float32)
+    kv = KVCache.allocate(
+        args.num_hidden_layers, batch, args.num_key_value_heads, capacity, args.dim_per_head, mx.float32
+    )
     if fill is not None:  # garbage, to prove that masked positions are never read
-        kv = KVCache([mx.random.normal(k.shape) * fill for k in kv.keys], [mx.random.normal(v.shape) * fill for v in kv.values])
+        kv = KVCache(
+            [mx.random.normal(k.shape) * fill for k in kv.keys], [mx.random.normal(v.shape) * fill for v in kv.values]
+        )
     return kv
 
 
 def prefill_one(params, ids, args=TINY):
     """Logits after a prompt, alone, at its exact length."""
-    logits, kv = prefill(params, mx.array([ids], mx.int32), mx.array([len(ids)]), new_cache(1, len(ids), args), args=args)
+    logits, kv = prefill(
+        params, mx.array([ids], mx.int32), mx.array([len(ids)]), new_cache(1, len(ids), args), args=args
+    )
     return logits[0], kv
 
 
@@ -107,9 +112,25 @@ def test_fused_projections_give_the_same_steps(params, fmt):
     if fmt == "quantized":
         params = _quantize(params)
     elif fmt == "biased":  # Qwen2-style Q/K/V biases travel with the fused weight
-        params = {**params, "layers": [{**layer, "self_attn": {**layer["self_attn"], **{
-            n: {**layer["self_attn"][n], "bias": mx.random.normal((layer["self_attn"][n]["weight"].shape[0],))}
-            for n in ("q_proj", "k_proj", "v_proj")}}} for layer in params["layers"]]}
+        params = {
+            **params,
+            "layers": [
+                {
+                    **layer,
+                    "self_attn": {
+                        **layer["self_attn"],
+                        **{
+                            n: {
+                                **layer["self_attn"][n],
+                                "bias": mx.random.normal((layer["self_attn"][n]["weight"].shape[0],)),
+                            }
+                            for n in ("q_proj", "k_proj", "v_proj")
+                        },
+                    },
+                }
+                for layer in params["layers"]
+            ],
+        }
     fused = fuse_projections(params)
     assert all("qkv_proj" in layer["self_attn"] and "q_proj" not in layer["self_attn"] for layer in fused["layers"])
     assert all("gate_up_proj" in layer["mlp"] for layer in fused["layers"])
@@ -123,8 +144,19 @@ def test_fused_projections_give_the_same_steps(params, fmt):
 
 
 def test_projections_of_different_formats_stay_unfused(params):
-    mixed = {**params, "layers": [{**params["layers"][0], "self_attn": {**params["layers"][0]["self_attn"],
-             "k_proj": _quantize(params["layers"][0]["self_attn"]["k_proj"])}}, *params["layers"][1:]]}
+    mixed = {
+        **params,
+        "layers": [
+            {
+                **params["layers"][0],
+                "self_attn": {
+                    **params["layers"][0]["self_attn"],
+                    "k_proj": _quantize(params["layers"][0]["self_attn"]["k_proj"]),
+                },
+            },
+            *params["layers"][1:],
+        ],
+    }
     fused = fuse_projections(mixed)
     assert "q_proj" in fused["layers"][0]["self_attn"] and "qkv_proj" not in fused["layers"][0]["self_attn"]
     assert "qkv_proj" in fused["layers"][1]["self_attn"]

@@ -8,13 +8,13 @@ import pytest
 
 from models.gguf import default_model_path
 from models.loader import LoadedModel
-from service.engine.buckets import BucketTable
 from service.config import ConfigError, load_settings
+from service.engine.buckets import BucketTable
 from service.process.memory import estimate
 from tests.conftest import TINY, random_params
 from tests.server import STEPSERVE, ServerProcess
 
-SMALL_BUCKETS = 'batch_buckets = [1, 2]\nprompt_buckets = [32, 64]\ncapacity_buckets = [256, 512]\n'
+SMALL_BUCKETS = "batch_buckets = [1, 2]\nprompt_buckets = [32, 64]\ncapacity_buckets = [256, 512]\n"
 
 
 def write_config(tmp_path, converted, extra: str = "") -> str:
@@ -30,7 +30,12 @@ def write_config(tmp_path, converted, extra: str = "") -> str:
 def test_models_inherit_top_level_settings(tmp_path, converted):
     settings = load_settings(write_config(tmp_path, converted))
     gguf, mlx_dir = settings.served_models()
-    assert (gguf.name, gguf.compile, gguf.warmup_prompt_tokens, gguf.capacity_buckets) == ("smol-gguf", "on", 64, [256, 512])
+    assert (gguf.name, gguf.compile, gguf.warmup_prompt_tokens, gguf.capacity_buckets) == (
+        "smol-gguf",
+        "on",
+        64,
+        [256, 512],
+    )
     assert (mlx_dir.compile, mlx_dir.max_sequences, mlx_dir.path) == ("off", 1, converted)
     assert [m.name for m in load_settings().served_models()] == ["SmolLM2-135M-Instruct"]
 
@@ -53,8 +58,13 @@ def test_memory_estimate_counts_weights_and_the_largest_caches():
 @pytest.mark.parametrize("setting", ["memory_budget_bytes", "mlx_memory_limit_bytes"])
 def test_over_the_memory_budget_refuses_to_start(tmp_path, converted, setting):
     config = write_config(tmp_path, converted, f"{setting} = 100000000")
-    result = subprocess.run([STEPSERVE, "serve", "--config", config, "--port", "0"], capture_output=True, text=True,
-                            timeout=120, check=False)
+    result = subprocess.run(
+        [STEPSERVE, "serve", "--config", config, "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 2
     assert f"over {setting} 0.10 GB" in result.stderr and "model 'smol-gguf'" in result.stderr
 

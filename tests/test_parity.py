@@ -74,8 +74,12 @@ def test_converted_default_model_matches_mlx_lm_and_the_gguf(converted, capsys):
     for prompt in PROMPTS:
         ids = gguf.tokenizer.encode(gguf.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
         assert ours.tokenizer.encode(gguf.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])) == ids
-        assert hf_tokenizer.encode(gguf.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]),
-                                   add_special_tokens=False) == ids
+        assert (
+            hf_tokenizer.encode(
+                gguf.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]), add_special_tokens=False
+            )
+            == ids
+        )
         tokens_gguf, logits_gguf = stepserve_greedy(gguf, ids)
         tokens_dir, logits_dir = stepserve_greedy(ours, ids)
         tokens_ref, logits_ref = mlx_lm_greedy(reference, ids)
@@ -105,9 +109,17 @@ def test_mlx_lm_generates_what_stepserve_serves_from_the_gguf(converted):
     assert served["text"] == expected.strip() or served["text"] == expected.removesuffix("<|im_end|>")
 
 
-TINY = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 49152, "rope_theta": 1000000.0,
-        "max_position_embeddings": 512}
+TINY = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 49152,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 512,
+}
 
 
 def write_tiny(directory: Path, converted: Path, model_type: str, quantize: bool):
@@ -144,5 +156,7 @@ def test_unsupported_model_type_names_the_supported_ones(tmp_path, converted):
     directory = tmp_path / "gpt2"
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps({**TINY, "model_type": "gpt2"}))
-    with pytest.raises(ModelLoadError, match=r"model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(
+        ModelLoadError, match=r"model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3"
+    ):
         load_model(directory, "x", mx.float32)

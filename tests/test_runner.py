@@ -40,7 +40,9 @@ def check_step(runner: ModelRunner, live: list[Sequence], next_tokens: list[int]
     logits = runner.decode(slots)
     for seq, token in zip(live, next_tokens, strict=True):
         expected, _ = prefill_one(runner.model.params, seq.prompt_ids + seq.output_ids)
-        assert mx.allclose(logits[seq.slot], expected, atol=ATOL), f"row of a {len(seq.prompt_ids)}-token prompt is wrong"
+        assert mx.allclose(logits[seq.slot], expected, atol=ATOL), (
+            f"row of a {len(seq.prompt_ids)}-token prompt is wrong"
+        )
         seq.position += 1
         seq.output_ids.append(token)
     runner.fit(live)

@@ -44,7 +44,10 @@ def test_cancelled_and_timed_out_requests_leave_at_the_next_step():
     sched.add(queued)
     sched.cancel(running)
     out = sched.schedule(now=6.0)
-    assert [(s.request_id, r) for s, r in out.aborted] == [("late", FinishReason.TIMEOUT), ("run", FinishReason.CANCELLED)]
+    assert [(s.request_id, r) for s, r in out.aborted] == [
+        ("late", FinishReason.TIMEOUT),
+        ("run", FinishReason.CANCELLED),
+    ]
     assert names(out.admitted) == ["q"] and names(sched.running) == ["q"]
 
 

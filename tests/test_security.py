@@ -10,22 +10,33 @@ import httpx
 import pytest
 
 from models.gguf import default_model_path
-from service.config import ConfigError, Settings, load_settings
 from service.api.security import is_loopback, warn_if_exposed
+from service.config import ConfigError, Settings, load_settings
 from tests.server import ServerProcess
 
 KEY = "test-key-7f3a9c"
 ORIGIN = "https://app.example"
 SHORT = {"prompt": "The sky is", "max_tokens": 2}
-PROTECTED = [("GET", "/v1/models"), ("GET", "/readyz"), ("GET", "/openapi.json"), ("GET", "/docs"), ("POST", "/infer"),
-             ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/no-such-route")]
+PROTECTED = [
+    ("GET", "/v1/models"),
+    ("GET", "/readyz"),
+    ("GET", "/openapi.json"),
+    ("GET", "/docs"),
+    ("POST", "/infer"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("GET", "/no-such-route"),
+]
 
 
 @pytest.fixture(scope="module")
 def locked_server():
     """API key required except on /healthz and /metrics; CORS for one origin; no warm-up."""
-    env = {"STEPSERVE_API_KEY": KEY, "STEPSERVE_AUTH_EXEMPT_PATHS": '["/healthz", "/metrics"]',
-           "STEPSERVE_CORS_ORIGINS": f'["{ORIGIN}"]'}
+    env = {
+        "STEPSERVE_API_KEY": KEY,
+        "STEPSERVE_AUTH_EXEMPT_PATHS": '["/healthz", "/metrics"]',
+        "STEPSERVE_CORS_ORIGINS": f'["{ORIGIN}"]',
+    }
     proc = ServerProcess.start(["--warmup-prompt-tokens", "0"], env=env)
     try:
         _wait_ready_with_key(proc)
@@ -40,7 +51,10 @@ def _wait_ready_with_key(proc: ServerProcess) -> None:
     while time.monotonic() < deadline:
         assert proc.process.poll() is None, proc.log()
         try:
-            if httpx.get(f"{proc.url}/readyz", headers={"authorization": f"Bearer {KEY}"}, timeout=5).status_code == 200:
+            if (
+                httpx.get(f"{proc.url}/readyz", headers={"authorization": f"Bearer {KEY}"}, timeout=5).status_code
+                == 200
+            ):
                 return
         except httpx.TransportError:
             pass
@@ -53,13 +67,18 @@ def test_every_route_needs_the_api_key(locked_server, method, path):
     with locked_server.client() as client:
         reply = client.request(method, path, json=SHORT if method == "POST" else None)
     assert reply.status_code == 401, reply.text
-    assert reply.json()["error"] == {"message": "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
-                                     "type": "authentication_error", "param": "Authorization", "code": 401}
+    assert reply.json()["error"] == {
+        "message": "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+        "type": "authentication_error",
+        "param": "Authorization",
+        "code": 401,
+    }
     assert reply.headers["www-authenticate"] == "Bearer"
 
 
-@pytest.mark.parametrize("header", [f"Bearer {KEY}x", f"Bearer {KEY[:-1]}", "Bearer", f"Bearer  x{KEY}", f"Basic {KEY}", KEY,
-                                    f"Token {KEY}"])
+@pytest.mark.parametrize(
+    "header", [f"Bearer {KEY}x", f"Bearer {KEY[:-1]}", "Bearer", f"Bearer  x{KEY}", f"Basic {KEY}", KEY, f"Token {KEY}"]
+)
 def test_a_wrong_key_or_scheme_is_refused(locked_server, header):
     with locked_server.client() as client:
         assert client.post("/infer", json=SHORT, headers={"authorization": header}).status_code == 401
@@ -75,7 +94,10 @@ def test_the_right_key_is_served_and_exempt_paths_need_none(locked_server):
 
 
 def test_cors_answers_the_configured_origin_only(locked_server):
-    preflight = {"access-control-request-method": "POST", "access-control-request-headers": "authorization,content-type"}
+    preflight = {
+        "access-control-request-method": "POST",
+        "access-control-request-headers": "authorization,content-type",
+    }
     with locked_server.client() as client:
         allowed = client.options("/infer", headers={"origin": ORIGIN, **preflight})
         assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == ORIGIN
@@ -90,7 +112,9 @@ def test_cors_is_off_unless_configured(server):
         preflight = client.options("/infer", headers={"origin": ORIGIN, "access-control-request-method": "POST"})
         simple = client.get("/v1/models", headers={"origin": ORIGIN})
     assert preflight.status_code == 405
-    assert "access-control-allow-origin" not in preflight.headers and "access-control-allow-origin" not in simple.headers
+    assert (
+        "access-control-allow-origin" not in preflight.headers and "access-control-allow-origin" not in simple.headers
+    )
 
 
 def test_binds_loopback_by_default(server):
@@ -129,7 +153,13 @@ BAD_REQUESTS = [
     ("POST", "/infer", b'{"prompt": "' + b"a" * 400_000 + b'"}', "application/json", 400),
     ("POST", "/infer", b'{"prompt": "' + b"a" * (2 << 20) + b'"}', "application/json", 413),
     ("POST", "/v1/completions", b'{"prompt": "hi", "max_tokens": 100000}', "application/json", 400),
-    ("POST", "/infer", b'{"prompt": "hi", "stop": ["' + b"x" * 513 + b'"]}', "application/json", 422),  # costly per token
+    (
+        "POST",
+        "/infer",
+        b'{"prompt": "hi", "stop": ["' + b"x" * 513 + b'"]}',
+        "application/json",
+        422,
+    ),  # costly per token
 ]
 
 
@@ -139,8 +169,16 @@ def test_errors_show_no_stack_traces_or_file_paths(server, method, path, body, c
     with server.client() as client:
         reply = client.request(method, path, content=body, headers=headers)
         assert reply.status_code == status, reply.text
-        assert reply.status_code < 500 and reply.json()["error"]["param"] in (None, "body", "prompt", "model", "max_tokens",
-                                                                             "messages", "messages.0.content", "stop")
+        assert reply.status_code < 500 and reply.json()["error"]["param"] in (
+            None,
+            "body",
+            "prompt",
+            "model",
+            "max_tokens",
+            "messages",
+            "messages.0.content",
+            "stop",
+        )
         for leak in LEAKS:
             assert leak not in reply.text, f"{leak!r} in {reply.text[:300]}"
         assert client.post("/infer", json=SHORT).status_code == 200

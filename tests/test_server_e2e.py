@@ -67,14 +67,24 @@ def test_greedy_output_identical_with_compile_on_and_off(server, eager_server, t
 def test_repeating_a_request_hits_the_compile_cache(server):
     with server.client() as client:
         client.post("/infer", json=CHAT)
-        misses, hits = server.metric("stepserve_compile_cache_misses_total"), server.metric("stepserve_compile_cache_hits_total")
+        misses, hits = (
+            server.metric("stepserve_compile_cache_misses_total"),
+            server.metric("stepserve_compile_cache_hits_total"),
+        )
         assert client.post("/infer", json=CHAT).status_code == 200
     assert server.metric("stepserve_compile_cache_misses_total") == misses
     assert server.metric("stepserve_compile_cache_hits_total") > hits
 
 
 def test_same_seed_same_output(server):
-    request = {"prompt": "Once upon a time", "max_tokens": 20, "temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 1234}
+    request = {
+        "prompt": "Once upon a time",
+        "max_tokens": 20,
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "top_k": 40,
+        "seed": 1234,
+    }
     with server.client() as client:
         first, second = client.post("/infer", json=request).json(), client.post("/infer", json=request).json()
         other = client.post("/infer", json={**request, "seed": 99}).json()
@@ -112,7 +122,9 @@ def test_bad_input_gets_its_status_and_the_server_keeps_serving(server, request_
 
 def test_oversized_and_malformed_bodies(server):
     with server.client() as client:
-        big = client.post("/infer", content=b'{"prompt": "' + b"a" * (2 << 20) + b'"}', headers={"content-type": "application/json"})
+        big = client.post(
+            "/infer", content=b'{"prompt": "' + b"a" * (2 << 20) + b'"}', headers={"content-type": "application/json"}
+        )
         assert big.status_code == 413 and "exceeds" in big.json()["error"]["message"]
         broken = client.post("/infer", content=b"{not json", headers={"content-type": "application/json"})
         assert broken.status_code == 422 and broken.json()["error"]["param"] == "body"
@@ -120,16 +132,30 @@ def test_oversized_and_malformed_bodies(server):
 
 
 def test_metrics_move_as_requests_are_served(server):
-    names = ["stepserve_prompt_tokens_total", "stepserve_generation_tokens_total", "stepserve_time_to_first_token_seconds_count",
-             "stepserve_request_duration_seconds_count", "stepserve_inter_token_latency_seconds_count"]
+    names = [
+        "stepserve_prompt_tokens_total",
+        "stepserve_generation_tokens_total",
+        "stepserve_time_to_first_token_seconds_count",
+        "stepserve_request_duration_seconds_count",
+        "stepserve_inter_token_latency_seconds_count",
+    ]
     before = {n: server.metric(n) for n in names}
     ok_before = server.metric("stepserve_requests_total", status="200")
     with server.client() as client:
         body = client.post("/infer", json={"prompt": "The sky is", "max_tokens": 5}).json()
     after = {n: server.metric(n) for n in names}
-    assert after["stepserve_prompt_tokens_total"] - before["stepserve_prompt_tokens_total"] == body["usage"]["prompt_tokens"]
-    assert after["stepserve_generation_tokens_total"] - before["stepserve_generation_tokens_total"] == body["usage"]["completion_tokens"]
-    assert after["stepserve_time_to_first_token_seconds_count"] == before["stepserve_time_to_first_token_seconds_count"] + 1
+    assert (
+        after["stepserve_prompt_tokens_total"] - before["stepserve_prompt_tokens_total"]
+        == body["usage"]["prompt_tokens"]
+    )
+    assert (
+        after["stepserve_generation_tokens_total"] - before["stepserve_generation_tokens_total"]
+        == body["usage"]["completion_tokens"]
+    )
+    assert (
+        after["stepserve_time_to_first_token_seconds_count"]
+        == before["stepserve_time_to_first_token_seconds_count"] + 1
+    )
     assert after["stepserve_inter_token_latency_seconds_count"] > before["stepserve_inter_token_latency_seconds_count"]
     assert server.metric("stepserve_requests_total", status="200") == ok_before + 1
     assert server.metric("stepserve_mlx_active_memory_bytes") > 100e6  # the weights at least
@@ -138,7 +164,9 @@ def test_metrics_move_as_requests_are_served(server):
 
 def test_health_and_metrics_answer_during_a_generation(server):
     with server.client() as client:
-        worker = threading.Thread(target=client.post, args=("/infer",), kwargs={"json": {"prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 120}})
+        worker = threading.Thread(
+            target=client.post, args=("/infer",), kwargs={"json": {"prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 120}}
+        )
         worker.start()
         try:
             deadline = time.monotonic() + 60
@@ -158,7 +186,9 @@ def test_bad_model_file_fails_start_up_naming_the_file(tmp_path, damage):
     path = tmp_path / "model.gguf"
     if damage == "truncated":
         path.write_bytes(default_model_path().read_bytes()[:200_000])
-    result = subprocess.run([STEPSERVE, "serve", "--model", str(path), "--port", "0"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [STEPSERVE, "serve", "--model", str(path), "--port", "0"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode != 0
     assert str(path) in result.stderr
 
@@ -166,5 +196,7 @@ def test_bad_model_file_fails_start_up_naming_the_file(tmp_path, damage):
 def test_openapi_schema_and_docs(server):
     with server.client() as client:
         schema = client.get("/openapi.json").json()
-        assert {"/infer", "/v1/completions", "/v1/chat/completions", "/v1/models", "/readyz", "/metrics"} <= set(schema["paths"])
+        assert {"/infer", "/v1/completions", "/v1/chat/completions", "/v1/models", "/readyz", "/metrics"} <= set(
+            schema["paths"]
+        )
         assert client.get("/docs").status_code == 200

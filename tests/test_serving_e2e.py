@@ -15,14 +15,24 @@ from tests.server import STEPSERVE, ServerProcess
 MODEL = "SmolLM2-135M-Instruct"
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"  # the model keeps counting: no early end-of-sequence
 # Small servers: one slot and one queue place with a 3 s limit; two slots and 2 s of grace.
-QUEUE_LIMITS = {"STEPSERVE_BATCH_BUCKETS": "[1]", "STEPSERVE_MAX_WAITING": "1", "STEPSERVE_REQUEST_TIMEOUT_S": "3",
-                "STEPSERVE_WARMUP_PROMPT_TOKENS": "32"}
-DRAIN = {"STEPSERVE_BATCH_BUCKETS": "[1, 2]", "STEPSERVE_SHUTDOWN_GRACE_S": "2", "STEPSERVE_WARMUP_PROMPT_TOKENS": "32",
-         "STEPSERVE_WARMUP_BATCH": "2"}
+QUEUE_LIMITS = {
+    "STEPSERVE_BATCH_BUCKETS": "[1]",
+    "STEPSERVE_MAX_WAITING": "1",
+    "STEPSERVE_REQUEST_TIMEOUT_S": "3",
+    "STEPSERVE_WARMUP_PROMPT_TOKENS": "32",
+}
+DRAIN = {
+    "STEPSERVE_BATCH_BUCKETS": "[1, 2]",
+    "STEPSERVE_SHUTDOWN_GRACE_S": "2",
+    "STEPSERVE_WARMUP_PROMPT_TOKENS": "32",
+    "STEPSERVE_WARMUP_BATCH": "2",
+}
 
 
 def sse_events(response: httpx.Response) -> list[dict]:
-    return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    return [
+        json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"
+    ]
 
 
 def wait_for(predicate, timeout=60.0, what="condition"):
@@ -48,8 +58,12 @@ def test_16_concurrent_clients_get_the_answers_they_would_get_alone(server):
     for t in threads:
         t.join()
     assert [results[i]["text"] for i in range(16)] == alone
-    assert all(r["finish_reason"] in ("stop", "length") and r["usage"]["completion_tokens"] > 0 for r in results.values())
-    assert server.metric("stepserve_batch_size_sum", phase="decode") > server.metric("stepserve_batch_size_count", phase="decode")
+    assert all(
+        r["finish_reason"] in ("stop", "length") and r["usage"]["completion_tokens"] > 0 for r in results.values()
+    )
+    assert server.metric("stepserve_batch_size_sum", phase="decode") > server.metric(
+        "stepserve_batch_size_count", phase="decode"
+    )
 
 
 def test_streamed_text_equals_the_whole_text_for_the_same_seed(server):
@@ -87,8 +101,16 @@ def test_openai_client_completions_and_chat(server):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
     assert "Paris" in chat.choices[0].message.content and chat.choices[0].finish_reason == "stop"
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
     assert chunks[-1].usage.total_tokens == chat.usage.total_tokens
@@ -146,7 +168,10 @@ def test_sigterm_drains_then_exits_0():
     results: dict[str, object] = {}
 
     def long_stream():
-        with small_server.client() as c, c.stream("POST", "/infer", json={"prompt": COUNTING, "max_tokens": 2000, "stream": True}) as r:
+        with (
+            small_server.client() as c,
+            c.stream("POST", "/infer", json={"prompt": COUNTING, "max_tokens": 2000, "stream": True}) as r,
+        ):
             results["long"] = sse_events(r)[-1]
 
     def short():
@@ -172,8 +197,27 @@ def test_sigterm_drains_then_exits_0():
 
 def test_bench_smoke(server, tmp_path):
     out = tmp_path / "bench.json"
-    result = subprocess.run([STEPSERVE, "bench", "--url", server.url, "--concurrency", "1", "2", "--requests", "1",
-                             "--max-tokens", "4", "--out", str(out)], capture_output=True, text=True, timeout=300, check=False)
+    result = subprocess.run(
+        [
+            STEPSERVE,
+            "bench",
+            "--url",
+            server.url,
+            "--concurrency",
+            "1",
+            "2",
+            "--requests",
+            "1",
+            "--max-tokens",
+            "4",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert [level["concurrency"] for level in report["levels"]] == [1, 2]
@@ -201,13 +245,31 @@ def test_compile_auto_chooses_per_bucket_and_answers_the_same(server):
 
 def test_side_by_side_smoke(tmp_path):
     """The side-by-side command runs end to end: both servers, the same load, ratios and a plot."""
-    result = subprocess.run([STEPSERVE, "bench", "--side-by-side", "--concurrency", "1", "--requests", "1",
-                             "--max-tokens", "4", "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=900,
-                            check=False)
+    result = subprocess.run(
+        [
+            STEPSERVE,
+            "bench",
+            "--side-by-side",
+            "--concurrency",
+            "1",
+            "--requests",
+            "1",
+            "--max-tokens",
+            "4",
+            "--out-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "side-by-side.json").read_text())
     assert set(report["results"]) == {"stepserve", "mlx_lm.server"}
-    assert all(r["levels"][0]["errors"] == 0 and r["levels"][0]["completion_tokens"] > 0 for r in report["results"].values())
+    assert all(
+        r["levels"][0]["errors"] == 0 and r["levels"][0]["completion_tokens"] > 0 for r in report["results"].values()
+    )
     assert report["ratios"][0]["aggregate_tok_s"] > 0
     ours = report["results"]["stepserve"]["levels"][0]
     assert ours["warmup_compile_misses"] == 0 and ours["compile_misses"] == 0, "stepserve compiled after its warm-up"

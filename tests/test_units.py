@@ -3,8 +3,8 @@
 import mlx.core as mx
 import pytest
 
-from service.engine.buckets import BucketLimitError, BucketTable
 from service.config import ConfigError, load_settings
+from service.engine.buckets import BucketLimitError, BucketTable
 from service.engine.sequence import FinishReason, SamplingParams, Sequence, TokenEvent
 
 TABLE = BucketTable(batch=(1, 2, 4), prompt=(32, 64, 128), capacity=(256, 512, 1024))

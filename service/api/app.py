@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import asynccontextmanager
-from typing import Callable
 
 import mlx.core as mx
 from fastapi import FastAPI
@@ -14,25 +14,27 @@ from models.gguf import default_model_path
 from models.loader import LoadedModel, device_name, load_model
 from service import __version__
 from service.api import openai as openai_api
+from service.api import security
+from service.api.errors import install_error_handlers
+from service.api.middleware import BodyLimitMiddleware, StatusCountMiddleware
 from service.api.routes import router
+from service.api.state import AppState
+from service.config import ModelSettings, Settings
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
-from service.process import memory
-from service.api import security
-from service.config import ModelSettings, Settings
-from service.process.memory import MemoryEstimate
 from service.engine.core import Engine, WarmupSpec
-from service.api.errors import install_error_handlers
-from service.process.watchdog import EngineWatchdog
 from service.metrics import Metrics
-from service.api.middleware import BodyLimitMiddleware, StatusCountMiddleware
-from service.api.state import AppState
+from service.process import memory
+from service.process.memory import MemoryEstimate
+from service.process.watchdog import EngineWatchdog
 
 log = logging.getLogger("stepserve")
 
 
 class MemoryBudgetError(RuntimeError):
     """The configured models may need more memory than ``memory_budget_bytes``."""
+
+
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -60,7 +62,9 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
         ModelLoadError: a file is missing, unreadable or unsupported (the message names it).
     """
     return {
-        spec.name: load_model(spec.path or default_model_path(), spec.name, compute_dtype(spec.dtype), weights_mode(spec.weights))
+        spec.name: load_model(
+            spec.path or default_model_path(), spec.name, compute_dtype(spec.dtype), weights_mode(spec.weights)
+        )
         for spec in settings.served_models()
     }
 
@@ -73,14 +77,19 @@ def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> list[Mem
     """Worst-case memory of every model. Raises MemoryBudgetError over ``memory_budget_bytes``,
     or over ``mlx_memory_limit_bytes`` (MLX's memory limit, where set) when no budget is given."""
     estimates = [
-        memory.estimate(models[spec.name], buckets_of(spec), spec.max_sequences or spec.batch_buckets[-1], settings.max_admit)
+        memory.estimate(
+            models[spec.name], buckets_of(spec), spec.max_sequences or spec.batch_buckets[-1], settings.max_admit
+        )
         for spec in settings.served_models()
     ]
     total = sum(e.total for e in estimates)
     for e in estimates:
         log.info("memory estimate: %s", e.describe())
-    name, budget = ("memory_budget_bytes", settings.memory_budget_bytes) if settings.memory_budget_bytes else \
-        ("mlx_memory_limit_bytes", settings.mlx_memory_limit_bytes)
+    name, budget = (
+        ("memory_budget_bytes", settings.memory_budget_bytes)
+        if settings.memory_budget_bytes
+        else ("mlx_memory_limit_bytes", settings.mlx_memory_limit_bytes)
+    )
     if budget is not None and total > budget:
         lines = "; ".join(e.describe() for e in estimates)
         raise MemoryBudgetError(
@@ -88,7 +97,9 @@ def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> list[Mem
             "lower max_sequences or the largest capacity bucket, or serve fewer models"
         )
     if total > mx.get_memory_limit():
-        log.warning("worst-case memory %.2f GB exceeds MLX's memory limit %.2f GB", total / 1e9, mx.get_memory_limit() / 1e9)
+        log.warning(
+            "worst-case memory %.2f GB exceeds MLX's memory limit %.2f GB", total / 1e9, mx.get_memory_limit() / 1e9
+        )
     return estimates
 
 
@@ -110,10 +121,19 @@ def create_app(
         for spec in specs:
             model = loaded[spec.name]
             cache = CompileCache(spec.compile, metrics.record_lookup, metrics.record_compile)
-            engine = Engine(model, buckets_of(spec), cache, metrics, settings.max_waiting, settings.max_admit, spec.max_sequences)
+            engine = Engine(
+                model, buckets_of(spec), cache, metrics, settings.max_waiting, settings.max_admit, spec.max_sequences
+            )
             state.engines[spec.name] = engine
-            log.info("model %s: %s, %.0f MB, %s weights, %s compute, compile %s", model.name, model.path,
-                     model.nbytes / 1e6, model.weights, model.dtype, spec.compile)
+            log.info(
+                "model %s: %s, %.0f MB, %s weights, %s compute, compile %s",
+                model.name,
+                model.path,
+                model.nbytes / 1e6,
+                model.weights,
+                model.dtype,
+                spec.compile,
+            )
             positions = spec.warmup_prompt_tokens + settings.default_max_tokens
             engine.start(WarmupSpec(spec.warmup_prompt_tokens, spec.warmup_batch, positions), progress)
         watchdog.start()
@@ -124,8 +144,12 @@ def create_app(
             for engine in state.engines.values():
                 engine.stop()
 
-    app = FastAPI(title="stepserve", version=__version__, lifespan=lifespan,
-                  description="MLX inference with compiled, bucketed prefill and decode steps.")
+    app = FastAPI(
+        title="stepserve",
+        version=__version__,
+        lifespan=lifespan,
+        description="MLX inference with compiled, bucketed prefill and decode steps.",
+    )
     app.state.stepserve = state
     app.state.watchdog = watchdog  # `stepserve serve` exits with its exit_code
     install_error_handlers(app)

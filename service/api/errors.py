@@ -16,7 +16,15 @@ log = logging.getLogger("stepserve.api")
 class ApiError(Exception):
     """An error to return as-is. ``param`` names the offending field, if any."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.headers = status, message, type, param, headers
 
@@ -26,17 +34,30 @@ def error_body(status: int, message: str, type: str, param: str | None = None) -
     return {"error": {"message": message, "type": type, "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, type: str, param: str | None = None, headers: dict | None = None, **extra) -> JSONResponse:
+def error_response(
+    status: int, message: str, type: str, param: str | None = None, headers: dict | None = None, **extra
+) -> JSONResponse:
     return JSONResponse({**error_body(status, message, type, param), **extra}, status_code=status, headers=headers)
 
 
-async def send_error(send, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                     headers: list[tuple[bytes, bytes]] = ()) -> None:
+async def send_error(
+    send,
+    status: int,
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    headers: list[tuple[bytes, bytes]] = (),
+) -> None:
     """Send a whole JSON error response through a raw ASGI ``send`` (for middleware that
     answers before the app runs). ``headers`` are extra (name, value) byte pairs."""
     body = json.dumps(error_body(status, message, type, param)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -64,7 +85,9 @@ def install_error_handlers(app: FastAPI) -> None:
         # FastAPI raises a bare 400 when reading the body fails past JSON syntax (e.g. nesting
         # deeper than Python's recursion limit); routes raise ApiError, never this.
         param = "body" if exc.status_code == 400 else None
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error", param, getattr(exc, "headers", None))
+        return error_response(
+            exc.status_code, str(exc.detail), "invalid_request_error", param, getattr(exc, "headers", None)
+        )
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):

@@ -40,12 +40,18 @@ class BodyLimitMiddleware:
         await self.app(scope, body.receive, body.send)
 
     async def _too_large(self, send) -> None:
-        await send_error(send, 413, f"request body exceeds {self.max_bytes} bytes (max_body_bytes)", param="body",
-                         headers=[_CLOSE])
+        await send_error(
+            send, 413, f"request body exceeds {self.max_bytes} bytes (max_body_bytes)", param="body", headers=[_CLOSE]
+        )
 
     async def _too_slow(self, send) -> None:
-        await send_error(send, 408, f"request body not received within {self.timeout_s:g} s (read_timeout_s)",
-                         param="body", headers=[_CLOSE])
+        await send_error(
+            send,
+            408,
+            f"request body not received within {self.timeout_s:g} s (read_timeout_s)",
+            param="body",
+            headers=[_CLOSE],
+        )
 
 
 class _BoundedBody:

@@ -17,8 +17,11 @@ router = APIRouter(prefix="/v1")
 
 
 def _usage(final: FinalEvent) -> dict:
-    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
-            "total_tokens": final.prompt_tokens + final.completion_tokens}
+    return {
+        "prompt_tokens": final.prompt_tokens,
+        "completion_tokens": final.completion_tokens,
+        "total_tokens": final.prompt_tokens + final.completion_tokens,
+    }
 
 
 class _OpenAIFormat:
@@ -32,7 +35,13 @@ class _OpenAIFormat:
         self.model, self.include_usage, self.created = model, include_usage, int(time.time())
 
     def _chunk(self, choice: dict | None, usage: dict | None = None) -> dict:
-        chunk = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model, "choices": [choice] if choice else []}
+        chunk = {
+            "id": self.id,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice] if choice else [],
+        }
         if self.include_usage:
             chunk["usage"] = usage
         return chunk
@@ -44,8 +53,14 @@ class _OpenAIFormat:
         return chunks
 
     def _response(self, choice: dict, final: FinalEvent) -> dict:
-        return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": _usage(final)}
+        return {
+            "id": self.id,
+            "object": self.object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": _usage(final),
+        }
 
 
 class CompletionFormat(_OpenAIFormat):
@@ -59,7 +74,9 @@ class CompletionFormat(_OpenAIFormat):
         return {"index": 0, "text": "", "logprobs": None, "finish_reason": reason}
 
     def body(self, text: str, final: FinalEvent) -> dict:
-        return self._response({"index": 0, "text": text, "logprobs": None, "finish_reason": final.finish_reason.value}, final)
+        return self._response(
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": final.finish_reason.value}, final
+        )
 
 
 class ChatFormat(_OpenAIFormat):
@@ -75,22 +92,32 @@ class ChatFormat(_OpenAIFormat):
         return [self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})]
 
     def _choice_end(self, reason: str) -> dict:
-        return {"index": 0, "delta": {} if self._started else {"role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": reason}
+        return {
+            "index": 0,
+            "delta": {} if self._started else {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": reason,
+        }
 
     def body(self, text: str, final: FinalEvent) -> dict:
         message = {"role": "assistant", "content": text}
-        return self._response({"index": 0, "message": message, "logprobs": None, "finish_reason": final.finish_reason.value}, final)
+        return self._response(
+            {"index": 0, "message": message, "logprobs": None, "finish_reason": final.finish_reason.value}, final
+        )
 
 
-async def _generate(body: OpenAISampling, request: Request, state, prompt: str | None, messages: list[dict] | None, fmt_cls):
+async def _generate(
+    body: OpenAISampling, request: Request, state, prompt: str | None, messages: list[dict] | None, fmt_cls
+):
     engine = generation.resolve_engine(state, body.model)
     ids = generation.prompt_ids(engine, prompt, messages)
     max_tokens = body.max_completion_tokens or body.max_tokens or state.settings.default_max_tokens
     params = generation.sampling_params(engine, len(ids), max_tokens, **body.sampling())
     seq, events = generation.start(state, engine, ids, params)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return await generation.respond(request, engine, seq, events, fmt_cls(engine.model.name, include_usage), body.stream)
+    return await generation.respond(
+        request, engine, seq, events, fmt_cls(engine.model.name, include_usage), body.stream
+    )
 
 
 @router.post("/completions", responses=ERRORS)

@@ -6,20 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import AsyncIterator, Protocol
+from collections.abc import AsyncIterator
+from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from models.tokenizer import TokenizerError
-from service.process import watchdog as faults
 from service.api import security
+from service.api.errors import ApiError
+from service.api.state import AppState
 from service.engine.buckets import BucketLimitError
 from service.engine.core import Engine
-from service.api.errors import ApiError
 from service.engine.scheduler import DrainingError, QueueFullError
 from service.engine.sequence import Event, FinalEvent, FinishReason, SamplingParams, Sequence
-from service.api.state import AppState
+from service.process import watchdog as faults
 
 DISCONNECT_POLL_S = 0.25
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
@@ -39,7 +40,12 @@ def resolve_engine(state: AppState, name: str | None) -> Engine:
     """The engine serving ``name`` (default model if None). 404 unknown, 503 not ready/draining."""
     engine = state.engines.get(name or state.default_model)
     if engine is None:
-        raise ApiError(404, f"model '{name}' not found; available: {', '.join(state.engines)}", type="not_found_error", param="model")
+        raise ApiError(
+            404,
+            f"model '{name}' not found; available: {', '.join(state.engines)}",
+            type="not_found_error",
+            param="model",
+        )
     if state.draining:
         raise ApiError(503, "server is shutting down", type="unavailable")
     if not engine.ready.is_set():
@@ -86,7 +92,9 @@ def start(state: AppState, engine: Engine, ids: list[int], params: SamplingParam
     503 when it could take MLX past its memory limit (:func:`service.faults.admit_memory`)."""
     faults.admit_memory(state, engine, len(ids), params.max_tokens)
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
-    seq = Sequence(ids, params, engine.model.tokenizer.detokenizer(), lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+    seq = Sequence(
+        ids, params, engine.model.tokenizer.detokenizer(), lambda e: loop.call_soon_threadsafe(events.put_nowait, e)
+    )
     seq.deadline = seq.arrival + state.settings.request_timeout_s
     try:
         engine.submit(seq)
@@ -121,7 +129,9 @@ def _failure(final: FinalEvent) -> ApiError | None:
     return None
 
 
-async def respond(request: Request, engine: Engine, seq: Sequence, events: asyncio.Queue, fmt: ResponseFormat, stream: bool):
+async def respond(
+    request: Request, engine: Engine, seq: Sequence, events: asyncio.Queue, fmt: ResponseFormat, stream: bool
+):
     """Answer with the whole text (JSON) or a server-sent event stream in ``fmt``'s shape."""
     first = await next_event(request, engine, seq, events)
     if first is None:
@@ -129,8 +139,11 @@ async def respond(request: Request, engine: Engine, seq: Sequence, events: async
     if isinstance(first, FinalEvent) and (error := _failure(first)):
         raise error
     if stream:
-        return StreamingResponse(_sse(request, engine, seq, events, fmt, first), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            _sse(request, engine, seq, events, fmt, first),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     pieces, event = [], first
     while not isinstance(event, FinalEvent):
         pieces.append(event.text)
@@ -163,4 +176,3 @@ async def _sse(request, engine, seq, events, fmt: ResponseFormat, first: Event) 
 
 def timings(final: FinalEvent) -> dict:
     return {"queue_s": final.queue_s, "ttft_s": final.ttft_s, "decode_s": final.decode_s, "total_s": final.total_s}
-

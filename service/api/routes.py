@@ -10,8 +10,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from service.api import pipeline as generation
 from service.api.errors import ApiError
 from service.api.schemas import ErrorBody, InferChunk, InferRequest, InferResponse, ModelCard, ModelList
-from service.engine.sequence import FinalEvent
 from service.api.state import AppState
+from service.engine.sequence import FinalEvent
 
 router = APIRouter()
 ERRORS = {code: {"model": ErrorBody} for code in (400, 404, 413, 422, 429, 500, 503, 504)}
@@ -37,14 +37,25 @@ class InferFormat:
 
     def final_chunks(self, final: FinalEvent) -> list[dict]:
         usage = {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens}
-        chunk = InferChunk(id=self.id, model=self.model, text="", finish_reason=final.finish_reason.value, usage=usage,
-                           timings=generation.timings(final))
+        chunk = InferChunk(
+            id=self.id,
+            model=self.model,
+            text="",
+            finish_reason=final.finish_reason.value,
+            usage=usage,
+            timings=generation.timings(final),
+        )
         return [chunk.model_dump()]
 
     def body(self, text: str, final: FinalEvent) -> dict:
-        return InferResponse(id=self.id, model=self.model, text=text, finish_reason=final.finish_reason.value,
-                             usage={"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens},
-                             timings=generation.timings(final)).model_dump()
+        return InferResponse(
+            id=self.id,
+            model=self.model,
+            text=text,
+            finish_reason=final.finish_reason.value,
+            usage={"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens},
+            timings=generation.timings(final),
+        ).model_dump()
 
 
 @router.post("/infer", response_model=InferResponse, responses={**ERRORS, 200: {"content": {"text/event-stream": {}}}})
@@ -53,11 +64,20 @@ async def infer(body: InferRequest, request: Request, state: State):
     engine = generation.resolve_engine(state, body.model)
     messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
     ids = generation.prompt_ids(engine, body.prompt, messages)
-    params = generation.sampling_params(engine, len(ids), body.max_tokens or state.settings.default_max_tokens,
-                                        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                                        stop=tuple(body.stop))
+    params = generation.sampling_params(
+        engine,
+        len(ids),
+        body.max_tokens or state.settings.default_max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        stop=tuple(body.stop),
+    )
     seq, events = generation.start(state, engine, ids, params)
-    return await generation.respond(request, engine, seq, events, InferFormat(seq.request_id, engine.model.name), body.stream)
+    return await generation.respond(
+        request, engine, seq, events, InferFormat(seq.request_id, engine.model.name), body.stream
+    )
 
 
 @router.get("/v1/models", response_model=ModelList)
@@ -84,9 +104,13 @@ async def readyz(state: State) -> dict:
     return {
         "status": "ready",
         "models": {
-            name: {"warmup_s": e.warmup_seconds, "warmed": e.warmup_buckets,
-                   "compiled": sum(c == "compiled" for c in choices.values()), "compile": e.runner.compiled.policy,
-                   "buckets": choices}
+            name: {
+                "warmup_s": e.warmup_seconds,
+                "warmed": e.warmup_buckets,
+                "compiled": sum(c == "compiled" for c in choices.values()),
+                "compile": e.runner.compiled.policy,
+                "buckets": choices,
+            }
             for name, e in state.engines.items()
             for choices in [e.compile_choices()]
         },

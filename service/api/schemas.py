@@ -25,14 +25,18 @@ class InferRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = Field(None, description="model name; default: the server's default model")
     prompt: str | None = Field(None, min_length=1, description="raw prompt text (no chat template)")
-    messages: list[ChatMessage] | None = Field(None, min_length=1, description="chat turns, rendered with the chat template")
+    messages: list[ChatMessage] | None = Field(
+        None, min_length=1, description="chat turns, rendered with the chat template"
+    )
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most; default from settings")
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass; 1 = off")
     top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="keep the k most likely tokens; 0 = off")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="same seed, same output")
     stop: str | list[str] | None = Field(
-        default_factory=list, validate_default=True, description=f"up to {MAX_STOP_STRINGS} strings of up to {MAX_STOP_CHARS} characters that end the text"
+        default_factory=list,
+        validate_default=True,
+        description=f"up to {MAX_STOP_STRINGS} strings of up to {MAX_STOP_CHARS} characters that end the text",
     )
     stream: bool = Field(False, description="answer text/event-stream: one event per text chunk, then a final event")
 
@@ -47,7 +51,7 @@ class InferRequest(BaseModel):
         return stops
 
     @model_validator(mode="after")
-    def _one_input(self) -> "InferRequest":
+    def _one_input(self) -> InferRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         return self
@@ -144,7 +148,13 @@ class OpenAISampling(BaseModel):
 
     def sampling(self) -> dict:
         """Arguments for :class:`service.sequence.SamplingParams` (max_tokens resolved later)."""
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed, "stop": tuple(self.stop)}
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": tuple(self.stop),
+        }
 
 
 class CompletionRequest(OpenAISampling):

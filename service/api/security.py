@@ -7,14 +7,14 @@ import hashlib
 import hmac
 import ipaddress
 import logging
-from typing import Iterable
+from collections.abc import Iterable
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from models.tokenizer import ChatTokenizer
-from service.config import Settings
 from service.api.errors import ApiError, send_error
+from service.config import Settings
 
 log = logging.getLogger("stepserve.security")
 
@@ -38,13 +38,19 @@ class ApiKeyMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in self.exempt or self._authorized(scope):
             return await self.app(scope, receive, send)
-        await send_error(send, 401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
-                         type="authentication_error", param="Authorization", headers=[(b"www-authenticate", b"Bearer")])
+        await send_error(
+            send,
+            401,
+            "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+            type="authentication_error",
+            param="Authorization",
+            headers=[(b"www-authenticate", b"Bearer")],
+        )
 
     def _authorized(self, scope) -> bool:
         for name, value in scope.get("headers") or []:
             if name == b"authorization" and value[: len(_BEARER)].lower() == _BEARER:
-                given = hashlib.sha256(value[len(_BEARER):].strip()).digest()
+                given = hashlib.sha256(value[len(_BEARER) :].strip()).digest()
                 return hmac.compare_digest(given, self._digest)
         return False
 
@@ -52,7 +58,9 @@ class ApiKeyMiddleware:
 def add_auth(app: FastAPI, settings: Settings) -> None:
     """Require the API key (when ``api_key`` is set) on every route but ``auth_exempt_paths``."""
     if settings.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key.get_secret_value(), exempt=settings.auth_exempt_paths)
+        app.add_middleware(
+            ApiKeyMiddleware, api_key=settings.api_key.get_secret_value(), exempt=settings.auth_exempt_paths
+        )
 
 
 def add_cors(app: FastAPI, settings: Settings) -> None:
@@ -60,8 +68,13 @@ def add_cors(app: FastAPI, settings: Settings) -> None:
     added, no response carries CORS headers and browsers refuse cross-origin calls. Add it
     last, so that it runs first and a 401 still carries the CORS headers."""
     if settings.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+            max_age=600,
+        )
 
 
 def is_loopback(host: str) -> bool:
@@ -77,8 +90,11 @@ def is_loopback(host: str) -> bool:
 def warn_if_exposed(settings: Settings) -> None:
     """Log a warning when the server listens beyond loopback without an API key."""
     if not is_loopback(settings.host) and settings.api_key is None:
-        log.warning("listening on %s without an API key: anyone who can reach this port can generate; "
-                    "set api_key (STEPSERVE_API_KEY) or bind 127.0.0.1 behind a proxy that authenticates", settings.host)
+        log.warning(
+            "listening on %s without an API key: anyone who can reach this port can generate; "
+            "set api_key (STEPSERVE_API_KEY) or bind 127.0.0.1 behind a proxy that authenticates",
+            settings.host,
+        )
 
 
 def check_prompt_chars(tokenizer: ChatTokenizer, text: str, max_tokens: int) -> None:
@@ -94,5 +110,9 @@ def check_prompt_chars(tokenizer: ChatTokenizer, text: str, max_tokens: int) -> 
     """
     limit = max_tokens * tokenizer.longest_token_bytes
     if len(text) > limit:
-        raise ApiError(400, f"prompt is {len(text)} characters: more than the largest prompt bucket ({max_tokens} "
-                            f"tokens) can hold, which is at most {limit} characters", param="prompt")
+        raise ApiError(
+            400,
+            f"prompt is {len(text)} characters: more than the largest prompt bucket ({max_tokens} "
+            f"tokens) can hold, which is at most {limit} characters",
+            param="prompt",
+        )

@@ -25,9 +25,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-TOPICS = ["the history of the printing press", "how a steam engine works", "the life cycle of a star",
-          "the rules of chess", "why the sky is blue", "the migration of birds", "how bread is made",
-          "the first voyage around the world"]
+TOPICS = [
+    "the history of the printing press",
+    "how a steam engine works",
+    "the life cycle of a star",
+    "the rules of chess",
+    "why the sky is blue",
+    "the migration of birds",
+    "how bread is made",
+    "the first voyage around the world",
+]
 
 
 def prompt_set(n: int = 16) -> list[str]:
@@ -89,8 +96,15 @@ async def _one(client: httpx.AsyncClient, api: str, prompt: str, max_tokens: int
     return {"tokens": tokens, "wall_s": wall, "ttft_s": arrivals[0] - start if arrivals else None, "itl_s": gaps}
 
 
-async def run_level(url: str, concurrency: int, requests_per_stream: int, max_tokens: int, prompts: list[str],
-                    api: str = "infer", model: str | None = None) -> dict:
+async def run_level(
+    url: str,
+    concurrency: int,
+    requests_per_stream: int,
+    max_tokens: int,
+    prompts: list[str],
+    api: str = "infer",
+    model: str | None = None,
+) -> dict:
     """Run one concurrency level; figures in seconds and tokens per second."""
     records, errors = [], 0
 
@@ -121,13 +135,22 @@ async def run_level(url: str, concurrency: int, requests_per_stream: int, max_to
         "elapsed_s": elapsed,
         "aggregate_tok_s": sum(r["tokens"] for r in records) / elapsed,
         "per_stream_tok_s_p50": statistics.median(r["tokens"] / r["wall_s"] for r in records) if records else None,
-        "ttft_s_p50": _pct(ttft, 0.5), "ttft_s_p99": _pct(ttft, 0.99),
-        "itl_s_p50": _pct(itl, 0.5), "itl_s_p99": _pct(itl, 0.99),
+        "ttft_s_p50": _pct(ttft, 0.5),
+        "ttft_s_p99": _pct(ttft, 0.99),
+        "itl_s_p50": _pct(itl, 0.5),
+        "itl_s_p99": _pct(itl, 0.99),
     }
 
 
-def run(url: str, levels: list[int], requests_per_stream: int, max_tokens: int, api: str = "infer",
-        model: str | None = None, warmup_requests: int = 0) -> dict:
+def run(
+    url: str,
+    levels: list[int],
+    requests_per_stream: int,
+    max_tokens: int,
+    api: str = "infer",
+    model: str | None = None,
+    warmup_requests: int = 0,
+) -> dict:
     """Every concurrency level in turn, with the compile misses the server counted in each
     (None for a server without stepserve's /metrics, such as mlx_lm.server).
 
@@ -154,8 +177,15 @@ def run(url: str, levels: list[int], requests_per_stream: int, max_tokens: int, 
             result["compile_misses"] = misses() - timed if stepserve else None
             result["warmup_compile_misses"] = timed - before if stepserve and warmup_requests else None
             results.append(result)
-    return {"url": url, "api": api, "build": build, "max_tokens": max_tokens, "requests_per_stream": requests_per_stream,
-            "warmup_requests_per_stream": warmup_requests, "levels": results}
+    return {
+        "url": url,
+        "api": api,
+        "build": build,
+        "max_tokens": max_tokens,
+        "requests_per_stream": requests_per_stream,
+        "warmup_requests_per_stream": warmup_requests,
+        "levels": results,
+    }
 
 
 def plot_levels(results: dict[str, dict], path: Path, title: str) -> Path | None:
@@ -188,14 +218,32 @@ def plot_levels(results: dict[str, dict], path: Path, title: str) -> Path | None
 
 def _table(result: dict) -> Table:
     table = Table(title=f"stepserve bench: {result['url']} (max_tokens {result['max_tokens']})")
-    for col in ("streams", "requests", "errors", "aggregate tok/s", "per-stream tok/s", "TTFT p50/p99 s", "ITL p50/p99 ms", "compile misses"):
+    for col in (
+        "streams",
+        "requests",
+        "errors",
+        "aggregate tok/s",
+        "per-stream tok/s",
+        "TTFT p50/p99 s",
+        "ITL p50/p99 ms",
+        "compile misses",
+    ):
         table.add_column(col, justify="right")
     for r in result["levels"]:
+
         def fmt(v, scale=1.0, digits=3):
             return "-" if v is None else f"{v * scale:.{digits}f}"
-        table.add_row(str(r["concurrency"]), str(r["requests"]), str(r["errors"]), f"{r['aggregate_tok_s']:.1f}",
-                      fmt(r["per_stream_tok_s_p50"], digits=1), f"{fmt(r['ttft_s_p50'])}/{fmt(r['ttft_s_p99'])}",
-                      f"{fmt(r['itl_s_p50'], 1e3, 1)}/{fmt(r['itl_s_p99'], 1e3, 1)}", fmt(r["compile_misses"], digits=0))
+
+        table.add_row(
+            str(r["concurrency"]),
+            str(r["requests"]),
+            str(r["errors"]),
+            f"{r['aggregate_tok_s']:.1f}",
+            fmt(r["per_stream_tok_s_p50"], digits=1),
+            f"{fmt(r['ttft_s_p50'])}/{fmt(r['ttft_s_p99'])}",
+            f"{fmt(r['itl_s_p50'], 1e3, 1)}/{fmt(r['itl_s_p99'], 1e3, 1)}",
+            fmt(r["compile_misses"], digits=0),
+        )
     return table
 
 
@@ -211,19 +259,25 @@ def main(argv: list[str] | None = None) -> int:
         return side_by_side(argv)
     parser = argparse.ArgumentParser(prog="stepserve bench", description=__doc__)
     parser.add_argument("--micro", action="store_true", help="plain vs compiled in-process instead (see bench_micro)")
-    parser.add_argument("--side-by-side", action="store_true", help="stepserve vs mlx_lm.server on the same weights (see bench_compare)")
+    parser.add_argument(
+        "--side-by-side", action="store_true", help="stepserve vs mlx_lm.server on the same weights (see bench_compare)"
+    )
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1], help="client streams per level")
     parser.add_argument("--requests", type=int, default=3, help="requests per stream and level")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--api", choices=["infer", "openai"], default="infer", help="POST /infer or /v1/completions (streamed)")
+    parser.add_argument(
+        "--api", choices=["infer", "openai"], default="infer", help="POST /infer or /v1/completions (streamed)"
+    )
     parser.add_argument("--model", help="model name to send (required by some OpenAI servers)")
     parser.add_argument("--out", type=Path, help="write the JSON result here, and the plot next to it (.png)")
     args = parser.parse_args(argv)
     result = run(args.url, args.concurrency, args.requests, args.max_tokens, args.api, args.model)
-    result.update(command="stepserve bench " + " ".join(argv),
-                  machine={"platform": platform.platform(), "processor": platform.machine()},
-                  time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    result.update(
+        command="stepserve bench " + " ".join(argv),
+        machine={"platform": platform.platform(), "processor": platform.machine()},
+        time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
     Console(stderr=True).print(_table(result))
     if args.out:
         plot = plot_levels({result["url"]: result}, args.out.with_suffix(".png"), f"stepserve bench: {result['url']}")

@@ -43,11 +43,19 @@ def median_ms(fn, args: tuple, repeats: int) -> float:
 
 
 def plain_vs_compiled(name: str, fn, shape: tuple[int, ...], repeats: int) -> dict:
-    compiled = CompileCache("on", lambda *a: None, lambda s: None).get(StepKey("micro", name, 0, 0, "float32"), StepSpec(fn))
+    compiled = CompileCache("on", lambda *a: None, lambda s: None).get(
+        StepKey("micro", name, 0, 0, "float32"), StepSpec(fn)
+    )
     x = mx.random.normal(shape)
     mx.eval(x)
     plain_ms, compiled_ms = median_ms(fn, (x,), repeats), median_ms(compiled, (x,), repeats)
-    return {"name": name, "shape": list(shape), "plain_ms": plain_ms, "compiled_ms": compiled_ms, "speedup": plain_ms / compiled_ms}
+    return {
+        "name": name,
+        "shape": list(shape),
+        "plain_ms": plain_ms,
+        "compiled_ms": compiled_ms,
+        "speedup": plain_ms / compiled_ms,
+    }
 
 
 def decode_steps(capacities: list[int], batch: int, repeats: int) -> list[dict]:
@@ -58,12 +66,25 @@ def decode_steps(capacities: list[int], batch: int, repeats: int) -> list[dict]:
     for capacity in capacities:
         times = {}
         for policy in ("off", "on"):
-            runner = ModelRunner(model, BucketTable((batch,), (32,), (capacity,)), CompileCache(policy, lambda *a: None, lambda s: None))
+            runner = ModelRunner(
+                model, BucketTable((batch,), (32,), (capacity,)), CompileCache(policy, lambda *a: None, lambda s: None)
+            )
             step = runner.step_fn("decode", batch, capacity)
-            args = (model.params, mx.zeros((batch,), mx.int32), mx.full((batch,), capacity // 2, mx.int32), runner.new_kv(batch, capacity))
+            args = (
+                model.params,
+                mx.zeros((batch,), mx.int32),
+                mx.full((batch,), capacity // 2, mx.int32),
+                runner.new_kv(batch, capacity),
+            )
             times[policy] = median_ms(step, args, repeats)
-        rows.append({"bucket": f"b{batch}x{capacity}", "eager_ms": times["off"], "compiled_ms": times["on"],
-                     "speedup": times["off"] / times["on"]})
+        rows.append(
+            {
+                "bucket": f"b{batch}x{capacity}",
+                "eager_ms": times["off"],
+                "compiled_ms": times["on"],
+                "speedup": times["off"] / times["on"],
+            }
+        )
     return rows
 
 
@@ -77,9 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = {
         "command": "stepserve bench " + " ".join(argv or []),
-        "device": device_name(), "mlx": mx.__version__, "machine": platform.platform(),
-        "elementwise": [plain_vs_compiled("gelu", gelu, (32, 1000, 4096), max(2, args.repeats // 3)),
-                        plain_vs_compiled("tanh20", tanh_chain, (512, 512), args.repeats * 5)],
+        "device": device_name(),
+        "mlx": mx.__version__,
+        "machine": platform.platform(),
+        "elementwise": [
+            plain_vs_compiled("gelu", gelu, (32, 1000, 4096), max(2, args.repeats // 3)),
+            plain_vs_compiled("tanh20", tanh_chain, (512, 512), args.repeats * 5),
+        ],
         "decode": decode_steps(args.capacity, args.batch, args.repeats),
     }
     text = json.dumps(result, indent=2)

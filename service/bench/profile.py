@@ -39,7 +39,9 @@ from service.engine.runner import ModelRunner
 
 def profile_stepserve(model, batch: int, capacity: int, steps: int, repeats: int) -> dict:
     """Seconds per decode step of stepserve's compiled step, split as the module docstring says."""
-    runner = ModelRunner(model, BucketTable((batch,), (16,), (capacity,)), CompileCache(True, lambda *a: None, lambda s: None))
+    runner = ModelRunner(
+        model, BucketTable((batch,), (16,), (capacity,)), CompileCache(True, lambda *a: None, lambda s: None)
+    )
     decode, greedy = runner.step_fn("decode", batch, capacity), runner.step_fn("greedy")
     kv = runner.new_kv(batch, capacity)
     position = capacity // 2
@@ -77,8 +79,14 @@ def profile_stepserve(model, batch: int, capacity: int, steps: int, repeats: int
         tokens = nxt
     tokens.tolist()
     pipelined_step_s = (time.perf_counter() - t0) / steps
-    return {"dispatch_s": statistics.median(dispatch_times), "eval_s": statistics.median(eval_times), "sync_step_s": sync_step_s,
-            "pipelined_step_s": pipelined_step_s, "tok_s_sync": batch / sync_step_s, "tok_s_pipelined": batch / pipelined_step_s}
+    return {
+        "dispatch_s": statistics.median(dispatch_times),
+        "eval_s": statistics.median(eval_times),
+        "sync_step_s": sync_step_s,
+        "pipelined_step_s": pipelined_step_s,
+        "tok_s_sync": batch / sync_step_s,
+        "tok_s_pipelined": batch / pipelined_step_s,
+    }
 
 
 def profile_peer(model_dir: Path, batch: int, capacity: int, steps: int) -> dict:
@@ -115,12 +123,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--capacity", type=int, default=256)
-    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                        help="compute dtype (default: float16 on a GPU, float32 on the CPU)")
-    parser.add_argument("--weights", choices=["quantized", "dequantized"], default=None,
-                        help="default: quantized on a GPU, dequantized on the CPU (stepserve's defaults)")
-    parser.add_argument("--fuse", choices=["on", "off"], nargs="+", default=["off"],
-                        help="fused Q/K/V and gate/up projections (stepserve's default: off)")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default=None,
+        help="compute dtype (default: float16 on a GPU, float32 on the CPU)",
+    )
+    parser.add_argument(
+        "--weights",
+        choices=["quantized", "dequantized"],
+        default=None,
+        help="default: quantized on a GPU, dequantized on the CPU (stepserve's defaults)",
+    )
+    parser.add_argument(
+        "--fuse",
+        choices=["on", "off"],
+        nargs="+",
+        default=["off"],
+        help="fused Q/K/V and gate/up projections (stepserve's default: off)",
+    )
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--peer", action="store_true", help="also profile mlx-lm's model (needs mlx-lm)")
@@ -140,16 +161,31 @@ def main(argv: list[str] | None = None) -> int:
         for fuse in args.fuse:
             model = load_model(default_model_path(), "profile", getattr(mx, dtype), weights, fuse=fuse == "on")
             for batch in args.batch:
-                row = {"batch": batch, "capacity": args.capacity, "fuse": fuse,
-                       **profile_stepserve(model, batch, args.capacity, args.steps, args.repeats)}
+                row = {
+                    "batch": batch,
+                    "capacity": args.capacity,
+                    "fuse": fuse,
+                    **profile_stepserve(model, batch, args.capacity, args.steps, args.repeats),
+                }
                 print(json.dumps(row), flush=True)
                 rows.append(row)
         for batch in args.batch if peer_dir is not None else []:
-            row = {"batch": batch, "capacity": args.capacity, "mlx_lm": profile_peer(peer_dir, batch, args.capacity, args.steps)}
+            row = {
+                "batch": batch,
+                "capacity": args.capacity,
+                "mlx_lm": profile_peer(peer_dir, batch, args.capacity, args.steps),
+            }
             print(json.dumps(row), flush=True)
             rows.append(row)
-    result = {"command": "python -m service.bench.profile " + " ".join(argv or []), "mlx": mx.__version__,
-              "device": device_name(), "dtype": dtype, "weights": weights, "machine": platform.platform(), "rows": rows}
+    result = {
+        "command": "python -m service.bench.profile " + " ".join(argv or []),
+        "mlx": mx.__version__,
+        "device": device_name(),
+        "dtype": dtype,
+        "weights": weights,
+        "machine": platform.platform(),
+        "rows": rows,
+    }
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return 0

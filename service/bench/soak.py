@@ -32,9 +32,9 @@ from urllib.parse import urlparse
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.api.security import is_loopback
 from service.bench.compare import free_port
 from service.config import load_settings
-from service.api.security import is_loopback
 
 PROMPT_TOKENS = (8, 24, 48, 100, 200, 400)  # roughly one token per word; all within warm-up's 512
 WORDS = ("river", "stone", "market", "harbour", "lantern", "winter", "garden", "letter", "engine", "valley")
@@ -62,11 +62,17 @@ def prompt(rng: random.Random, tokens: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(tokens))
 
 
-async def client(http: httpx.AsyncClient, rng: random.Random, deadline: float, t0: float, tally: Tally, max_tokens: int) -> None:
+async def client(
+    http: httpx.AsyncClient, rng: random.Random, deadline: float, t0: float, tally: Tally, max_tokens: int
+) -> None:
     """Send streamed ``/infer`` requests back to back until ``deadline`` (monotonic seconds)."""
     while time.monotonic() < deadline:
-        body = {"prompt": prompt(rng, rng.choice(PROMPT_TOKENS)), "max_tokens": rng.randint(max_tokens // 4, max_tokens),
-                "temperature": rng.choice((0.0, 0.7)), "stream": True}
+        body = {
+            "prompt": prompt(rng, rng.choice(PROMPT_TOKENS)),
+            "max_tokens": rng.randint(max_tokens // 4, max_tokens),
+            "temperature": rng.choice((0.0, 0.7)),
+            "stream": True,
+        }
         start, first = time.monotonic(), None
         try:
             async with http.stream("POST", "/infer", json=body) as reply:
@@ -97,8 +103,12 @@ async def client(http: httpx.AsyncClient, rng: random.Random, deadline: float, t
 
 def scrape(url: str) -> dict[str, float]:
     """Compile misses, MLX active memory and live requests from ``/metrics``."""
-    wanted = {"stepserve_compile_cache_misses_total": "compile_misses", "stepserve_mlx_active_memory_bytes": "mlx_active_bytes",
-              "stepserve_requests_running": "running", "stepserve_requests_waiting": "waiting"}
+    wanted = {
+        "stepserve_compile_cache_misses_total": "compile_misses",
+        "stepserve_mlx_active_memory_bytes": "mlx_active_bytes",
+        "stepserve_requests_running": "running",
+        "stepserve_requests_waiting": "waiting",
+    }
     out = dict.fromkeys(wanted.values(), 0.0)
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
         for sample in family.samples:
@@ -158,8 +168,10 @@ async def load(url: str, pid: int | None, args: argparse.Namespace) -> tuple[Tal
     deadline = t0 + args.duration
     limits = httpx.Limits(max_connections=args.concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600, connect=10), limits=limits) as http:
-        clients = [client(http, random.Random(rng.random()), deadline, t0, tally, args.max_tokens)
-                   for _ in range(args.concurrency)]
+        clients = [
+            client(http, random.Random(rng.random()), deadline, t0, tally, args.max_tokens)
+            for _ in range(args.concurrency)
+        ]
         await asyncio.gather(sampler(url, pid, deadline, t0, args.sample_s, samples), *clients)
     return tally, samples, time.monotonic() - t0
 
@@ -174,24 +186,47 @@ def soak(url: str, pid: int | None, args: argparse.Namespace) -> dict:
     windows = []
     for w0 in range(0, int(elapsed) + 1, int(args.window_s)):
         ttfts = [v for t, v in tally.ttft if w0 <= t < w0 + args.window_s]
-        windows.append({"from_s": w0, "to_s": w0 + args.window_s, "requests": len(ttfts),
-                        "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99)})
+        windows.append(
+            {
+                "from_s": w0,
+                "to_s": w0 + args.window_s,
+                "requests": len(ttfts),
+                "ttft_p50_s": percentile(ttfts, 0.5),
+                "ttft_p99_s": percentile(ttfts, 0.99),
+            }
+        )
     memory = {key: drift(samples, key, settle, args.window_s) for key in ("mlx_active_bytes", "rss_bytes")}
     report = {
-        "url": url, "duration_s": round(elapsed, 1), "concurrency": args.concurrency, "max_tokens": args.max_tokens,
-        "requests": {"ok": tally.ok, "rejected_429": tally.rejected_429, "errors": sum(tally.errors.values()),
-                     "errors_by_kind": tally.errors},
+        "url": url,
+        "duration_s": round(elapsed, 1),
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "requests": {
+            "ok": tally.ok,
+            "rejected_429": tally.rejected_429,
+            "errors": sum(tally.errors.values()),
+            "errors_by_kind": tally.errors,
+        },
         "error_samples": tally.error_samples,
         "tokens_per_s": round(tally.tokens / elapsed, 2),
         "compile_misses_after_warmup": end["compile_misses"] - idle["compile_misses"],
-        "memory": {**memory, "idle_before_and_after": {
-            "mlx_active_bytes": [idle["mlx_active_bytes"], end["mlx_active_bytes"]], "rss_bytes": [idle_rss, end_rss]}},
-        "ttft_p99_s": percentile([v for _, v in tally.ttft], 0.99), "ttft_by_window": windows, "samples": samples,
+        "memory": {
+            **memory,
+            "idle_before_and_after": {
+                "mlx_active_bytes": [idle["mlx_active_bytes"], end["mlx_active_bytes"]],
+                "rss_bytes": [idle_rss, end_rss],
+            },
+        },
+        "ttft_p99_s": percentile([v for _, v in tally.ttft], 0.99),
+        "ttft_by_window": windows,
+        "samples": samples,
     }
     report["goals_met"] = {
         "no_errors": report["requests"]["errors"] == GOALS["errors"],
         "no_compile_misses": report["compile_misses_after_warmup"] == GOALS["compile_misses_after_warmup"],
-        "memory_flat": all(abs(m["drift_pct"]) <= GOALS["memory_drift_pct"] for m in memory.values() if m["drift_pct"] is not None),
+        "memory_flat": all(
+            abs(m["drift_pct"]) <= GOALS["memory_drift_pct"] for m in memory.values() if m["drift_pct"] is not None
+        ),
     }
     return report
 
@@ -203,8 +238,21 @@ def start_server(largest_batch: int, serve_args: list[str]) -> tuple[subprocess.
     stepserve = str(Path(sys.executable).parent / "stepserve")
     log = Path(tempfile.mkstemp(prefix="stepserve-soak-", suffix=".log")[1])
     with log.open("wb") as out:
-        proc = subprocess.Popen([stepserve, "serve", "--host", "127.0.0.1", "--port", str(port), "--warmup-batch",
-                                 str(largest_batch), *serve_args], stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                stepserve,
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--warmup-batch",
+                str(largest_batch),
+                *serve_args,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     while True:
         if proc.poll() is not None:
@@ -227,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens drawn from [N/4, N] (default 64)")
     parser.add_argument("--window-s", type=float, default=60.0, help="TTFT window in seconds (default 60)")
     parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between /metrics and RSS samples")
-    parser.add_argument("--settle-s", type=float, help="memory is compared from this second on (default: min(60, duration/5))")
+    parser.add_argument(
+        "--settle-s", type=float, help="memory is compared from this second on (default: min(60, duration/5))"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the JSON report here too")
     parser.add_argument("serve_args", nargs="*", help="after --: extra `stepserve serve` arguments")

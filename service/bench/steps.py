@@ -15,7 +15,6 @@ from pathlib import Path
 import mlx.core as mx
 
 from models.blas import cpu_blas
-
 from models.gguf import default_model_path
 from models.loader import device_name, load_model
 from service.engine.buckets import BucketTable
@@ -23,7 +22,6 @@ from service.engine.compile_cache import CompileCache, median_seconds
 from service.engine.runner import ModelRunner
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-
 
 
 def time_step(fn, repeats: int) -> float:
@@ -47,20 +45,37 @@ def measure(dtype: str, weights: str, compiled: bool, batch: int, capacity: int,
         prompt_kv = runner.new_kv(1, prompt)
         ids, lengths = mx.zeros((1, prompt), mx.int32), mx.array([prompt], mx.int32)
         prefill_s = time_step(lambda: prefill(model.params, ids, lengths, prompt_kv), max(1, repeats // 3))
-    return {"dtype": dtype, "weights": weights, "compile": compiled, "batch": batch, "capacity": capacity,
-            "prompt": prompt, "decode_step_s": decode_s, "decode_tok_s": batch / decode_s, "prefill_s": prefill_s,
-            "weights_bytes": model.nbytes}
+    return {
+        "dtype": dtype,
+        "weights": weights,
+        "compile": compiled,
+        "batch": batch,
+        "capacity": capacity,
+        "prompt": prompt,
+        "decode_step_s": decode_s,
+        "decode_tok_s": batch / decode_s,
+        "prefill_s": prefill_s,
+        "weights_bytes": model.nbytes,
+    }
 
 
 def measure_load(path: Path, dtype: str, weights: str, repeats: int) -> dict:
     """Median seconds of :func:`load_model` (read, prepare and evaluate every weight)."""
     times = [load_model(path, "bench", DTYPES[dtype], weights).load_seconds for _ in range(repeats)]
-    return {"path": str(path), "dtype": dtype, "weights": weights, "load_s": statistics.median(times), "repeats": repeats}
+    return {
+        "path": str(path),
+        "dtype": dtype,
+        "weights": weights,
+        "load_s": statistics.median(times),
+        "repeats": repeats,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--load", type=Path, nargs="+", help="time loading these models (GGUF files or directories) instead")
+    parser.add_argument(
+        "--load", type=Path, nargs="+", help="time loading these models (GGUF files or directories) instead"
+    )
     parser.add_argument("--dtypes", nargs="+", default=["float32", "float16"], choices=list(DTYPES))
     parser.add_argument("--weights", nargs="+", default=["quantized", "dequantized"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1])
@@ -76,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             print(json.dumps(row), flush=True)
         if args.out:
-            args.out.write_text(json.dumps({"command": "python -m service.bench.steps " + " ".join(argv or []), "rows": rows}, indent=2))
+            args.out.write_text(
+                json.dumps({"command": "python -m service.bench.steps " + " ".join(argv or []), "rows": rows}, indent=2)
+            )
         return 0
     for dtype in args.dtypes:
         # float16 on a CPU is ~30x slower: a few repeats are enough to show it.
@@ -88,8 +105,14 @@ def main(argv: list[str] | None = None) -> int:
                         row = measure(dtype, weights, compiled, batch, capacity, args.prompt, repeats)
                         print(json.dumps(row), flush=True)
                         rows.append(row)
-    result = {"command": "python -m service.bench.steps " + " ".join(argv or []), "mlx": mx.__version__,
-              "device": device_name(), "cpu_blas": cpu_blas(), "machine": platform.platform(), "rows": rows}
+    result = {
+        "command": "python -m service.bench.steps " + " ".join(argv or []),
+        "mlx": mx.__version__,
+        "device": device_name(),
+        "cpu_blas": cpu_blas(),
+        "machine": platform.platform(),
+        "rows": rows,
+    }
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return 0

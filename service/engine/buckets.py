@@ -63,7 +63,11 @@ class BucketTable:
         prompts = [t for t in self.prompt if t <= top_prompt]
         prefill_batches = [b for b in self.batch if b <= self.batch_for(max(1, min(max_prefill_rows, max_rows)))]
         decode_batches = [b for b in self.batch if b <= self.batch_for(max_rows)]
-        top_capacity = self.capacity[-1] if batched_positions is None else self.capacity_for(min(batched_positions, self.capacity[-1]))
+        top_capacity = (
+            self.capacity[-1]
+            if batched_positions is None
+            else self.capacity_for(min(batched_positions, self.capacity[-1]))
+        )
         prefill = [(b, t) for b in prefill_batches for t in prompts]
         decode = [(b, c) for b in decode_batches for c in self.capacity if b == 1 or c <= top_capacity]
         return prefill, decode

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 
@@ -72,7 +73,13 @@ class _Entry:
     """A step function whose first call is timed and reported; under ``auto`` it holds the
     compiled and the eager form and runs the one chosen."""
 
-    def __init__(self, key: StepKey, fn: Callable[..., Any], eager: Callable[..., Any], on_compiled: Callable[[CompileStat], None]):
+    def __init__(
+        self,
+        key: StepKey,
+        fn: Callable[..., Any],
+        eager: Callable[..., Any],
+        on_compiled: Callable[[CompileStat], None],
+    ):
         self.key, self._compiled, self._eager, self._on_compiled = key, fn, eager, on_compiled
         self._fn = fn
         self.compile_seconds: float | None = None

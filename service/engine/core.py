@@ -11,18 +11,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import mlx.core as mx
 
 from models.loader import LoadedModel
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
-from service.metrics import Metrics, RequestStat, StepStat
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import FinishReason, Sequence
+from service.metrics import Metrics, RequestStat, StepStat
 
 log = logging.getLogger("stepserve.engine")
 
@@ -72,8 +72,16 @@ class Engine:
         max_running: running sequences at most (default and ceiling: the largest batch bucket).
     """
 
-    def __init__(self, model: LoadedModel, buckets: BucketTable, cache: CompileCache, metrics: Metrics,
-                 max_waiting: int = 256, max_admit: int = 4, max_running: int | None = None):
+    def __init__(
+        self,
+        model: LoadedModel,
+        buckets: BucketTable,
+        cache: CompileCache,
+        metrics: Metrics,
+        max_waiting: int = 256,
+        max_admit: int = 4,
+        max_running: int | None = None,
+    ):
         self.model, self.buckets, self.metrics = model, buckets, metrics
         self.runner = ModelRunner(model, buckets, cache)
         self.scheduler = Scheduler(min(max_running or buckets.batch[-1], buckets.batch[-1]), max_waiting, max_admit)
@@ -97,8 +105,9 @@ class Engine:
 
     def start(self, warmup: WarmupSpec, progress: Callable[[int, str], None] | None = None) -> None:
         """Start the engine thread; it warms up first, then sets :attr:`ready`."""
-        self._thread = threading.Thread(target=self._main, args=(warmup, progress),
-                                        name=f"stepserve-engine-{self.model.name}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._main, args=(warmup, progress), name=f"stepserve-engine-{self.model.name}", daemon=True
+        )
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -123,7 +132,9 @@ class Engine:
 
     def compile_choices(self) -> dict[str, str]:
         """``{"decode b1x256": "compiled" | "eager", ...}`` for every step function built so far."""
-        return {f"{k.phase} {k.bucket}": "compiled" if c else "eager" for k, c in self.runner.compiled.choices().items()}
+        return {
+            f"{k.phase} {k.bucket}": "compiled" if c else "eager" for k, c in self.runner.compiled.choices().items()
+        }
 
     @property
     def idle(self) -> bool:
@@ -164,13 +175,21 @@ class Engine:
 
     def _warmup(self, warmup: WarmupSpec, progress) -> None:
         start = time.perf_counter()
-        plan = self.runner.warmup_plan(warmup.prompt_tokens, warmup.batch, self.scheduler.max_admit, warmup.batched_positions)
+        plan = self.runner.warmup_plan(
+            warmup.prompt_tokens, warmup.batch, self.scheduler.max_admit, warmup.batched_positions
+        )
         for i, (phase, b, size) in enumerate(plan):
             t0 = time.perf_counter()
             compiled = self.runner.warm(phase, b, size)
             label = f"{phase} b{b}x{size}" if size else (f"{phase} b{b}" if b else phase)
-            log.info("warm-up %d/%d: %s ready in %.2f s, runs %s", i + 1, len(plan), label, time.perf_counter() - t0,
-                     "compiled" if compiled else "eager")
+            log.info(
+                "warm-up %d/%d: %s ready in %.2f s, runs %s",
+                i + 1,
+                len(plan),
+                label,
+                time.perf_counter() - t0,
+                "compiled" if compiled else "eager",
+            )
             if progress:
                 progress(len(plan), label)
         self.warmup_seconds, self.warmup_buckets = time.perf_counter() - start, len(plan)
@@ -276,9 +295,15 @@ class Engine:
         """int32 [B]: each row's newest token, taken on the device from the queued step
         ``prev`` where that step produced it, from Python otherwise (just prefilled)."""
         src = [pending.get(id(s), -1) if s is not None else -1 for s in rows]
-        if prev is not None and prev.tokens.shape[0] == len(rows) and all(j == i for i, j in enumerate(src) if rows[i] is not None):
+        if (
+            prev is not None
+            and prev.tokens.shape[0] == len(rows)
+            and all(j == i for i, j in enumerate(src) if rows[i] is not None)
+        ):
             return prev.tokens  # the steady state: every row stayed in its slot
-        known = mx.array([s.last_token if s is not None and j < 0 else 0 for s, j in zip(rows, src, strict=True)], mx.int32)
+        known = mx.array(
+            [s.last_token if s is not None and j < 0 else 0 for s, j in zip(rows, src, strict=True)], mx.int32
+        )
         if prev is None or all(j < 0 for j in src):
             return known
         from_prev = mx.array([j >= 0 for j in src])
@@ -323,7 +348,9 @@ class Engine:
         self._vacate(seq)
         self.scheduler.finish(seq)
 
-    def _record_step(self, phase: str, batch: int, size: int, rows: int, start: float, end: float | None = None) -> None:
+    def _record_step(
+        self, phase: str, batch: int, size: int, rows: int, start: float, end: float | None = None
+    ) -> None:
         seconds = (end or time.perf_counter()) - start
         self.metrics.record_step(StepStat(self.model.name, phase, f"b{batch}x{size}", rows, batch, seconds))
 
@@ -333,9 +360,18 @@ class Engine:
         if error is not None:
             seq.finish_reason = seq.finish_reason if seq.finish_reason is FinishReason.CANCELLED else FinishReason.ERROR
         final = seq.final_event(error)
-        self.metrics.record_request(RequestStat(self.model.name, final.finish_reason.value, final.prompt_tokens,
-                                                final.completion_tokens, final.total_s, final.ttft_s, tuple(seq.inter_token_s),
-                                                shutdown=error == SHUTDOWN))
+        self.metrics.record_request(
+            RequestStat(
+                self.model.name,
+                final.finish_reason.value,
+                final.prompt_tokens,
+                final.completion_tokens,
+                final.total_s,
+                final.ttft_s,
+                tuple(seq.inter_token_s),
+                shutdown=error == SHUTDOWN,
+            )
+        )
         seq.emit(final)
 
     def _fail_running(self, message: str) -> None:

@@ -3,8 +3,8 @@ owns the running batch's KV cache. Called only from the engine thread."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Callable, Iterable
 
 import mlx.core as mx
 
@@ -47,11 +47,15 @@ class ModelRunner:
     def new_kv(self, batch: int, capacity: int) -> KVCache:
         """A zeroed KV cache [batch, Hkv, capacity, D] per layer in the compute dtype."""
         a = self.model.args
-        return KVCache.allocate(a.num_hidden_layers, batch, a.num_key_value_heads, capacity, a.dim_per_head, self.model.dtype)
+        return KVCache.allocate(
+            a.num_hidden_layers, batch, a.num_key_value_heads, capacity, a.dim_per_head, self.model.dtype
+        )
 
     # -- sampling ------------------------------------------------------------------------
 
-    def select(self, logits: mx.array, rows: list[Sequence | None], keys: list[mx.array | None]) -> tuple[mx.array, list[mx.array | None]]:
+    def select(
+        self, logits: mx.array, rows: list[Sequence | None], keys: list[mx.array | None]
+    ) -> tuple[mx.array, list[mx.array | None]]:
         """Pick one token per row of ``logits`` [B, V] with each row's parameters.
 
         ``keys[i]`` is row i's PRNG key (uint32 [2]) or None (unseeded or empty row).
@@ -88,7 +92,9 @@ class ModelRunner:
         rows = [p + [0] * (T - len(p)) for p in prompts] + [[0] * T] * (B - n)
         lengths = [len(p) for p in prompts] + [1] * (B - n)
         tokens = mx.array(rows, mx.int32)
-        logits, kv = self.step_fn("prefill", B, T)(self.model.params, tokens, mx.array(lengths, mx.int32), self.new_kv(B, T))
+        logits, kv = self.step_fn("prefill", B, T)(
+            self.model.params, tokens, mx.array(lengths, mx.int32), self.new_kv(B, T)
+        )
         return logits, kv
 
     # -- the decode batch ----------------------------------------------------------------
@@ -164,11 +170,14 @@ class ModelRunner:
 
     # -- warm-up -------------------------------------------------------------------------
 
-    def warmup_plan(self, prompt_tokens: int, max_rows: int = 1, max_admit: int = 1,
-                    batched_positions: int | None = None) -> list[tuple[str, int, int]]:
+    def warmup_plan(
+        self, prompt_tokens: int, max_rows: int = 1, max_admit: int = 1, batched_positions: int | None = None
+    ) -> list[tuple[str, int, int]]:
         """(phase, batch, size) of the buckets to warm up (see BucketTable.warmup_shapes),
         plus the sampler of each batch bucket and the shapeless greedy step."""
-        prefill, decode = self.buckets.warmup_shapes(prompt_tokens, max_rows, min(max_rows, max_admit), batched_positions)
+        prefill, decode = self.buckets.warmup_shapes(
+            prompt_tokens, max_rows, min(max_rows, max_admit), batched_positions
+        )
         if not prefill:
             return []
         plan = [("prefill", b, t) for b, t in prefill] + [("decode", b, c) for b, c in decode]
@@ -181,15 +190,31 @@ class ModelRunner:
         the bucket runs compiled."""
         fn = self.step_fn(phase, batch, size)
         if phase == "prefill":
-            args = (self.model.params, mx.zeros((batch, size), mx.int32), mx.ones((batch,), mx.int32), self.new_kv(batch, size))
+            args = (
+                self.model.params,
+                mx.zeros((batch, size), mx.int32),
+                mx.ones((batch,), mx.int32),
+                self.new_kv(batch, size),
+            )
         elif phase == "decode":
-            args = (self.model.params, mx.zeros((batch,), mx.int32), mx.zeros((batch,), mx.int32), self.new_kv(batch, size))
+            args = (
+                self.model.params,
+                mx.zeros((batch,), mx.int32),
+                mx.zeros((batch,), mx.int32),
+                self.new_kv(batch, size),
+            )
         elif phase == "greedy":
             args = (mx.zeros((1, self.vocab), mx.float32),)
         else:
             ones = mx.ones((batch,), mx.float32)
-            args = (mx.zeros((batch, self.vocab), mx.float32), ones, ones, mx.full((batch,), self.vocab, mx.int32),
-                    mx.zeros((batch, 2), mx.uint32), mx.zeros((batch,), mx.bool_))
+            args = (
+                mx.zeros((batch, self.vocab), mx.float32),
+                ones,
+                ones,
+                mx.full((batch,), self.vocab, mx.int32),
+                mx.zeros((batch, 2), mx.uint32),
+                mx.zeros((batch,), mx.bool_),
+            )
         if self.compiled.policy == "auto":
             return fn.calibrate(args, repeats)
         mx.eval(fn(*args))

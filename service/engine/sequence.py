@@ -6,13 +6,13 @@ import enum
 import itertools
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from models.tokenizer import Detokenizer
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS / stop token or a stop string
     LENGTH = "length"  # max_tokens or the largest KV capacity bucket
     CANCELLED = "cancelled"  # the client went away, or the server shut down

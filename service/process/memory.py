@@ -30,8 +30,11 @@ class MemoryEstimate:
 
     def describe(self) -> str:
         gb = 1e9
-        return (f"model '{self.model}': {self.total / gb:.2f} GB = weights {self.weights / gb:.2f} GB + 2 x decode KV cache "
-                f"{self.decode_cache / gb:.2f} GB + prefill KV cache {self.prefill_cache / gb:.2f} GB")
+        return (
+            f"model '{self.model}': {self.total / gb:.2f} GB = weights {self.weights / gb:.2f} GB"
+            f" + 2 x decode KV cache {self.decode_cache / gb:.2f} GB"
+            f" + prefill KV cache {self.prefill_cache / gb:.2f} GB"
+        )
 
 
 def kv_bytes_per_position(model: LoadedModel) -> int:

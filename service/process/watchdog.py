@@ -21,11 +21,11 @@ import threading
 
 import mlx.core as mx
 
-from service.engine.core import Engine
 from service.api.errors import ApiError
-from service.process.memory import kv_bytes_per_position
-from service.engine.sequence import FinishReason
 from service.api.state import AppState
+from service.engine.core import Engine
+from service.engine.sequence import FinishReason
+from service.process.memory import kv_bytes_per_position
 
 log = logging.getLogger("stepserve.faults")
 
@@ -82,12 +82,22 @@ def admit_memory(state: AppState, engine: Engine, prompt_tokens: int, max_tokens
     state.metrics.queue_rejections.labels(engine.model.name, "memory").inc()
     alone = sum(e.model.nbytes for e in state.engines.values() if e is not engine) + engine_bytes(engine, [request])
     if alone > limit:
-        raise ApiError(503, f"not enough memory: this request (prompt {prompt_tokens} tokens, max_tokens {max_tokens}) "
-                            f"could need {alone / 1e9:.2f} GB even alone, over MLX's memory limit of {limit / 1e9:.2f} GB; "
-                            "lower max_tokens or shorten the prompt", type="unavailable", param="max_tokens")
-    raise ApiError(503, f"not enough memory now: with the requests already running or waiting this one could need "
-                        f"{need / 1e9:.2f} GB, over MLX's memory limit of {limit / 1e9:.2f} GB; retry later",
-                   type="unavailable", param="max_tokens", headers={"Retry-After": "1"})
+        raise ApiError(
+            503,
+            f"not enough memory: this request (prompt {prompt_tokens} tokens, max_tokens {max_tokens}) "
+            f"could need {alone / 1e9:.2f} GB even alone, over MLX's memory limit of {limit / 1e9:.2f} GB; "
+            "lower max_tokens or shorten the prompt",
+            type="unavailable",
+            param="max_tokens",
+        )
+    raise ApiError(
+        503,
+        f"not enough memory now: with the requests already running or waiting this one could need "
+        f"{need / 1e9:.2f} GB, over MLX's memory limit of {limit / 1e9:.2f} GB; retry later",
+        type="unavailable",
+        param="max_tokens",
+        headers={"Retry-After": "1"},
+    )
 
 
 class EngineWatchdog:
@@ -131,8 +141,11 @@ class EngineWatchdog:
     def _fail(self, dead: list[Engine]) -> None:
         self.exit_code = ENGINE_DIED_EXIT
         for engine in dead:
-            log.critical("the engine thread of model '%s' died; failing its requests, then exiting with %d",
-                         engine.model.name, ENGINE_DIED_EXIT)
+            log.critical(
+                "the engine thread of model '%s' died; failing its requests, then exiting with %d",
+                engine.model.name,
+                ENGINE_DIED_EXIT,
+            )
             engine.not_ready_reason = "engine thread died"
             engine.ready.clear()
             engine.scheduler.drain()
