@@ -81,9 +81,10 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from models.gguf import ModelLoadError
-    from service.api.app import MemoryBudgetError, check_memory, create_app, load_models
+    from service.api.app import create_app
     from service.api.middleware import header_timeout_protocol
     from service.process.shutdown import DrainingServer
+    from service.process.startup import MemoryBudgetError, check_memory, load_models
 
     try:
         settings = load_settings(
