@@ -1,6 +1,5 @@
-"""Several models from one TOML file, routing by `model`, and the memory budget at start-up."""
+"""Several models from one TOML file: settings inheritance and the start-up memory estimate (no server)."""
 
-import subprocess
 from pathlib import Path
 
 import mlx.core as mx
@@ -11,8 +10,7 @@ from models.loader import LoadedModel
 from service.config import ConfigError, load_settings
 from service.engine.buckets import BucketTable
 from service.process.memory import estimate
-from tests.conftest import TINY, random_params
-from tests.server import STEPSERVE, ServerProcess
+from tests.support import TINY, random_params
 
 SMALL_BUCKETS = "batch_buckets = [1, 2]\nprompt_buckets = [32, 64]\ncapacity_buckets = [256, 512]\n"
 
@@ -53,36 +51,3 @@ def test_memory_estimate_counts_weights_and_the_largest_caches():
     per_position = 2 * TINY.num_hidden_layers * TINY.num_key_value_heads * TINY.dim_per_head * 4
     assert est.decode_cache == 4 * 1024 * per_position and est.prefill_cache == 4 * 32 * per_position
     assert est.total == model.nbytes + 2 * est.decode_cache + est.prefill_cache
-
-
-@pytest.mark.parametrize("setting", ["memory_budget_bytes", "mlx_memory_limit_bytes"])
-def test_over_the_memory_budget_refuses_to_start(tmp_path, converted, setting):
-    config = write_config(tmp_path, converted, f"{setting} = 100000000")
-    result = subprocess.run(
-        [STEPSERVE, "serve", "--config", config, "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 2
-    assert f"over {setting} 0.10 GB" in result.stderr and "model 'smol-gguf'" in result.stderr
-
-
-def test_two_models_served_and_routed_by_name(tmp_path, converted):
-    server = ServerProcess.start(["--config", write_config(tmp_path, converted)])
-    try:
-        server.wait_ready()
-        with server.client() as client:
-            assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["smol-gguf", "smol-mlx"]
-            chat = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16}
-            default = client.post("/infer", json=chat).json()
-            gguf = client.post("/infer", json={**chat, "model": "smol-gguf"}).json()
-            converted_reply = client.post("/infer", json={**chat, "model": "smol-mlx"}).json()
-            ready = client.get("/readyz").json()["models"]
-        assert default["model"] == gguf["model"] == "smol-gguf" and converted_reply["model"] == "smol-mlx"
-        assert "Paris" in gguf["text"] and converted_reply["text"] == gguf["text"]
-        assert ready["smol-gguf"]["compile"] == "on" and ready["smol-mlx"]["compile"] == "off"
-        assert server.metric("stepserve_compile_cache_misses_total", model="smol-mlx", phase="decode") > 0
-    finally:
-        server.stop()

@@ -12,22 +12,14 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
-import mlx.core as mx
 import pytest
 
-from models.gguf import ModelLoadError, default_model_path
-from models.gguf_header import GGUFLayoutError, check_gguf_layout
-from models.hf import tokenizer_from_dir
-from models.loader import LoadedModel
+from models.gguf import default_model_path
 from service.bench.compare import free_port
-from service.engine.buckets import BucketTable
-from service.engine.scheduler import Scheduler
-from service.process.watchdog import ENGINE_DIED_EXIT, engine_bytes
-from tests.conftest import TINY, random_params
-from tests.server import STEPSERVE, ServerProcess
+from service.process.watchdog import ENGINE_DIED_EXIT
+from tests.support import STEPSERVE, ServerProcess
 
 SHORT = {"prompt": "The sky is", "max_tokens": 2}
 MEMORY_LIMIT = 700_000_000  # above the weights (538 MB dequantized here) + a short request, below a long one
@@ -54,18 +46,6 @@ def damaged(data: bytes, kind: str) -> bytes:
     return bytes(b)
 
 
-@pytest.mark.parametrize("kind", ["key-length", "tensor-count", "value-type", "not-gguf"])
-def test_damaged_gguf_layout_is_refused_before_mlx_reads_it(tmp_path, gguf_bytes, kind):
-    path = tmp_path / "model.gguf"
-    path.write_bytes(damaged(gguf_bytes[:3_000_000], kind))
-    with pytest.raises(GGUFLayoutError):
-        check_gguf_layout(path)
-
-
-def test_intact_gguf_layout_passes():
-    check_gguf_layout(default_model_path())
-
-
 @pytest.mark.parametrize("kind", ["key-length", "empty"])
 def test_corrupt_model_file_fails_start_up_naming_the_file(tmp_path, gguf_bytes, kind):
     # Without the layout check, "key-length" killed the process with SIGSEGV and no message.
@@ -76,16 +56,6 @@ def test_corrupt_model_file_fails_start_up_naming_the_file(tmp_path, gguf_bytes,
     )
     assert result.returncode == 2, result.stderr
     assert str(path) in result.stderr and "corrupt" in result.stderr
-
-
-@pytest.mark.parametrize("content", ["{}", "{oops", ""])
-def test_corrupt_tokenizer_json_names_the_file(tmp_path, content):
-    (tmp_path / "tokenizer.json").write_text(content)
-    with pytest.raises(ModelLoadError, match=str(tmp_path / "tokenizer.json")):
-        tokenizer_from_dir(tmp_path, {})
-
-
-# -- a request over MLX's memory limit, slow and endless bodies -------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -114,25 +84,6 @@ def test_request_over_the_memory_limit_gets_503_and_the_server_keeps_serving(lim
         assert error["param"] == "max_tokens" and "memory limit" in error["message"] and "0.70 GB" in error["message"]
         assert client.post("/infer", json=SHORT).status_code == 200
     assert limited_server.metric("stepserve_queue_rejections_total", reason="memory") == 1
-
-
-def test_memory_estimate_follows_the_load():
-    # An engine's parts the estimate reads: a tiny model (2 layers, 2 KV heads of 16, float32:
-    # 512 bytes per position), its buckets and its scheduler.
-    model = LoadedModel("tiny", Path("-"), TINY, random_params(), None, mx.float32, "dequantized", 0.0)
-    engine = SimpleNamespace(
-        model=model,
-        buckets=BucketTable((1, 2, 4), (16, 32), (64, 128)),
-        scheduler=Scheduler(max_running=4, max_waiting=8, max_admit=2),
-    )
-    per_position, scores = 512, 4 * 4  # 4 query heads of float32 scores per (query, key) pair
-    weights = model.nbytes
-    assert engine_bytes(engine, []) == weights
-    alone = engine_bytes(engine, [(10, 20)])  # batch 1, capacity 64, prompt bucket 16
-    assert alone == weights + 2 * 64 * per_position + 16 * (per_position + 16 * scores)
-    three = engine_bytes(engine, [(10, 20), (30, 20), (10, 90)])  # batch 4, capacity 128, prefill 2 x 32
-    assert three == weights + 2 * 4 * 128 * per_position + 2 * 32 * (per_position + 32 * scores)
-    assert engine_bytes(engine, [(10, 20)] * 9) == engine_bytes(engine, [(10, 20)] * 4)  # waiting rows add no slots
 
 
 def raw_request(

@@ -10,7 +10,7 @@ from models.loader import load_model
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
 from service.engine.runner import ModelRunner
-from tests.conftest import ON_GPU
+from tests.support import ON_GPU
 
 PROMPTS = [
     "Hi",

@@ -29,8 +29,7 @@ import pytest
 import yaml
 
 from service.bench.compare import free_port
-from tests.server import ServerProcess
-from tests.test_deploy_files import DASHBOARD, DEPLOY, PROMETHEUS, tool
+from tests.support import DASHBOARD, DEPLOY, PROMETHEUS, ServerProcess, tool
 
 pytestmark = pytest.mark.slow
 RATE_INTERVAL = "1m"

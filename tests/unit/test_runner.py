@@ -11,8 +11,7 @@ from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
 from service.engine.runner import ModelRunner
 from service.engine.sequence import SamplingParams, Sequence
-from tests.conftest import ATOL, TINY, random_params
-from tests.test_llama_steps import prefill_one
+from tests.support import ATOL, TINY, prefill_one, random_params
 
 
 @pytest.fixture

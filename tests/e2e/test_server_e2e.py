@@ -8,7 +8,7 @@ import pytest
 
 from models.gguf import default_model_path, read_gguf
 from models.tokenizer import ChatTokenizer
-from tests.server import STEPSERVE
+from tests.support import STEPSERVE
 
 CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32}
 

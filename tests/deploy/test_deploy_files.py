@@ -5,43 +5,26 @@
 from __future__ import annotations
 
 import json
-import os
 import plistlib
 import re
 import shlex
-import shutil
 import subprocess
 import tomllib
 from pathlib import PurePosixPath
 
-import pytest
 import yaml
 
 from service.config import Settings, load_settings
 from service.process import shutdown
-from tests.test_readme import ROOT, readme_command
+from tests.support import DASHBOARD, DEPLOY, PROMETHEUS, ROOT, readme_command, tool
 
-DEPLOY = ROOT / "deploy"
 PLIST = DEPLOY / "launchd/com.stepserve.serve.plist"
 TOML = DEPLOY / "launchd/stepserve.toml"
 INSTALLER = DEPLOY / "install-macos.sh"
-PROMETHEUS = DEPLOY / "prometheus"
-DASHBOARD = DEPLOY / "grafana/dashboards/stepserve.json"
 # uvicorn's close after the drain: timeout_graceful_shutdown in service/cli.py.
 UVICORN_CLOSE_S = 10
 # Directories every macOS has; the plist's PATH may name them besides the venv's bin.
 MACOS_SYSTEM_DIRS = {"/usr/bin", "/bin", "/usr/sbin", "/sbin"}
-
-
-def tool(name: str) -> str:
-    """The path of a Debian-packaged tool; skip when absent, unless CI requires the tools."""
-    path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin")
-    if path is None:
-        reason = f"{name} is not installed (apt-get install prometheus nginx shellcheck; .ci/run does)"
-        if os.environ.get("STEPSERVE_DEPLOY_TOOLS") == "required":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return path
 
 
 def plist() -> dict:

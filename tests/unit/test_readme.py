@@ -1,16 +1,6 @@
 """The README's two commands are the ones CI and users run."""
 
-import re
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def readme_command(marker: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    match = re.search(rf"<!-- {marker} -->\s*```sh\n(.+?)\n```", text, re.S)
-    assert match, f"README has no command under <!-- {marker} -->"
-    return match.group(1).strip()
+from tests.support import ROOT, readme_command
 
 
 def test_ci_runs_the_readme_test_command():

@@ -24,7 +24,7 @@ import pytest
 import schemathesis
 
 from models.gguf import default_model_path
-from tests.server import ServerProcess
+from tests.support import ServerProcess
 
 EXAMPLES = int(os.environ.get("STEPSERVE_FUZZ_EXAMPLES", "10"))
 SCHEMATHESIS = str(Path(sys.executable).parent / "schemathesis")

@@ -4,29 +4,9 @@ never change a real row, decode continues prefill exactly, and the GGUF RoPE lay
 import mlx.core as mx
 import pytest
 
-from models.kv_cache import KVCache
 from models.llama import decode, fuse_projections, prefill
 from models.loader import prepare_params
-from tests.conftest import ATOL, TINY, random_params
-
-
-def new_cache(batch, capacity, args=TINY, fill=None):
-    kv = KVCache.allocate(
-        args.num_hidden_layers, batch, args.num_key_value_heads, capacity, args.dim_per_head, mx.float32
-    )
-    if fill is not None:  # garbage, to prove that masked positions are never read
-        kv = KVCache(
-            [mx.random.normal(k.shape) * fill for k in kv.keys], [mx.random.normal(v.shape) * fill for v in kv.values]
-        )
-    return kv
-
-
-def prefill_one(params, ids, args=TINY):
-    """Logits after a prompt, alone, at its exact length."""
-    logits, kv = prefill(
-        params, mx.array([ids], mx.int32), mx.array([len(ids)]), new_cache(1, len(ids), args), args=args
-    )
-    return logits[0], kv
+from tests.support import ATOL, TINY, new_cache, prefill_one, random_params
 
 
 @pytest.fixture(scope="module")

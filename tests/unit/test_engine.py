@@ -21,8 +21,7 @@ from service.engine.compile_cache import CompileCache
 from service.engine.core import Engine, WarmupSpec
 from service.engine.sequence import FinalEvent, FinishReason, SamplingParams, Sequence
 from service.metrics import Metrics
-from tests.conftest import TINY, random_params
-from tests.test_llama_steps import prefill_one
+from tests.support import TINY, prefill_one, random_params
 
 BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(8, 16), capacity=(16, 24, 32))
 

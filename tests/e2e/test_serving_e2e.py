@@ -10,7 +10,7 @@ import time
 import httpx
 from openai import OpenAI
 
-from tests.server import STEPSERVE, ServerProcess
+from tests.support import STEPSERVE, ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"  # the model keeps counting: no early end-of-sequence

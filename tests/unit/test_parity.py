@@ -1,9 +1,7 @@
 """Parity with mlx-lm (the reference implementation): the default model converted by
 `stepserve convert`, and tiny random qwen2/qwen3 directories written here.
 
-Tolerance: logits agree within 1e-3 in float32 (seen: ~1e-4; both sides run the same MLX
-kernels, ordered differently).
-"""
+Tolerance: logits agree within 1e-3 in float32 (both sides run the same MLX kernels, ordered differently)."""
 
 import json
 import shutil
@@ -23,8 +21,7 @@ from models.gguf import ModelLoadError, default_model_path
 from models.kv_cache import KVCache
 from models.llama import decode, prefill
 from models.loader import load_model
-from tests.conftest import ATOL, ON_GPU
-from tests.server import ServerProcess
+from tests.support import ATOL, ON_GPU
 
 TOL = 3e-2 if ON_GPU else 1e-3
 STEPS = 6
@@ -89,24 +86,6 @@ def test_converted_default_model_matches_mlx_lm_and_the_gguf(converted, capsys):
     with capsys.disabled():
         print(f"\nmax |logit diff|: converted vs mlx-lm {worst_ref:.2e}, converted vs GGUF {worst_gguf:.2e}")
     assert worst_ref < TOL and worst_gguf < TOL
-
-
-def test_mlx_lm_generates_what_stepserve_serves_from_the_gguf(converted):
-    reference, hf_tokenizer = mlx_lm.load(str(converted))
-    reference.set_dtype(mx.float32)
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    text = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = hf_tokenizer.encode(text, add_special_tokens=False)
-    expected = mlx_lm.generate(reference, hf_tokenizer, prompt=ids, max_tokens=24)
-    server = ServerProcess.start(["--warmup-prompt-tokens", "64"])
-    try:
-        server.wait_ready()
-        with server.client() as client:
-            served = client.post("/infer", json={"messages": messages, "max_tokens": 24}).json()
-    finally:
-        server.stop()
-    assert "Paris" in served["text"]
-    assert served["text"] == expected.strip() or served["text"] == expected.removesuffix("<|im_end|>")
 
 
 TINY = {

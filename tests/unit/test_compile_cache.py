@@ -10,7 +10,7 @@ from models import sampling
 from models.kv_cache import KVCache
 from models.llama import decode
 from service.engine.compile_cache import CompileCache, StepKey, StepSpec
-from tests.conftest import TINY, random_params
+from tests.support import TINY, random_params
 
 
 class Recorder:

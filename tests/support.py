@@ -1,0 +1,193 @@
+"""What the tests share: a real `stepserve serve` process on a free loopback port, the tiny
+random model of the unit tests, the README's commands and the deployment files' paths."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import mlx.core as mx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from models.kv_cache import KVCache
+from models.llama import ModelArgs, prefill
+from service.bench.compare import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+PROMETHEUS = DEPLOY / "prometheus"
+DASHBOARD = DEPLOY / "grafana/dashboards/stepserve.json"
+
+STEPSERVE = str(Path(sys.executable).parent / "stepserve")
+START_TIMEOUT_S = 600  # warm-up on a slow 2-core CI machine
+
+
+@dataclass
+class ServerProcess:
+    """A running server; ``readyz_codes`` records /readyz answers seen while starting."""
+
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+    readyz_codes: list[int] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, args: list[str], env: dict | None = None) -> ServerProcess:
+        port = free_port()
+        log = Path(tempfile.mkstemp(prefix="stepserve-", suffix=".log")[1])
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [STEPSERVE, "serve", "--port", str(port), *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+            )
+        return cls(proc, port, log)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, timeout: float = 300) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self) -> None:
+        """Poll /readyz until 200; fail with the server log if it exits or times out."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        with httpx.Client(base_url=self.url, timeout=5) as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"stepserve exited with {self.process.returncode}:\n{self.log()}")
+                try:
+                    code = client.get("/readyz").status_code
+                except httpx.TransportError:
+                    time.sleep(0.05)
+                    continue
+                self.readyz_codes.append(code)
+                if code == 200:
+                    return
+                time.sleep(0.05)
+        raise TimeoutError(f"stepserve not ready after {START_TIMEOUT_S} s:\n{self.log()}")
+
+    def metric(self, name: str, **labels) -> float:
+        """Sum of a metric's samples whose labels include ``labels`` (0 when absent)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and all(sample.labels.get(k) == str(v) for k, v in labels.items())
+        )
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+# Float32 matmuls on CUDA run at TF32-like precision (a 64x64 matmul: 2.9e-4 relative error
+# on an H200, against ~1e-7 on the CPU), so logit comparisons there need a looser bound.
+ON_GPU = mx.default_device().type == mx.gpu
+ATOL = 3e-2 if ON_GPU else 1e-4
+
+TINY = ModelArgs(
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=96,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+)
+
+
+def random_params(args: ModelArgs = TINY, seed: int = 0) -> dict:
+    """A random parameter tree in the stepserve layout (dense float32, tied embeddings)."""
+    mx.random.seed(seed)
+    H, inner, D = args.hidden_size, args.intermediate_size, args.dim_per_head
+    q_out, kv_out = args.num_attention_heads * D, args.num_key_value_heads * D
+
+    def dense(out_features, in_features):
+        return {"weight": mx.random.normal((out_features, in_features)) * (in_features**-0.5)}
+
+    def norm():
+        return {"weight": 1.0 + 0.1 * mx.random.normal((H,))}
+
+    layers = [
+        {
+            "input_layernorm": norm(),
+            "post_attention_layernorm": norm(),
+            "self_attn": {
+                "q_proj": dense(q_out, H),
+                "k_proj": dense(kv_out, H),
+                "v_proj": dense(kv_out, H),
+                "o_proj": dense(H, q_out),
+            },
+            "mlp": {"gate_proj": dense(inner, H), "up_proj": dense(inner, H), "down_proj": dense(H, inner)},
+        }
+        for _ in range(args.num_hidden_layers)
+    ]
+    params = {"embed_tokens": {"weight": mx.random.normal((args.vocab_size, H))}, "norm": norm(), "layers": layers}
+    mx.eval(params)
+    return params
+
+
+def new_cache(batch, capacity, args=TINY, fill=None):
+    """A float32 KV cache for ``args`` at (batch, capacity): zeros, or normal noise times ``fill``
+    (garbage, to prove that masked positions are never read)."""
+    kv = KVCache.allocate(
+        args.num_hidden_layers, batch, args.num_key_value_heads, capacity, args.dim_per_head, mx.float32
+    )
+    if fill is not None:  # garbage, to prove that masked positions are never read
+        kv = KVCache(
+            [mx.random.normal(k.shape) * fill for k in kv.keys], [mx.random.normal(v.shape) * fill for v in kv.values]
+        )
+    return kv
+
+
+def prefill_one(params, ids, args=TINY):
+    """Logits after a prompt, alone, at its exact length."""
+    logits, kv = prefill(
+        params, mx.array([ids], mx.int32), mx.array([len(ids)]), new_cache(1, len(ids), args), args=args
+    )
+    return logits[0], kv
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def readme_command(marker: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    match = re.search(rf"<!-- {marker} -->\s*```sh\n(.+?)\n```", text, re.S)
+    assert match, f"README has no command under <!-- {marker} -->"
+    return match.group(1).strip()
+
+
+def tool(name: str) -> str:
+    """The path of a Debian-packaged tool; skip when absent, unless CI requires the tools."""
+    path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin")
+    if path is None:
+        reason = f"{name} is not installed (apt-get install prometheus nginx shellcheck; .ci/run does)"
+        if os.environ.get("STEPSERVE_DEPLOY_TOOLS") == "required":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return path
