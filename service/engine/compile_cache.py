@@ -137,7 +137,7 @@ class CompileCache:
         on_lookup: Callable[[str, str, str, bool], None],
         on_compiled: Callable[[CompileStat], None],
     ):
-        self.policy = {True: "on", False: "off"}.get(policy, policy)
+        self.policy: Policy = ("on" if policy else "off") if isinstance(policy, bool) else policy
         self.enabled = self.policy != "off"
         self._on_lookup, self._on_compiled = on_lookup, on_compiled
         self._entries: dict[StepKey, _Entry] = {}

@@ -1,9 +1,13 @@
-"""The model runner: executes compiled prefill/decode/sample steps at bucketed shapes and
-owns the running batch's KV cache. Called only from the engine thread."""
+"""The model runner: executes what the scheduler planned as compiled prefill, decode and
+sampling steps at bucketed shapes, and owns the running batch: its KV cache, which request
+sits in which slot, each seeded row's PRNG key and the decode step in flight. Called only
+from the engine thread."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from functools import partial
 
 import mlx.core as mx
@@ -11,9 +15,46 @@ import mlx.core as mx
 from models import llama, sampling
 from models.kv_cache import KVCache
 from models.loader import LoadedModel
+from service.engine import warmup
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache, StepKey, StepSpec
 from service.engine.sequence import Sequence
+from service.metrics import StepStat
+
+
+@dataclass
+class RunnerOutput:
+    """What one execution produced, for the engine to apply.
+
+    Attributes:
+        tokens: (request, its new token id) in batch order; the engine appends each and
+            finishes the requests that stop.
+        failed: (request, error message) for requests whose step raised.
+        steps: one stat per step that ran (seconds from queueing to tokens read back).
+        moves: decode-cache bucket moves made ("batch", "capacity").
+    """
+
+    tokens: list[tuple[Sequence, int]] = field(default_factory=list)
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)
+    steps: list[StepStat] = field(default_factory=list)
+    moves: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _DecodeStep:
+    """A decode step queued on the device whose tokens have not been read back yet.
+
+    Attributes:
+        rows: the request in each batch row when the step was queued (None: empty slot).
+        tokens: int32 [B], the step's selected tokens (lazy until read back).
+        queued: ``time.perf_counter()`` when it was queued.
+        bucket: (batch, capacity) bucket it ran at.
+    """
+
+    rows: list[Sequence | None]
+    tokens: mx.array
+    queued: float
+    bucket: tuple[int, int]
 
 
 class ModelRunner:
@@ -36,6 +77,161 @@ class ModelRunner:
         }
         self.kv: KVCache | None = None
         self.vocab = a.vocab_size
+        self.capacity_limit = buckets.capacity[-1]
+        self.slots: list[Sequence | None] = []  # slot s holds the request with seq.slot == s
+        self._keys: dict[str, mx.array] = {}  # request id -> its PRNG key (seeded rows only)
+        self._inflight: _DecodeStep | None = None
+        self._last_read_back = 0.0
+
+    # -- executing the scheduler's plan --------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """A request holds a slot, or a decode step is in flight."""
+        return self._inflight is not None or any(s is not None for s in self.slots)
+
+    def prefill_requests(self, admitted: list[Sequence]) -> RunnerOutput:
+        """Prefill new requests, batched by prompt bucket, and sample each one's first token.
+
+        Sets each request's ``position`` to its prompt length. A group whose step raises is
+        reported in ``failed``; the others go on. Call :meth:`join` with the requests that
+        did not stop at their first token.
+        """
+        out = RunnerOutput()
+        groups: dict[int, list[Sequence]] = {}
+        for seq in admitted:
+            seq.started = time.perf_counter()
+            groups.setdefault(self.buckets.prompt_for(len(seq.prompt_ids)), []).append(seq)
+        for group in groups.values():
+            start = time.perf_counter()
+            try:
+                logits, prompt_kv = self.prefill([s.prompt_ids for s in group])
+                rows: list[Sequence | None] = [*group, *[None] * (logits.shape[0] - len(group))]
+                keys = [mx.random.key(s.params.seed) if s and s.params.seed is not None else None for s in rows]
+                tokens, keys = self.select(logits, rows, keys)
+                token_list = _ints(tokens)
+            except Exception as exc:  # one failed bucket must not take the others down
+                out.failed += [(seq, f"prefill failed: {type(exc).__name__}") for seq in group]
+                continue
+            stat = StepStat(
+                self.model.name,
+                "prefill",
+                f"b{prompt_kv.batch}x{prompt_kv.capacity}",
+                len(group),
+                prompt_kv.batch,
+                time.perf_counter() - start,
+            )
+            out.steps.append(stat)
+            for i, seq in enumerate(group):
+                seq.position = len(seq.prompt_ids)
+                seq.prefilled = (prompt_kv, i)
+                if (key := keys[i]) is not None:
+                    self._keys[seq.request_id] = key
+                out.tokens.append((seq, token_list[i]))
+        return out
+
+    def join(self, seqs: list[Sequence]) -> list[str]:
+        """Copy prefilled requests' KV rows into free decode slots (re-bucketing the cache
+        first). Returns the bucket moves made."""
+        seqs = [s for s in seqs if s.prefilled is not None]
+        if not seqs:
+            return []
+        live = [s for s in self.slots if s is not None]
+        moves = self._fit(live, seqs)
+        free = iter(i for i, s in enumerate(self.slots) if s is None)
+        for seq in seqs:
+            prompt_kv, row = seq.prefilled  # type: ignore[misc]
+            slot = next(free)
+            self.insert(seq, slot, prompt_kv, row)
+            self.slots[slot] = seq
+            seq.prefilled = None
+        return moves
+
+    def decode_requests(self) -> RunnerOutput:
+        """Queue decode step t+1 (``mx.async_eval``), then read back step t.
+
+        Step t+1 is built from step t's tokens while they are still on the device, so the
+        device runs t+1 while the engine turns t's tokens into text and events: one sync per
+        step (mlx-lm's generator overlaps its steps with ``mx.async_eval`` the same way). A
+        request that stops on step t's token (EOS, a stop string) was queued once more; that
+        token is dropped when read back. Requests that reach ``max_tokens`` or the capacity
+        limit are known in advance and not queued again.
+        """
+        out = RunnerOutput()
+        previous = self._inflight
+        self._inflight = self._queue_decode(out) if any(s is not None for s in self.slots) else None
+        if previous is not None:
+            self._read_back(previous, out)
+        return out
+
+    def release(self, seq: Sequence) -> None:
+        """Free a finished request's slot and PRNG key (thread-safe enough for the watchdog:
+        it only runs once the engine thread is gone)."""
+        self._vacate(seq)
+        self._keys.pop(seq.request_id, None)
+
+    def abort(self) -> None:
+        """Forget the whole batch (every request was ended): slots, keys, the step in flight."""
+        self.slots, self._inflight = [], None
+        self._keys.clear()
+        self.reset()
+
+    def _queue_decode(self, out: RunnerOutput) -> _DecodeStep | None:
+        prev = self._inflight
+        pending = {id(s): i for i, s in enumerate(prev.rows) if s is not None} if prev else {}
+        for seq in [s for s in self.slots if s is not None]:
+            produced = len(seq.output_ids) + (id(seq) in pending)
+            if produced >= seq.params.max_tokens or seq.position >= self.capacity_limit:
+                self._vacate(seq)  # its last token is in flight; it finishes when that is read back
+        live = [s for s in self.slots if s is not None]
+        if not live:
+            self.slots = []
+            self.reset()
+            return None
+        out.moves += self._fit(live)
+        rows = list(self.slots)  # a snapshot: slots change before this step is read back
+        logits = self.decode(rows, _input_tokens(rows, prev, pending))
+        keys = [self._keys.get(s.request_id) if s else None for s in rows]
+        tokens, next_keys = self.select(logits, rows, keys)
+        for i, seq in enumerate(rows):
+            if seq is not None:
+                seq.position += 1
+                if (key := next_keys[i]) is not None:
+                    self._keys[seq.request_id] = key
+        mx.async_eval(tokens, *(k for k in next_keys if k is not None))
+        kv = self._cache()
+        return _DecodeStep(rows, tokens, time.perf_counter(), (kv.batch, kv.capacity))
+
+    def _read_back(self, step: _DecodeStep, out: RunnerOutput) -> None:
+        token_list = _ints(step.tokens)
+        now = time.perf_counter()
+        B, C = step.bucket
+        live = sum(s is not None for s in step.rows)
+        # Step time as the clients see it: since the later of its queueing and the last read-back.
+        seconds = now - max(step.queued, self._last_read_back)
+        out.steps.append(StepStat(self.model.name, "decode", f"b{B}x{C}", live, B, seconds))
+        self._last_read_back = now
+        for seq, token in zip(step.rows, token_list, strict=True):
+            if seq is not None and seq.finish_reason is None:  # else: it ended after this step was queued
+                out.tokens.append((seq, token))
+
+    def _fit(self, live: list[Sequence], joining: list[Sequence] | None = None) -> list[str]:
+        """Re-bucket the decode cache and rebuild the slot table from each row's slot."""
+        moves = self.fit(live, joining or [])
+        self.slots = [None] * self._cache().batch
+        for seq in live:
+            self.slots[seq.slot] = seq
+        return moves
+
+    def _vacate(self, seq: Sequence) -> None:
+        if 0 <= seq.slot < len(self.slots) and self.slots[seq.slot] is seq:
+            self.slots[seq.slot] = None
+        seq.slot = -1
+
+    def _cache(self) -> KVCache:
+        if self.kv is None:
+            raise RuntimeError("no decode cache: fit() the batch first")
+        return self.kv
 
     # -- compiled functions --------------------------------------------------------------
 
@@ -134,7 +330,7 @@ class ModelRunner:
         Raises:
             ValueError: the slot's capacity cannot hold the sequence (call :meth:`fit` first).
         """
-        kv = self.kv
+        kv = self._cache()
         if seq.position >= kv.capacity:
             raise ValueError(f"sequence at position {seq.position} does not fit capacity {kv.capacity}")
         src = prompt_kv.resized(kv.capacity)
@@ -153,7 +349,7 @@ class ModelRunner:
         Raises:
             ValueError: a position is beyond the cache's capacity (call :meth:`fit` first).
         """
-        kv = self.kv
+        kv = self._cache()
         positions_list = [s.position if s else 0 for s in slots]
         if max(positions_list) >= kv.capacity:  # a scatter past the buffer would corrupt memory
             raise ValueError(f"position {max(positions_list)} is beyond the KV capacity {kv.capacity}")
@@ -170,55 +366,36 @@ class ModelRunner:
 
     # -- warm-up -------------------------------------------------------------------------
 
-    def warmup_plan(
-        self, prompt_tokens: int, max_rows: int = 1, max_admit: int = 1, batched_positions: int | None = None
-    ) -> list[tuple[str, int, int]]:
-        """(phase, batch, size) of the buckets to warm up (see BucketTable.warmup_shapes),
-        plus the sampler of each batch bucket and the shapeless greedy step."""
-        prefill, decode = self.buckets.warmup_shapes(
-            prompt_tokens, max_rows, min(max_rows, max_admit), batched_positions
-        )
-        if not prefill:
-            return []
-        plan = [("prefill", b, t) for b, t in prefill] + [("decode", b, c) for b, c in decode]
-        plan += [("sample", b, 0) for b in sorted({b for b, _ in prefill + decode})] + [("greedy", 0, 0)]
-        return plan
-
     def warm(self, phase: str, batch: int, size: int, repeats: int = 3) -> bool:
-        """Compile and run one bucket's step on dummy inputs. Under the ``auto`` policy, time
-        it compiled and eager (``repeats`` runs each) and keep the faster. Returns whether
-        the bucket runs compiled."""
+        """Compile and run one bucket's step on dummy inputs (:func:`warmup.dummy_inputs`).
+        Under the ``auto`` policy, time it compiled and eager (``repeats`` runs each) and keep
+        the faster. Returns whether the bucket runs compiled."""
         fn = self.step_fn(phase, batch, size)
-        if phase == "prefill":
-            args = (
-                self.model.params,
-                mx.zeros((batch, size), mx.int32),
-                mx.ones((batch,), mx.int32),
-                self.new_kv(batch, size),
-            )
-        elif phase == "decode":
-            args = (
-                self.model.params,
-                mx.zeros((batch,), mx.int32),
-                mx.zeros((batch,), mx.int32),
-                self.new_kv(batch, size),
-            )
-        elif phase == "greedy":
-            args = (mx.zeros((1, self.vocab), mx.float32),)
-        else:
-            ones = mx.ones((batch,), mx.float32)
-            args = (
-                mx.zeros((batch, self.vocab), mx.float32),
-                ones,
-                ones,
-                mx.full((batch,), self.vocab, mx.int32),
-                mx.zeros((batch, 2), mx.uint32),
-                mx.zeros((batch,), mx.bool_),
-            )
+        args = warmup.dummy_inputs(self, phase, batch, size)
         if self.compiled.policy == "auto":
             return fn.calibrate(args, repeats)
         mx.eval(fn(*args))
         return fn.compiled
+
+
+def _ints(tokens: mx.array) -> list[int]:
+    """Read int32 [B] tokens back to the host (the step's one sync)."""
+    return [int(t) for t in tokens.tolist()]  # type: ignore[union-attr]  # tolist of a 1-D array is a list
+
+
+def _input_tokens(rows: list[Sequence | None], prev: _DecodeStep | None, pending: dict[int, int]) -> mx.array:
+    """int32 [B]: each row's newest token, taken on the device from the queued step ``prev``
+    where that step produced it, from Python otherwise (just prefilled)."""
+    src = [pending.get(id(s), -1) if s is not None else -1 for s in rows]
+    steady = all(j == i for i, j in enumerate(src) if rows[i] is not None)
+    if prev is not None and prev.tokens.shape[0] == len(rows) and steady:
+        return prev.tokens  # the steady state: every row stayed in its slot
+    known = [s.last_token if s is not None and j < 0 else 0 for s, j in zip(rows, src, strict=True)]
+    if prev is None or all(j < 0 for j in src):
+        return mx.array(known, mx.int32)
+    from_prev = mx.array([j >= 0 for j in src])
+    gathered = prev.tokens[mx.array([max(j, 0) for j in src], mx.int32)]
+    return mx.where(from_prev, gathered, mx.array(known, mx.int32))
 
 
 def _resize_batch(kv: KVCache, batch: int) -> KVCache:

@@ -73,10 +73,12 @@ class Scheduler:
             self.waiting.append(seq)
             self._wake.notify()
 
-    def cancel(self, seq: Sequence) -> None:
-        """Mark a request cancelled (client gone); it is removed at the next schedule."""
+    def cancel(self, seq: Sequence, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        """End a request at the next schedule with ``reason``: CANCELLED (the client went
+        away) or TIMEOUT (its deadline passed, seen by the HTTP side). The first reason wins."""
         with self._lock:
-            seq.cancelled = True
+            if seq.cancel_reason is None:
+                seq.cancel_reason = reason
             self._wake.notify()
 
     def drain(self) -> None:
@@ -108,6 +110,11 @@ class Scheduler:
                 out.admitted.append(seq)
         return out
 
+    def load(self) -> list[tuple[int, int]]:
+        """(prompt tokens, max_tokens) of every running and waiting request, read under the lock."""
+        with self._lock:
+            return [(len(s.prompt_ids), s.params.max_tokens) for s in (*self.running, *self.waiting)]
+
     def finish(self, seq: Sequence) -> None:
         """A running request ended (stop, length or error); its slot is free."""
         with self._lock:
@@ -126,8 +133,8 @@ class Scheduler:
 
 
 def _abort_reason(seq: Sequence, now: float) -> FinishReason | None:
-    if seq.cancelled:
-        return FinishReason.CANCELLED
+    if seq.cancel_reason is not None:
+        return seq.cancel_reason
     if seq.deadline is not None and now >= seq.deadline:
         return FinishReason.TIMEOUT
     return None

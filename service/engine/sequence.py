@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from models.tokenizer import Detokenizer
 
@@ -87,13 +88,14 @@ class Sequence:
     text: str = ""
     position: int = 0
     slot: int = -1
+    prefilled: Any = None  # (prompt KVCache, row) between prefill and joining a slot (runner only)
     started: float | None = None  # admitted to the engine (end of queueing)
     first_token_at: float | None = None
     last_token_at: float | None = None
     inter_token_s: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     deadline: float | None = None  # perf_counter() time after which the request times out
-    cancelled: bool = False
+    cancel_reason: FinishReason | None = None  # set by Engine.cancel (any thread); acted on at the next schedule
     _sent: int = 0  # characters of ``text`` already emitted
 
     @property
@@ -103,7 +105,7 @@ class Sequence:
     def append(self, token_id: int, stop_ids: frozenset[int], capacity_limit: int) -> None:
         """Record a generated token, update text and timings, and decide whether to stop."""
         now = time.perf_counter()
-        if self.first_token_at is None:
+        if self.first_token_at is None or self.last_token_at is None:
             self.first_token_at = now
         else:
             self.inter_token_s.append(now - self.last_token_at)

@@ -1,40 +1,70 @@
-"""Memory estimate at load time: weights plus the largest KV caches a model can allocate."""
+"""Memory: one formula for what a model may hold, used both for the start-up estimate and
+for admitting each request.
+
+``mx.set_memory_limit`` does not make an allocation fail in MLX 0.32: in MLX's source the
+limit throttles evaluation (``eval_impl`` waits for running work while active memory is over
+it) and the CPU allocator (``CommonAllocator::malloc``) never reads it, and an allocation
+larger than physical memory kills the process (``malloc`` returns NULL and is written
+through). So stepserve never relies on it: it refuses to start a configuration that could
+need more than the budget, and admits requests against the same estimate (HTTP 503 when a
+request would take the model past MLX's memory limit).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+import mlx.core as mx
 
 from models.loader import LoadedModel
 from service.engine.buckets import BucketTable
+from service.engine.core import Engine
+
+SCORES_BYTES = 4  # float32 attention scores: MLX's fallback attention materializes B x heads x T x T of them
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one model may hold at its worst.
+    """Bytes one model may hold.
 
     Attributes:
+        model: the model's name.
         weights: the parameters.
-        decode_cache: the KV cache at (batch bucket of max_running, largest capacity); counted
-            twice in ``total``, since a bucket move holds the old and the new cache.
-        prefill_cache: the KV cache of the largest prefill (batch of max_admit, largest prompt).
+        decode_cache: the decode KV cache at (batch bucket, capacity bucket); counted twice in
+            ``total``, since a bucket move holds the old and the new cache.
+        prefill: the largest prefill's KV cache plus its float32 attention scores.
     """
 
     model: str
     weights: int
     decode_cache: int
-    prefill_cache: int
+    prefill: int
 
     @property
     def total(self) -> int:
-        return self.weights + 2 * self.decode_cache + self.prefill_cache
+        return self.weights + 2 * self.decode_cache + self.prefill
 
     def describe(self) -> str:
         gb = 1e9
         return (
             f"model '{self.model}': {self.total / gb:.2f} GB = weights {self.weights / gb:.2f} GB"
-            f" + 2 x decode KV cache {self.decode_cache / gb:.2f} GB"
-            f" + prefill KV cache {self.prefill_cache / gb:.2f} GB"
+            f" + 2 x decode KV cache {self.decode_cache / gb:.2f} GB + prefill {self.prefill / gb:.2f} GB"
         )
+
+
+class MemoryAdmissionError(RuntimeError):
+    """A request could take MLX past its memory limit (HTTP 503).
+
+    Attributes:
+        message: what was needed against what limit, and the fix.
+        retry: True when the request would fit on an idle server (it is the current load
+            that does not): the client may retry later.
+    """
+
+    def __init__(self, message: str, retry: bool):
+        super().__init__(message)
+        self.message, self.retry = message, retry
 
 
 def kv_bytes_per_position(model: LoadedModel) -> int:
@@ -44,9 +74,67 @@ def kv_bytes_per_position(model: LoadedModel) -> int:
     return 2 * a.num_hidden_layers * a.num_key_value_heads * a.dim_per_head * model.dtype.size
 
 
-def estimate(model: LoadedModel, buckets: BucketTable, max_running: int, max_admit: int) -> MemoryEstimate:
-    """Worst-case bytes of ``model`` served with ``buckets`` (see :func:`kv_bytes_per_position`)."""
+def model_bytes(model: LoadedModel, batch: int, capacity: int, prefill_rows: int, prompt: int) -> MemoryEstimate:
+    """The memory formula: ``model``'s weights, its decode KV cache of ``batch`` rows (a batch
+    bucket) x ``capacity`` positions (a capacity bucket), and a prefill of ``prefill_rows``
+    rows x ``prompt`` tokens (a prompt bucket): its KV cache and its float32 attention
+    scores (rows x query heads x prompt x prompt). Bytes; ``batch`` 0 means no request."""
     per_position = kv_bytes_per_position(model)
-    decode = buckets.batch_for(max_running) * buckets.capacity[-1] * per_position
-    prefill = buckets.batch_for(min(max_admit, max_running)) * buckets.prompt[-1] * per_position
-    return MemoryEstimate(model.name, model.nbytes, decode, prefill)
+    scores = model.args.num_attention_heads * prompt * SCORES_BYTES
+    return MemoryEstimate(
+        model.name, model.nbytes, batch * capacity * per_position, prefill_rows * prompt * (per_position + scores)
+    )
+
+
+def worst_case(model: LoadedModel, buckets: BucketTable, max_running: int, max_admit: int) -> MemoryEstimate:
+    """The most ``model`` can hold: ``max_running`` rows at the largest capacity bucket while
+    ``max_admit`` of the longest prompts are prefilled."""
+    batch = buckets.batch_for(max_running)
+    prefill_rows = buckets.batch_for(min(max_admit, max_running))
+    return model_bytes(model, batch, buckets.capacity[-1], prefill_rows, buckets.prompt[-1])
+
+
+def load_bytes(engine: Engine, rows: list[tuple[int, int]]) -> int:
+    """Bytes ``engine``'s model may hold while serving ``rows`` of (prompt tokens, max_tokens):
+    the rows that can run at once at the capacity bucket of the longest prompt + max_tokens,
+    and a prefill of up to ``max_admit`` of the longest prompts. Requests may stop early, so
+    this bounds the load from above."""
+    if not rows:
+        return engine.model.nbytes
+    buckets, sched = engine.buckets, engine.scheduler
+    running = min(len(rows), sched.max_running)
+    capacity = buckets.capacity_for(min(max(p + m for p, m in rows), buckets.capacity[-1]))
+    prompt = buckets.prompt_for(min(max(p for p, _ in rows), buckets.prompt[-1]))
+    prefill_rows = buckets.batch_for(min(running, sched.max_admit))
+    return model_bytes(engine.model, buckets.batch_for(running), capacity, prefill_rows, prompt).total
+
+
+def admit(engines: Iterable[Engine], engine: Engine, prompt_tokens: int, max_tokens: int) -> None:
+    """Refuse a request whose admission could take MLX past its memory limit.
+
+    The limit is ``mx.get_memory_limit()`` (``mlx_memory_limit_bytes`` when set, else MLX's
+    default); the need is :func:`load_bytes` summed over every served model, with this request
+    added to ``engine``'s load.
+
+    Raises:
+        MemoryAdmissionError: naming the need and the limit; ``retry`` when the request would
+            fit on an idle server.
+    """
+    engines = list(engines)
+    limit, request = mx.get_memory_limit(), (prompt_tokens, max_tokens)
+    need = sum(load_bytes(e, e.load() + ([request] if e is engine else [])) for e in engines)
+    if need <= limit:
+        return
+    alone = sum(e.model.nbytes for e in engines if e is not engine) + load_bytes(engine, [request])
+    if alone > limit:
+        raise MemoryAdmissionError(
+            f"not enough memory: this request (prompt {prompt_tokens} tokens, max_tokens {max_tokens}) could need "
+            f"{alone / 1e9:.2f} GB even alone, over MLX's memory limit of {limit / 1e9:.2f} GB; "
+            "lower max_tokens or shorten the prompt",
+            retry=False,
+        )
+    raise MemoryAdmissionError(
+        f"not enough memory now: with the requests already running or waiting this one could need "
+        f"{need / 1e9:.2f} GB, over MLX's memory limit of {limit / 1e9:.2f} GB; retry later",
+        retry=True,
+    )

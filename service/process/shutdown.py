@@ -12,20 +12,28 @@ import logging
 import signal
 import threading
 import time
+from typing import Protocol
 
 import uvicorn
 
-from service.api.state import AppState
+from service.engine.core import Engine
 
 log = logging.getLogger("stepserve.shutdown")
 POLL_S = 0.05
 ABORT_WAIT_S = 10.0
 
 
+class Serving(Protocol):
+    """What the drain needs of the app's state."""
+
+    engines: dict[str, Engine]
+    draining: bool  # set on SIGTERM: /readyz and new requests answer 503
+
+
 class DrainingServer(uvicorn.Server):
     """``uvicorn.Server`` whose SIGTERM drains the engines first."""
 
-    def __init__(self, config: uvicorn.Config, state: AppState, grace_s: float):
+    def __init__(self, config: uvicorn.Config, state: Serving, grace_s: float):
         super().__init__(config)
         self.state, self.grace_s = state, grace_s
         self._draining = False
@@ -41,7 +49,7 @@ class DrainingServer(uvicorn.Server):
         engines = list(self.state.engines.values())
         self.state.draining = True
         for engine in engines:
-            engine.scheduler.drain()
+            engine.drain()
         log.info("SIGTERM: draining for up to %.0f s", self.grace_s)
         if not _wait_idle(engines, self.grace_s):
             log.warning("grace period over: cancelling the requests still running")
@@ -51,7 +59,7 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def _wait_idle(engines, timeout: float) -> bool:
+def _wait_idle(engines: list[Engine], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while not all(e.idle for e in engines):
         if time.monotonic() >= deadline:

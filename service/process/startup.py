@@ -7,12 +7,12 @@ import logging
 
 import mlx.core as mx
 
+from models.blas import OPENBLAS_FIX, cpu_blas
 from models.gguf import default_model_path
 from models.loader import LoadedModel, device_name, load_model
 from service.config import ModelSettings, Settings
 from service.engine.buckets import BucketTable
 from service.process import memory
-from service.process.memory import MemoryEstimate
 
 log = logging.getLogger("stepserve")
 
@@ -26,7 +26,7 @@ _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16
 
 def compute_dtype(setting: str) -> mx.Dtype:
     """The compute dtype: ``auto`` is float16 on a GPU and float32 on the CPU, where float16
-    matmuls measured ~30x slower (README, "Compute dtype")."""
+    matmuls are far slower (docs/BENCHMARKS.md, "Weights and dtype on the CPU")."""
     if setting == "auto":
         return mx.float16 if device_name() == "gpu" else mx.float32
     return _DTYPES[setting]
@@ -34,8 +34,8 @@ def compute_dtype(setting: str) -> mx.Dtype:
 
 def weights_mode(setting: str) -> str:
     """``auto`` keeps weights quantized on a GPU (memory is what limits a Mac mini) and
-    dequantizes them on the CPU, where dense float32 matmuls measured 2.4x faster per
-    decode step and 33x per prefill (README, "Weights and dtype")."""
+    dequantizes them on the CPU, where dense float32 matmuls are faster than MLX's quantized
+    kernels (docs/BENCHMARKS.md, "Weights and dtype on the CPU")."""
     if setting == "auto":
         return "quantized" if device_name() == "gpu" else "dequantized"
     return setting
@@ -47,6 +47,7 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
     Raises:
         ModelLoadError: a file is missing, unreadable or unsupported (the message names it).
     """
+    log_cpu_blas()
     return {
         spec.name: load_model(
             spec.path or default_model_path(), spec.name, compute_dtype(spec.dtype), weights_mode(spec.weights)
@@ -56,34 +57,76 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
 
 
 def buckets_of(spec: ModelSettings) -> BucketTable:
+    """The bucket table of one served model's settings."""
     return BucketTable(tuple(spec.batch_buckets), tuple(spec.prompt_buckets), tuple(spec.capacity_buckets))
 
 
-def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> list[MemoryEstimate]:
-    """Worst-case memory of every model. Raises MemoryBudgetError over ``memory_budget_bytes``,
-    or over ``mlx_memory_limit_bytes`` (MLX's memory limit, where set) when no budget is given."""
-    estimates = [
-        memory.estimate(
-            models[spec.name], buckets_of(spec), spec.max_sequences or spec.batch_buckets[-1], settings.max_admit
-        )
-        for spec in settings.served_models()
-    ]
-    total = sum(e.total for e in estimates)
-    for e in estimates:
-        log.info("memory estimate: %s", e.describe())
-    name, budget = (
-        ("memory_budget_bytes", settings.memory_budget_bytes)
-        if settings.memory_budget_bytes
-        else ("mlx_memory_limit_bytes", settings.mlx_memory_limit_bytes)
-    )
-    if budget is not None and total > budget:
-        lines = "; ".join(e.describe() for e in estimates)
+def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> Settings:
+    """Check every model's worst case (:func:`service.process.memory.worst_case`) against the
+    budget and resolve ``max_sequences`` where it is unset.
+
+    The budget is ``memory_budget_bytes``, else ``mlx_memory_limit_bytes``, else MLX's own
+    memory limit (``mx.get_memory_limit()``). A model without ``max_sequences`` gets the
+    largest running batch (one of its batch buckets) with which all the models fit.
+
+    Returns:
+        ``settings`` with every served model's ``max_sequences`` set.
+
+    Raises:
+        MemoryBudgetError: the models cannot fit the budget (even at one sequence each where
+            ``max_sequences`` is unset); the message names each model's figures and the fix.
+    """
+    specs = settings.served_models()
+    name, budget = _budget(settings)
+    limit = budget if budget is not None else mx.get_memory_limit()
+    candidates = sorted({b for s in specs if s.max_sequences is None for b in s.batch_buckets}, reverse=True) or [0]
+    for rows in candidates:
+        resolved = {s.name: s.max_sequences or min(rows, s.batch_buckets[-1]) for s in specs}
+        estimates = [
+            memory.worst_case(models[s.name], buckets_of(s), resolved[s.name], settings.max_admit) for s in specs
+        ]
+        total = sum(e.total for e in estimates)
+        if total <= limit:
+            break
+    lines = "; ".join(e.describe() for e in estimates)
+    for spec, e in zip(specs, estimates, strict=True):
+        how = "set" if spec.max_sequences else f"the most whose worst case fits {name} {limit / 1e9:.2f} GB"
+        log.info("model %s: max_sequences %d (%s); worst case %s", spec.name, resolved[spec.name], how, e.describe())
+    if total > limit and (budget is not None or any(s.max_sequences is None for s in specs)):
         raise MemoryBudgetError(
-            f"the models need up to {total / 1e9:.2f} GB, over {name} {budget / 1e9:.2f} GB ({lines}); "
+            f"the models need up to {total / 1e9:.2f} GB, over {name} {limit / 1e9:.2f} GB ({lines}); "
             "lower max_sequences or the largest capacity bucket, or serve fewer models"
         )
-    if total > mx.get_memory_limit():
+    if total > limit:
+        log.warning("the configured max_sequences could need %.2f GB, over %s %.2f GB", total / 1e9, name, limit / 1e9)
+    return _with_max_sequences(settings, resolved)
+
+
+def _budget(settings: Settings) -> tuple[str, int | None]:
+    if settings.memory_budget_bytes:
+        return "memory_budget_bytes", settings.memory_budget_bytes
+    if settings.mlx_memory_limit_bytes:
+        return "mlx_memory_limit_bytes", settings.mlx_memory_limit_bytes
+    return "MLX's memory limit", None
+
+
+def _with_max_sequences(settings: Settings, resolved: dict[str, int]) -> Settings:
+    if not settings.models:
+        return settings.model_copy(update={"max_sequences": resolved[settings.model_name]})
+    models = [m.model_copy(update={"max_sequences": resolved[m.name]}) for m in settings.models]
+    return settings.model_copy(update={"models": models})
+
+
+def log_cpu_blas() -> None:
+    """Log which BLAS MLX's CPU matmuls use; warn, with the fix, when it is the reference BLAS."""
+    if device_name() != "cpu":
+        return
+    blas = cpu_blas()
+    if blas == "reference":
         log.warning(
-            "worst-case memory %.2f GB exceeds MLX's memory limit %.2f GB", total / 1e9, mx.get_memory_limit() / 1e9
+            "CPU BLAS: MLX's bundled reference BLAS, far slower for dense float32 matmuls than OpenBLAS "
+            "(docs/BENCHMARKS.md); to fix: %s",
+            OPENBLAS_FIX,
         )
-    return estimates
+    else:
+        log.info("CPU BLAS: %s", blas)

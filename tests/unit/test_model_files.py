@@ -14,7 +14,7 @@ from models.hf import tokenizer_from_dir
 from models.loader import LoadedModel
 from service.engine.buckets import BucketTable
 from service.engine.scheduler import Scheduler
-from service.process.watchdog import engine_bytes
+from service.process.memory import load_bytes as engine_bytes
 from tests.support import TINY, random_params
 
 

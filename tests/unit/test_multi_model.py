@@ -9,7 +9,7 @@ from models.gguf import default_model_path
 from models.loader import LoadedModel
 from service.config import ConfigError, load_settings
 from service.engine.buckets import BucketTable
-from service.process.memory import estimate
+from service.process.memory import worst_case
 from tests.support import TINY, random_params
 
 SMALL_BUCKETS = "batch_buckets = [1, 2]\nprompt_buckets = [32, 64]\ncapacity_buckets = [256, 512]\n"
@@ -47,7 +47,8 @@ def test_duplicate_model_names_are_refused(tmp_path):
 
 def test_memory_estimate_counts_weights_and_the_largest_caches():
     model = LoadedModel("tiny", Path("-"), TINY, random_params(), None, mx.float32, "dequantized", 0.0)
-    est = estimate(model, BucketTable((1, 4), (32,), (256, 1024)), max_running=3, max_admit=2)
+    est = worst_case(model, BucketTable((1, 4), (32,), (256, 1024)), max_running=3, max_admit=2)
     per_position = 2 * TINY.num_hidden_layers * TINY.num_key_value_heads * TINY.dim_per_head * 4
-    assert est.decode_cache == 4 * 1024 * per_position and est.prefill_cache == 4 * 32 * per_position
-    assert est.total == model.nbytes + 2 * est.decode_cache + est.prefill_cache
+    scores = TINY.num_attention_heads * 32 * 4  # float32 attention scores per prompt position
+    assert est.decode_cache == 4 * 1024 * per_position and est.prefill == 4 * 32 * (per_position + scores)
+    assert est.total == model.nbytes + 2 * est.decode_cache + est.prefill
