@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from models.kv_cache import KVCache
 from models.llama import ModelArgs, prefill
-from service.bench.compare import free_port
+from service.bench.common import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

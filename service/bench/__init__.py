@@ -1,3 +1,40 @@
-"""Benchmarks and load tools (``stepserve bench …``, ``stepserve soak``): they measure a
-server from the outside or the steps in-process. No serving module imports this package.
+"""Benchmarks and load tools: they measure a server from the outside or the steps in-process.
+No serving module imports this package. Measurements and how to run each: docs/BENCHMARKS.md.
+
+``stepserve bench …`` and ``stepserve soak …`` reach :func:`main` and
+:func:`service.bench.soak.main` through the CLI, whose ``main()`` loads OpenBLAS before
+anything imports MLX; each tool is imported only when it runs.
 """
+
+from __future__ import annotations
+
+
+def main(argv: list[str]) -> int:
+    """``stepserve bench ARGV``: dispatch on the form and return the tool's exit code.
+
+    * ``steps …``: one prefill and decode step per dtype, weight format and compile mode
+      (:mod:`service.bench.steps`);
+    * ``profile …``: where a decode step's time goes (:mod:`service.bench.profile`);
+    * ``… --micro …``: plain against compiled, in-process (:mod:`service.bench.micro`);
+    * ``… --side-by-side …``: stepserve against mlx_lm.server (:mod:`service.bench.compare`);
+    * anything else: the HTTP load generator (:mod:`service.bench.load`).
+    """
+    if argv[:1] == ["steps"]:
+        from service.bench.steps import main as steps
+
+        return steps(argv[1:])
+    if argv[:1] == ["profile"]:
+        from service.bench.profile import main as profile
+
+        return profile(argv[1:])
+    if "--micro" in argv:
+        from service.bench.micro import main as micro
+
+        return micro(argv)
+    if "--side-by-side" in argv:
+        from service.bench.compare import main as side_by_side
+
+        return side_by_side(argv)
+    from service.bench.load import main as load
+
+    return load(argv)

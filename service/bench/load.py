@@ -3,10 +3,11 @@
 For each concurrency level, that many client streams send greedy, streamed requests one
 after another (``POST /infer`` or OpenAI's ``POST /v1/completions``; a generated prompt set
 of mixed lengths). Reported per level: aggregate tokens/s (all completion tokens over the
-level's wall time), per-stream tokens/s (completion tokens over request time, median), TTFT
-and inter-token latency p50/p99 as the client sees them (first text chunk; gaps between
-chunks), errors, and the compile-cache misses a stepserve counted during the level. A table
-goes to stderr, JSON to stdout and optionally a file.
+level's wall time), per-stream tokens/s (the median over requests of completion tokens over
+the request's wall time, TTFT included), TTFT and inter-token latency p50/p99 as the client
+sees them (first text chunk; gaps between chunks), errors, and the compile-cache misses a
+stepserve counted during the level. A table goes to stderr, JSON to stdout and optionally a
+file. Measurements: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -14,55 +15,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
-from rich.console import Console
 from rich.table import Table
 
-TOPICS = [
-    "the history of the printing press",
-    "how a steam engine works",
-    "the life cycle of a star",
-    "the rules of chess",
-    "why the sky is blue",
-    "the migration of birds",
-    "how bread is made",
-    "the first voyage around the world",
-]
+from service.bench.common import (
+    essay_prompts,
+    machine_info,
+    metric_labels,
+    percentile,
+    plot_levels,
+    print_table,
+    scrape,
+)
 
-
-def prompt_set(n: int = 16) -> list[str]:
-    """``n`` prompts of mixed lengths (about 10 to 150 tokens), made here: no downloads."""
-    prompts = []
-    for i in range(n):
-        topic = TOPICS[i % len(TOPICS)]
-        context = f" Consider {topic} from every side, with examples and dates." * (i % 6) * 2
-        prompts.append(f"Write a detailed essay about {topic}.{context}\n\nEssay:")
-    return prompts
-
-
-def scrape(client: httpx.Client, name: str) -> tuple[float, dict[str, str]]:
-    """(sum of a metric's samples, labels of its first sample) from ``/metrics``."""
-    total, labels = 0.0, {}
-    for family in text_string_to_metric_families(client.get("/metrics").text):
-        for sample in family.samples:
-            if sample.name == name:
-                total += sample.value
-                labels = labels or dict(sample.labels)
-    return total, labels
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+MISSES = "stepserve_compile_cache_misses_total"
 
 
 def _request(api: str, prompt: str, max_tokens: int, model: str | None) -> tuple[str, dict]:
@@ -105,7 +75,13 @@ async def run_level(
     api: str = "infer",
     model: str | None = None,
 ) -> dict:
-    """Run one concurrency level; figures in seconds and tokens per second."""
+    """Run one concurrency level: ``concurrency`` client streams, each sending
+    ``requests_per_stream`` requests back to back, prompts taken in turn from ``prompts``.
+
+    Returns the level's figures: seconds, tokens per second, percentiles
+    (:func:`~service.bench.common.percentile`); a request that failed (a non-200 answer or
+    an httpx.HTTPError) counts in ``errors`` and nowhere else.
+    """
     records, errors = [], 0
 
     async def stream(client: httpx.AsyncClient, index: int) -> None:
@@ -135,10 +111,10 @@ async def run_level(
         "elapsed_s": elapsed,
         "aggregate_tok_s": sum(r["tokens"] for r in records) / elapsed,
         "per_stream_tok_s_p50": statistics.median(r["tokens"] / r["wall_s"] for r in records) if records else None,
-        "ttft_s_p50": _pct(ttft, 0.5),
-        "ttft_s_p99": _pct(ttft, 0.99),
-        "itl_s_p50": _pct(itl, 0.5),
-        "itl_s_p99": _pct(itl, 0.99),
+        "ttft_s_p50": percentile(ttft, 0.5),
+        "ttft_s_p99": percentile(ttft, 0.99),
+        "itl_s_p50": percentile(itl, 0.5),
+        "itl_s_p99": percentile(itl, 0.99),
     }
 
 
@@ -151,22 +127,23 @@ def run(
     model: str | None = None,
     warmup_requests: int = 0,
 ) -> dict:
-    """Every concurrency level in turn, with the compile misses the server counted in each
-    (None for a server without stepserve's /metrics, such as mlx_lm.server).
+    """Every concurrency level in turn (:func:`run_level`), with the compile misses the server
+    counted in each (None for a server without stepserve's /metrics, such as mlx_lm.server).
 
     ``warmup_requests`` > 0 first runs each level untimed with that many requests per
     stream, so that a server which builds its kernels on first use (on CUDA, NVRTC takes
     seconds per new kernel) is measured warm; misses during that pass are reported as
     ``warmup_compile_misses`` (stepserve should have none: it warms up before it is ready).
+    Raises httpx.HTTPError when the server does not answer.
     """
-    prompts = prompt_set()
+    prompts = essay_prompts()
     with httpx.Client(base_url=url, timeout=60) as client:
         stepserve = client.get("/metrics").status_code == 200
+        build = metric_labels(client, "stepserve_build_info") if stepserve else {}
 
-        def misses() -> float | None:
-            return scrape(client, "stepserve_compile_cache_misses_total")[0] if stepserve else None
+        def misses() -> float:
+            return scrape(client, [MISSES])[MISSES] if stepserve else 0.0
 
-        build = scrape(client, "stepserve_build_info")[1] if stepserve else {}
         results = []
         for level in levels:
             before = misses()
@@ -188,32 +165,16 @@ def run(
     }
 
 
-def plot_levels(results: dict[str, dict], path: Path, title: str) -> Path | None:
-    """Write a PNG of aggregate tokens/s and TTFT p50 against concurrency, one line per
-    ``{name: run() result}``. Returns ``path``, or None when matplotlib is not installed."""
-    try:
-        import matplotlib
+OTHER_FORMS = """other forms (each has --help):
+  stepserve bench --side-by-side ...  stepserve and mlx_lm.server on the same weights
+  stepserve bench --micro ...         plain vs compiled, in-process
+  stepserve bench steps ...           one prefill and decode step per dtype, weight format, compile mode
+  stepserve bench profile ...         where a decode step's time goes"""
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, result in results.items():
-        levels = [r["concurrency"] for r in result["levels"]]
-        left.plot(levels, [r["aggregate_tok_s"] for r in result["levels"]], marker="o", label=name)
-        right.plot(levels, [r["ttft_s_p50"] for r in result["levels"]], marker="o", label=name)
-    left.set(xlabel="concurrent streams", ylabel="aggregate tokens/s", title="Throughput")
-    right.set(xlabel="concurrent streams", ylabel="TTFT p50 (s)", title="Time to first token")
-    for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+
+def fmt(value: float | None, scale: float = 1.0, digits: int = 3) -> str:
+    """``value * scale`` with ``digits`` decimals, or "-" for None."""
+    return "-" if value is None else f"{value * scale:.{digits}f}"
 
 
 def _table(result: dict) -> Table:
@@ -230,10 +191,6 @@ def _table(result: dict) -> Table:
     ):
         table.add_column(col, justify="right")
     for r in result["levels"]:
-
-        def fmt(v, scale=1.0, digits=3):
-            return "-" if v is None else f"{v * scale:.{digits}f}"
-
         table.add_row(
             str(r["concurrency"]),
             str(r["requests"]),
@@ -247,20 +204,12 @@ def _table(result: dict) -> Table:
     return table
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[2:] if argv is None else argv
-    if "--micro" in argv:
-        from service.bench.micro import main as micro
-
-        return micro(argv)
-    if "--side-by-side" in argv:
-        from service.bench.compare import main as side_by_side
-
-        return side_by_side(argv)
-    parser = argparse.ArgumentParser(prog="stepserve bench", description=__doc__)
-    parser.add_argument("--micro", action="store_true", help="plain vs compiled in-process instead (see bench_micro)")
-    parser.add_argument(
-        "--side-by-side", action="store_true", help="stepserve vs mlx_lm.server on the same weights (see bench_compare)"
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stepserve bench",
+        description=__doc__,
+        epilog=OTHER_FORMS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1], help="client streams per level")
@@ -271,18 +220,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", help="model name to send (required by some OpenAI servers)")
     parser.add_argument("--out", type=Path, help="write the JSON result here, and the plot next to it (.png)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """``stepserve bench [options]``: run the load, print the table to stderr and the JSON
+    to stdout; with ``--out`` write the JSON and a PNG plot beside it. Returns 0."""
+    args = _parser().parse_args(argv)
     result = run(args.url, args.concurrency, args.requests, args.max_tokens, args.api, args.model)
     result.update(
         command="stepserve bench " + " ".join(argv),
-        machine={"platform": platform.platform(), "processor": platform.machine()},
         time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **machine_info(),
     )
-    Console(stderr=True).print(_table(result))
+    print_table(_table(result))
     if args.out:
         plot = plot_levels({result["url"]: result}, args.out.with_suffix(".png"), f"stepserve bench: {result['url']}")
         result["plot"] = str(plot) if plot else None
         args.out.write_text(json.dumps(result, indent=2))
-    text = json.dumps(result, indent=2)
-    print(text)
+    print(json.dumps(result, indent=2))
     return 0

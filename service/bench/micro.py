@@ -1,10 +1,12 @@
 """``stepserve bench --micro``: plain vs compiled, in-process, on MLX's default device.
 
-* GELU on (32, 1000, 4096) float32, the example of MLX's compile guide (M1 Max: 15.5 -> 3.1 ms);
-* 20 chained ``tanh`` on (512, 512), a compile lesson's example (M3 Ultra: 0.97 -> 0.31 ms);
+* GELU on (32, 1000, 4096) float32, the example of MLX's compile guide
+  (https://ml-explore.github.io/mlx/build/html/usage/compile.html);
+* 20 chained ``tanh`` on (512, 512), a compile lesson's example: a long elementwise chain;
 * one decode step of the default model per capacity bucket, eager vs compiled.
 
-Compiled functions come from the compile cache, like the server's. Prints and writes JSON.
+Compiled functions come from the compile cache, like the server's. Prints and writes JSON;
+figures are milliseconds per evaluated call (median). Measurements: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -12,15 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
 
 from models.gguf import default_model_path
-from models.loader import device_name, load_model
+from models.loader import load_model
+from service.bench.common import device_defaults, machine_info, quiet_compile_cache, warm_median_seconds
 from service.engine.buckets import BucketTable
-from service.engine.compile_cache import CompileCache, StepKey, StepSpec, median_seconds
+from service.engine.compile_cache import StepKey, StepSpec
 from service.engine.runner import ModelRunner
 
 
@@ -36,16 +39,15 @@ def tanh_chain(x: mx.array) -> mx.array:
     return x
 
 
-def median_ms(fn, args: tuple, repeats: int) -> float:
-    """Milliseconds per evaluated call (median), after one untimed call (the compile)."""
-    mx.eval(fn(*args))
-    return median_seconds(fn, args, repeats) * 1e3
+def median_ms(fn: Callable[..., mx.array], args: tuple, repeats: int) -> float:
+    """Milliseconds per evaluated call (median of ``repeats``), after one untimed call."""
+    return warm_median_seconds(fn, args, repeats) * 1e3
 
 
-def plain_vs_compiled(name: str, fn, shape: tuple[int, ...], repeats: int) -> dict:
-    compiled = CompileCache("on", lambda *a: None, lambda s: None).get(
-        StepKey("micro", name, 0, 0, "float32"), StepSpec(fn)
-    )
+def plain_vs_compiled(name: str, fn: Callable[[mx.array], mx.array], shape: tuple[int, ...], repeats: int) -> dict:
+    """``fn`` on a float32 normal array of ``shape``, plain and compiled through the compile
+    cache: ``plain_ms``, ``compiled_ms`` (median milliseconds) and ``speedup`` (plain / compiled)."""
+    compiled = quiet_compile_cache("on").get(StepKey("micro", name, 0, 0, "float32"), StepSpec(fn))
     x = mx.random.normal(shape)
     mx.eval(x)
     plain_ms, compiled_ms = median_ms(fn, (x,), repeats), median_ms(compiled, (x,), repeats)
@@ -59,16 +61,16 @@ def plain_vs_compiled(name: str, fn, shape: tuple[int, ...], repeats: int) -> di
 
 
 def decode_steps(capacities: list[int], batch: int, repeats: int) -> list[dict]:
-    """One decode step of the default model per capacity bucket, eager and compiled."""
-    dtype = mx.float16 if device_name() == "gpu" else mx.float32
-    model = load_model(default_model_path(), "micro", dtype, "quantized" if device_name() == "gpu" else "dequantized")
+    """One decode step of the default model (stepserve's dtype and weights for the device) at
+    ``(batch, capacity)`` for each capacity, every row at position capacity/2: ``eager_ms``,
+    ``compiled_ms`` (median milliseconds) and ``speedup``."""
+    dtype, weights = device_defaults()
+    model = load_model(default_model_path(), "micro", getattr(mx, dtype), weights)
     rows = []
     for capacity in capacities:
         times = {}
         for policy in ("off", "on"):
-            runner = ModelRunner(
-                model, BucketTable((batch,), (32,), (capacity,)), CompileCache(policy, lambda *a: None, lambda s: None)
-            )
+            runner = ModelRunner(model, BucketTable((batch,), (32,), (capacity,)), quiet_compile_cache(policy))
             step = runner.step_fn("decode", batch, capacity)
             args = (
                 model.params,
@@ -88,8 +90,11 @@ def decode_steps(capacities: list[int], batch: int, repeats: int) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="stepserve bench --micro", description=__doc__)
+def main(argv: list[str]) -> int:
+    """``stepserve bench --micro [options]``: print the JSON (and write it to ``--out``). Returns 0."""
+    parser = argparse.ArgumentParser(
+        prog="stepserve bench --micro", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--micro", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--batch", type=int, default=1)
@@ -97,10 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     result = {
-        "command": "stepserve bench " + " ".join(argv or []),
-        "device": device_name(),
-        "mlx": mx.__version__,
-        "machine": platform.platform(),
+        "command": "stepserve bench " + " ".join(argv),
+        **machine_info(in_process=True),
         "elementwise": [
             plain_vs_compiled("gelu", gelu, (32, 1000, 4096), max(2, args.repeats // 3)),
             plain_vs_compiled("tanh20", tanh_chain, (512, 512), args.repeats * 5),

@@ -1,4 +1,4 @@
-"""Where a decode step's time goes, in-process: ``python -m service.bench.profile --out FILE``.
+"""``stepserve bench profile``: where a decode step's time goes, in-process.
 
 For each batch bucket B (capacity bucket C, every row at position C/2) it times the default
 model's decode step plus greedy token selection, compiled, four ways:
@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,17 +29,16 @@ from pathlib import Path
 import mlx.core as mx
 
 from models.gguf import default_model_path
-from models.loader import device_name, load_model
+from models.loader import LoadedModel, WeightsMode, load_model
+from service.bench.common import device_defaults, machine_info, quiet_compile_cache
 from service.engine.buckets import BucketTable
-from service.engine.compile_cache import CompileCache
 from service.engine.runner import ModelRunner
 
 
-def profile_stepserve(model, batch: int, capacity: int, steps: int, repeats: int) -> dict:
-    """Seconds per decode step of stepserve's compiled step, split as the module docstring says."""
-    runner = ModelRunner(
-        model, BucketTable((batch,), (16,), (capacity,)), CompileCache(True, lambda *a: None, lambda s: None)
-    )
+def profile_stepserve(model: LoadedModel, batch: int, capacity: int, steps: int, repeats: int) -> dict:
+    """Seconds per decode step of stepserve's compiled step at (batch, capacity), split as the
+    module docstring says, and tokens/s of the synchronous and pipelined loops."""
+    runner = ModelRunner(model, BucketTable((batch,), (16,), (capacity,)), quiet_compile_cache(True))
     decode, greedy = runner.step_fn("decode", batch, capacity), runner.step_fn("greedy")
     kv = runner.new_kv(batch, capacity)
     position = capacity // 2
@@ -90,11 +87,12 @@ def profile_stepserve(model, batch: int, capacity: int, steps: int, repeats: int
 
 
 def profile_peer(model_dir: Path, batch: int, capacity: int, steps: int) -> dict:
-    """mlx-lm's model and KV cache at offset capacity/2, pipelined like ``mlx_lm.generate``."""
+    """Seconds per decode step (and tokens/s) of mlx-lm's model and KV cache at offset
+    capacity/2, pipelined like ``mlx_lm.generate``. Raises ImportError without mlx-lm."""
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    peer, _ = load(str(model_dir))
+    peer = load(str(model_dir))[0]
     cache = make_prompt_cache(peer)
     offset = capacity // 2
     mx.eval(peer(mx.zeros((batch, offset), mx.int32), cache=cache))
@@ -119,8 +117,10 @@ def profile_peer(model_dir: Path, batch: int, capacity: int, steps: int) -> dict
     return {"pipelined_step_s": step_s, "tok_s_pipelined": batch / step_s}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stepserve bench profile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--capacity", type=int, default=256)
     parser.add_argument(
@@ -146,50 +146,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--peer", action="store_true", help="also profile mlx-lm's model (needs mlx-lm)")
     parser.add_argument("--out", type=Path)
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
-    gpu = device_name() == "gpu"
-    dtype = args.dtype or ("float16" if gpu else "float32")
-    weights = args.weights or ("quantized" if gpu else "dequantized")
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        peer_dir = None
-        if args.peer:
-            from models.convert import convert_gguf
+    return parser
 
+
+def _rows(args: argparse.Namespace, dtype: str, weights: WeightsMode) -> list[dict]:
+    """One row per (fuse, batch) for stepserve, then with ``--peer`` one per batch for mlx-lm;
+    each row is printed as a JSON line as soon as it is measured."""
+    rows = []
+
+    def emit(row: dict) -> None:
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+    for fuse in args.fuse:
+        model = load_model(default_model_path(), "profile", getattr(mx, dtype), weights, fuse=fuse == "on")
+        for batch in args.batch:
+            profile = profile_stepserve(model, batch, args.capacity, args.steps, args.repeats)
+            emit({"batch": batch, "capacity": args.capacity, "fuse": fuse, **profile})
+    if args.peer:
+        from models.convert import convert_gguf
+
+        with tempfile.TemporaryDirectory() as tmp:
             peer_dir = convert_gguf(default_model_path(), Path(tmp) / "model", getattr(mx, dtype))
-        for fuse in args.fuse:
-            model = load_model(default_model_path(), "profile", getattr(mx, dtype), weights, fuse=fuse == "on")
             for batch in args.batch:
-                row = {
-                    "batch": batch,
-                    "capacity": args.capacity,
-                    "fuse": fuse,
-                    **profile_stepserve(model, batch, args.capacity, args.steps, args.repeats),
-                }
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-        for batch in args.batch if peer_dir is not None else []:
-            row = {
-                "batch": batch,
-                "capacity": args.capacity,
-                "mlx_lm": profile_peer(peer_dir, batch, args.capacity, args.steps),
-            }
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+                peer = profile_peer(peer_dir, batch, args.capacity, args.steps)
+                emit({"batch": batch, "capacity": args.capacity, "mlx_lm": peer})
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    """``stepserve bench profile [options]``: print one JSON line per row and write them all
+    to ``--out``. Returns 0."""
+    args = _parser().parse_args(argv)
+    default_dtype, default_weights = device_defaults()
+    dtype, weights = args.dtype or default_dtype, args.weights or default_weights
     result = {
-        "command": "python -m service.bench.profile " + " ".join(argv or []),
-        "mlx": mx.__version__,
-        "device": device_name(),
+        "command": "stepserve bench profile " + " ".join(argv),
+        **machine_info(in_process=True),
         "dtype": dtype,
         "weights": weights,
-        "machine": platform.platform(),
-        "rows": rows,
+        "rows": _rows(args, dtype, weights),
     }
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

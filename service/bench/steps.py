@@ -1,50 +1,47 @@
-"""Time one prefill and one decode step of the default model per compute dtype, weight
-format and compile mode, in-process, and write JSON. This is how stepserve's CPU defaults
-(float32, dequantized weights) were chosen: ``python -m service.bench.steps --out FILE``.
+"""``stepserve bench steps``: time one prefill and one decode step of the default model per
+compute dtype, weight format and compile mode, in-process, and write JSON; ``--load`` times
+model loading instead. This is how stepserve's CPU defaults (float32, dequantized weights)
+were chosen (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import sys
 from pathlib import Path
 
 import mlx.core as mx
 
-from models.blas import cpu_blas
 from models.gguf import default_model_path
-from models.loader import device_name, load_model
+from models.loader import WeightsMode, device_name, load_model
+from service.bench.common import machine_info, quiet_compile_cache, warm_median_seconds
 from service.engine.buckets import BucketTable
-from service.engine.compile_cache import CompileCache, median_seconds
 from service.engine.runner import ModelRunner
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+WEIGHTS: tuple[WeightsMode, ...] = ("quantized", "dequantized")
 
 
-def time_step(fn, repeats: int) -> float:
-    """Median seconds of ``fn()`` evaluated, after one untimed call (the compile)."""
-    mx.eval(fn())
-    return median_seconds(fn, (), repeats)
-
-
-def measure(dtype: str, weights: str, compiled: bool, batch: int, capacity: int, prompt: int, repeats: int) -> dict:
-    """Seconds per decode step at (batch, capacity) and per prefill at (1, prompt)."""
+def measure(
+    dtype: str, weights: WeightsMode, compiled: bool, batch: int, capacity: int, prompt: int, repeats: int
+) -> dict:
+    """Median seconds per decode step at (batch, capacity), every row at position capacity/2,
+    and per prefill at (1, prompt) (None when ``prompt`` is 0; a third of the repeats), with
+    decode tokens/s and the weights' bytes."""
     model = load_model(default_model_path(), "bench", DTYPES[dtype], weights)
     buckets = BucketTable((batch,), (max(prompt, 1),), (capacity,))
-    runner = ModelRunner(model, buckets, CompileCache(compiled, lambda *a: None, lambda s: None))
+    runner = ModelRunner(model, buckets, quiet_compile_cache(compiled))
     decode = runner.step_fn("decode", batch, capacity)
-    kv = runner.new_kv(batch, capacity)
     tokens, positions = mx.zeros((batch,), mx.int32), mx.full((batch,), capacity // 2, mx.int32)
-    decode_s = time_step(lambda: decode(model.params, tokens, positions, kv), repeats)
+    decode_args = (model.params, tokens, positions, runner.new_kv(batch, capacity))
+    decode_s = warm_median_seconds(decode, decode_args, repeats)
     prefill_s = None
     if prompt:
         prefill = runner.step_fn("prefill", 1, prompt)
-        prompt_kv = runner.new_kv(1, prompt)
         ids, lengths = mx.zeros((1, prompt), mx.int32), mx.array([prompt], mx.int32)
-        prefill_s = time_step(lambda: prefill(model.params, ids, lengths, prompt_kv), max(1, repeats // 3))
+        prefill_args = (model.params, ids, lengths, runner.new_kv(1, prompt))
+        prefill_s = warm_median_seconds(prefill, prefill_args, max(1, repeats // 3))
     return {
         "dtype": dtype,
         "weights": weights,
@@ -59,8 +56,9 @@ def measure(dtype: str, weights: str, compiled: bool, batch: int, capacity: int,
     }
 
 
-def measure_load(path: Path, dtype: str, weights: str, repeats: int) -> dict:
-    """Median seconds of :func:`load_model` (read, prepare and evaluate every weight)."""
+def measure_load(path: Path, dtype: str, weights: WeightsMode, repeats: int) -> dict:
+    """Median seconds of :func:`models.loader.load_model` (read, prepare and evaluate every
+    weight) over ``repeats`` loads. Raises ModelLoadError for a file it cannot read."""
     times = [load_model(path, "bench", DTYPES[dtype], weights).load_seconds for _ in range(repeats)]
     return {
         "path": str(path),
@@ -71,32 +69,25 @@ def measure_load(path: Path, dtype: str, weights: str, repeats: int) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stepserve bench steps", description=__doc__)
     parser.add_argument(
         "--load", type=Path, nargs="+", help="time loading these models (GGUF files or directories) instead"
     )
     parser.add_argument("--dtypes", nargs="+", default=["float32", "float16"], choices=list(DTYPES))
-    parser.add_argument("--weights", nargs="+", default=["quantized", "dequantized"])
+    parser.add_argument("--weights", nargs="+", default=list(WEIGHTS), choices=WEIGHTS)
     parser.add_argument("--batch", type=int, nargs="+", default=[1])
     parser.add_argument("--capacity", type=int, nargs="+", default=[256])
     parser.add_argument("--prompt", type=int, default=128, help="prefill length to time (0: skip prefill)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path)
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _step_rows(args: argparse.Namespace) -> list[dict]:
     rows = []
-    if args.load:
-        rows = [measure_load(p, d, w, 5) for p in args.load for d in args.dtypes for w in args.weights]
-        for row in rows:
-            print(json.dumps(row), flush=True)
-        if args.out:
-            args.out.write_text(
-                json.dumps({"command": "python -m service.bench.steps " + " ".join(argv or []), "rows": rows}, indent=2)
-            )
-        return 0
     for dtype in args.dtypes:
-        # float16 on a CPU is ~30x slower: a few repeats are enough to show it.
+        # float16 matmuls are far slower on a CPU (docs/BENCHMARKS.md): a few repeats show it.
         repeats = 2 if dtype != "float32" and device_name() == "cpu" else args.repeats
         for weights in args.weights:
             for batch in args.batch:
@@ -105,18 +96,21 @@ def main(argv: list[str] | None = None) -> int:
                         row = measure(dtype, weights, compiled, batch, capacity, args.prompt, repeats)
                         print(json.dumps(row), flush=True)
                         rows.append(row)
-    result = {
-        "command": "python -m service.bench.steps " + " ".join(argv or []),
-        "mlx": mx.__version__,
-        "device": device_name(),
-        "cpu_blas": cpu_blas(),
-        "machine": platform.platform(),
-        "rows": rows,
-    }
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    """``stepserve bench steps [options]``: print one JSON line per row as it is measured and
+    write them all to ``--out``. Returns 0."""
+    args = _parser().parse_args(argv)
+    command = "stepserve bench steps " + " ".join(argv)
+    if args.load:
+        rows = [measure_load(p, d, w, 5) for p in args.load for d in args.dtypes for w in args.weights]
+        for row in rows:
+            print(json.dumps(row), flush=True)
+    else:
+        rows = _step_rows(args)
+    result = {"command": command, **machine_info(in_process=True), "rows": rows}
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
