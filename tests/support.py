@@ -18,9 +18,12 @@ import httpx
 import mlx.core as mx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
 
 from models.kv_cache import KVCache
 from models.llama import ModelArgs, prefill
+from models.tokenizer import Detokenizer
 from service.bench.common import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,3 +194,15 @@ def tool(name: str) -> str:
             pytest.fail(reason)
         pytest.skip(reason)
     return path
+
+
+@dataclass
+class WordTokenizer:
+    """What the engine needs of a tokenizer: stop ids and a detokenizer (a real ``tokenizers``
+    word-level vocabulary ``t0 … t95``)."""
+
+    stop_token_ids: frozenset[int]
+
+    def detokenizer(self) -> Detokenizer:
+        vocab = {f"t{i}": i for i in range(TINY.vocab_size)}
+        return Detokenizer(Tokenizer(WordLevel(vocab, unk_token="t0")))

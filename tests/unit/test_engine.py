@@ -5,37 +5,21 @@ exactly the greedy tokens of their own sequence run alone, and nothing else."""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from prometheus_client import CollectorRegistry
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
 
 from models.loader import LoadedModel
-from models.tokenizer import Detokenizer
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
 from service.engine.core import Engine, WarmupSpec
 from service.engine.sequence import FinalEvent, FinishReason, SamplingParams, Sequence
 from service.metrics import Metrics
-from tests.support import TINY, prefill_one, random_params
+from tests.support import TINY, WordTokenizer, prefill_one, random_params
 
 BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(8, 16), capacity=(16, 24, 32))
-
-
-@dataclass
-class WordTokenizer:
-    """What the engine needs of a tokenizer: stop ids and a detokenizer (a real ``tokenizers``
-    word-level vocabulary ``t0 … t95``)."""
-
-    stop_token_ids: frozenset[int]
-
-    def detokenizer(self) -> Detokenizer:
-        vocab = {f"t{i}": i for i in range(TINY.vocab_size)}
-        return Detokenizer(Tokenizer(WordLevel(vocab, unk_token="t0")))
 
 
 def reference(params, prompt: list[int], max_tokens: int, stop: frozenset[int], limit: int) -> list[int]:

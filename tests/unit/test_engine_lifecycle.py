@@ -1,0 +1,112 @@
+"""The engine's API for the rest of the process, on a tiny random model: a request cancelled
+with a reason ends with that reason, a dead engine's requests end through the same finish
+path as any other (metrics included), and start-up derives max_sequences from the budget."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from models.loader import LoadedModel
+from service.config import load_settings
+from service.engine.buckets import BucketTable
+from service.engine.compile_cache import CompileCache
+from service.engine.core import Engine
+from service.engine.sequence import FinalEvent, FinishReason, SamplingParams, Sequence
+from service.engine.warmup import WarmupSpec
+from service.metrics import Metrics
+from service.process.memory import worst_case
+from service.process.startup import MemoryBudgetError, buckets_of, check_memory
+from tests.support import TINY, WordTokenizer, random_params
+
+BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(8, 16), capacity=(16, 32))
+
+
+@pytest.fixture
+def model() -> LoadedModel:
+    tokenizer = WordTokenizer(frozenset())
+    return LoadedModel("tiny", Path("-"), TINY, random_params(), tokenizer, mx.float32, "dequantized", 0.0)
+
+
+def request(model: LoadedModel, max_tokens: int = 200) -> tuple[Sequence, list[FinalEvent], threading.Event]:
+    finals: list[FinalEvent] = []
+    ended = threading.Event()
+
+    def emit(event):
+        if isinstance(event, FinalEvent):
+            finals.append(event)
+            ended.set()
+
+    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=max_tokens), model.tokenizer.detokenizer(), emit)
+    return seq, finals, ended
+
+
+def sample(metrics: Metrics, name: str, **labels) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_a_cancel_with_a_reason_ends_the_request_with_it(model):
+    metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
+    engine = Engine(model, BUCKETS, CompileCache(True, lambda *a: None, lambda s: None), metrics)
+    engine.start(WarmupSpec(prompt_tokens=0))
+    assert engine.ready.wait(60)
+    try:
+        seq, finals, ended = request(model, max_tokens=10)
+        engine.submit(seq)
+        engine.cancel(seq, FinishReason.TIMEOUT)
+        assert ended.wait(60)
+    finally:
+        engine.stop()
+    assert [f.finish_reason for f in finals] == [FinishReason.TIMEOUT]
+    assert (
+        sample(metrics, "stepserve_timeouts_total", model="tiny", reason="waiting")
+        + sample(metrics, "stepserve_timeouts_total", model="tiny", reason="running")
+        == 1
+    )
+    assert engine.idle and not engine.runner.busy
+
+
+def test_a_dead_engines_requests_end_through_the_one_finish_path(model):
+    metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
+    engine = Engine(model, BUCKETS, CompileCache(True, lambda *a: None, lambda s: None), metrics)
+    # Never started, as after its thread died: the requests it holds wait forever unless failed.
+    running, waiting = request(model), request(model)
+    engine.submit(running[0])
+    engine.submit(waiting[0])
+    engine.scheduler.schedule()  # the first becomes running, as the thread would have done
+    engine.fail("the engine thread died; the server is restarting")
+    for _, finals, ended in (running, waiting):
+        assert ended.is_set()
+        assert finals[0].finish_reason is FinishReason.ERROR and "engine thread died" in (finals[0].error or "")
+    assert sample(metrics, "stepserve_request_duration_seconds_count", model="tiny") == 2
+    assert not engine.ready.is_set() and engine.not_ready_reason == "engine thread died"
+    assert engine.idle and engine.load() == []
+
+
+def settings_for(tmp_path, **values):
+    toml = tmp_path / "s.toml"
+    toml.write_text("batch_buckets = [1, 2, 4]\nprompt_buckets = [8, 16]\ncapacity_buckets = [16, 32]\n")
+    return load_settings(toml, model_name="tiny", **values)
+
+
+def test_unset_max_sequences_is_the_largest_batch_that_fits_the_budget(tmp_path, model):
+    settings = settings_for(tmp_path)
+    spec = settings.served_models()[0]
+    need = {b: worst_case(model, buckets_of(spec), b, settings.max_admit).total for b in (1, 2, 4)}
+    budget = (need[2] + need[4]) // 2  # room for 2 running sequences, not 4
+    resolved = check_memory(settings_for(tmp_path, memory_budget_bytes=budget), {"tiny": model})
+    assert resolved.served_models()[0].max_sequences == 2
+    assert check_memory(settings_for(tmp_path, memory_budget_bytes=need[4]), {"tiny": model}).max_sequences == 4
+    with pytest.raises(MemoryBudgetError, match="memory_budget_bytes"):
+        check_memory(settings_for(tmp_path, memory_budget_bytes=need[1] - 1), {"tiny": model})
+
+
+def test_an_explicit_max_sequences_over_the_budget_is_refused(tmp_path, model):
+    spec = settings_for(tmp_path).served_models()[0]
+    need_1 = worst_case(model, buckets_of(spec), 1, 4).total
+    with pytest.raises(MemoryBudgetError, match="lower max_sequences"):
+        check_memory(settings_for(tmp_path, memory_budget_bytes=need_1, max_sequences=4), {"tiny": model})
