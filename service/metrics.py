@@ -6,6 +6,7 @@ Each app builds its own ``CollectorRegistry`` so tests and several apps never co
 
 from __future__ import annotations
 
+import importlib.metadata
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -178,7 +179,7 @@ class Metrics:
             namespace=ns,
             registry=reg,
         )
-        info.labels(version, mx.__version__, device).set(1)
+        info.labels(version, importlib.metadata.version("mlx"), device).set(1)
         for status in ("200", "400", "401", "413", "422", "429", "499", "500", "503", "504"):
             self.requests.labels(status)  # zero series from the start, so rate() sees the first one
 

@@ -4,13 +4,14 @@ worst-case memory against the budget before anything is served."""
 from __future__ import annotations
 
 import logging
+from typing import Literal
 
 import mlx.core as mx
 
 from models.blas import OPENBLAS_FIX, cpu_blas
 from models.gguf import default_model_path
-from models.loader import LoadedModel, device_name, load_model
-from service.config import ModelSettings, Settings
+from models.loader import LoadedModel, WeightsMode, device_name, load_model
+from service.config import ServedModel, Settings
 from service.engine.buckets import BucketTable
 from service.process import memory
 
@@ -32,7 +33,7 @@ def compute_dtype(setting: str) -> mx.Dtype:
     return _DTYPES[setting]
 
 
-def weights_mode(setting: str) -> str:
+def weights_mode(setting: Literal["auto", "quantized", "dequantized"]) -> WeightsMode:
     """``auto`` keeps weights quantized on a GPU (memory is what limits a Mac mini) and
     dequantizes them on the CPU, where dense float32 matmuls are faster than MLX's quantized
     kernels (docs/BENCHMARKS.md, "Weights and dtype on the CPU")."""
@@ -56,7 +57,7 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
     }
 
 
-def buckets_of(spec: ModelSettings) -> BucketTable:
+def buckets_of(spec: ServedModel) -> BucketTable:
     """The bucket table of one served model's settings."""
     return BucketTable(tuple(spec.batch_buckets), tuple(spec.prompt_buckets), tuple(spec.capacity_buckets))
 
