@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from models.gguf import GGUF_GROUP_SIZE, args_from_metadata, params_from_tensors, read_gguf
+from models.gguf import GGUF_GROUP_SIZE, args_from_metadata, params_from_tensors, read_gguf, tokenizer_from_gguf
+from models.layers import Params, quantized_bits
+from models.llama import ModelArgs
 from models.tokenizer import ChatTokenizer
 
 
@@ -27,15 +30,11 @@ def unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _bits(leaf: dict) -> int:
-    return leaf["weight"].shape[-1] * 32 // (leaf["scales"].shape[-1] * GGUF_GROUP_SIZE)
-
-
 def convert_gguf(gguf: str | Path, out_dir: str | Path, dtype: mx.Dtype | None = None) -> Path:
     """Convert a Llama-family GGUF into ``out_dir`` (created). Returns ``out_dir``.
 
     ``dtype`` casts the floating tensors (norms, scales, biases, unquantized weights), e.g.
-    float32 for a CPU, where float16 compute is slow; None keeps the GGUF's.
+    to float32 for serving on a CPU; None keeps the GGUF's.
 
     Raises:
         ModelLoadError: the GGUF is missing, unreadable or unsupported.
@@ -43,29 +42,47 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path, dtype: mx.Dtype | None =
     gguf, out = Path(gguf), Path(out_dir)
     tensors, metadata = read_gguf(gguf)
     args = args_from_metadata(metadata, tensors, gguf)
-    tokenizer = ChatTokenizer.from_gguf_metadata(metadata, gguf)
     params = params_from_tensors(tensors, args, gguf)
+    tokenizer = tokenizer_from_gguf(metadata, gguf)
     for layer in params["layers"]:
         attn = layer["self_attn"]
         for name, heads in (("q_proj", args.num_attention_heads), ("k_proj", args.num_key_value_heads)):
             attn[name] = {k: unpermute_rows(v, heads) for k, v in attn[name].items()}
 
-    modules = {}  # module path -> its leaf dict, for quantization bookkeeping
-    for path, leaf in tree_flatten(params, is_leaf=lambda x: isinstance(x, dict) and "weight" in x):
+    modules: dict[str, Params] = {}  # module path ("model.layers.0.self_attn.q_proj") -> its leaf dict
+    for path, leaf in cast(list[tuple[str, Params]], tree_flatten(params, is_leaf=_is_module)):
         modules[("" if path == "lm_head" else "model.") + path] = leaf
-    quantized = {path: _bits(leaf) for path, leaf in modules.items() if "scales" in leaf}
-    quantization = None
-    if quantized:
-        bits = Counter(quantized.values()).most_common(1)[0][0]
-        quantization = {"group_size": GGUF_GROUP_SIZE, "bits": bits}
-        quantization.update({p: {"group_size": GGUF_GROUP_SIZE, "bits": b} for p, b in quantized.items() if b != bits})
-
     weights = {f"{path}.{k}": v for path, leaf in modules.items() for k, v in leaf.items()}
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    config = {
+    config = {**_config(args, tokenizer), **_quantization(modules)}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(args, tokenizer), indent=2))
+    return out
+
+
+def _is_module(node: object) -> bool:
+    return isinstance(node, dict) and "weight" in node
+
+
+def _quantization(modules: dict[str, Params]) -> dict[str, Any]:
+    """mlx-lm's ``quantization`` entry: the most common bit width, and an override per
+    module path of any other; empty when nothing is quantized."""
+    quantized = {path: quantized_bits(leaf, GGUF_GROUP_SIZE) for path, leaf in modules.items() if "scales" in leaf}
+    if not quantized:
+        return {}
+    bits = Counter(quantized.values()).most_common(1)[0][0]
+    quantization: dict[str, Any] = {"group_size": GGUF_GROUP_SIZE, "bits": bits}
+    quantization.update({p: {"group_size": GGUF_GROUP_SIZE, "bits": b} for p, b in quantized.items() if b != bits})
+    return {"quantization": quantization}
+
+
+def _config(args: ModelArgs, tokenizer: ChatTokenizer) -> dict[str, Any]:
+    """A Hugging Face ``config.json`` for ``args`` (LlamaForCausalLM)."""
+    return {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": args.hidden_size,
@@ -82,12 +99,13 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path, dtype: mx.Dtype | None =
         "hidden_act": "silu",
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": sorted(tokenizer.stop_token_ids),
-        **({"quantization": quantization} if quantization else {}),
     }
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer.tokenizer.save(str(out / "tokenizer.json"))
+
+
+def _tokenizer_config(args: ModelArgs, tokenizer: ChatTokenizer) -> dict[str, Any]:
+    """A Hugging Face ``tokenizer_config.json``: special tokens and the chat template."""
     token = tokenizer.tokenizer.id_to_token
-    tok_config = {
+    return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": token(tokenizer.bos_token_id) if tokenizer.bos_token_id is not None else None,
         "eos_token": token(tokenizer.eos_token_id),
@@ -96,5 +114,3 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path, dtype: mx.Dtype | None =
         "model_max_length": args.max_position_embeddings,
         "chat_template": tokenizer.chat_template,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
-    return out

@@ -15,8 +15,11 @@ from typing import Any
 
 import mlx.core as mx
 
+from models.config_check import unimplemented_gguf
 from models.gguf_header import GGUFLayoutError, check_gguf_layout
-from models.llama import ModelArgs, Params
+from models.layers import Params
+from models.llama import ModelArgs
+from models.tokenizer import ChatTokenizer, TokenizerError
 
 GGUF_GROUP_SIZE = 32  # values per Q4_0 / Q4_1 / Q8_0 block (ggml-common.h: QK4_0, QK8_0)
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -36,6 +39,9 @@ _LAYER_NAMES = {
     "ffn_up": ("mlp", "up_proj"),
     "ffn_down": ("mlp", "down_proj"),
 }
+#: Layer tensors a file may carry that the math does not use: ``attn_rot_embd``, the default
+#: RoPE inverse frequencies that old converters stored (mlx-lm's sanitize drops the same).
+_UNUSED_LAYER_TENSORS = ("attn_rot_embd",)
 _TOP_NAMES = {"token_embd": ("embed_tokens",), "output_norm": ("norm",), "output": ("lm_head",)}
 
 
@@ -76,55 +82,75 @@ def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     except GGUFLayoutError as exc:
         raise ModelLoadError(f"model file {path} is corrupt or not GGUF: {exc}; download or reinstall it") from exc
     try:
-        tensors, metadata = mx.load(str(path), return_metadata=True)
+        loaded = mx.load(str(path), return_metadata=True)
     except Exception as exc:  # MLX raises ValueError/RuntimeError for damaged files
         raise ModelLoadError(
             f"model file {path} could not be read as GGUF ({exc}); the file is truncated or "
             f"corrupt: download or reinstall it"
         ) from exc
-    return tensors, metadata
+    assert isinstance(loaded, tuple)  # return_metadata=True: (arrays, metadata)
+    return loaded
 
 
-def _scalar(metadata: dict[str, Any], key: str, default=None):
-    value = metadata.get(key, default)
-    if isinstance(value, mx.array):
-        return value.item()
-    return value
+def _scalars(metadata: dict[str, Any]) -> dict[str, Any]:
+    """``metadata`` with one-element arrays (numeric GGUF values) as Python scalars."""
+    return {k: v.item() if isinstance(v, mx.array) and v.size == 1 else v for k, v in metadata.items()}
 
 
 def args_from_metadata(metadata: dict[str, Any], tensors: dict[str, mx.array], path: Path) -> ModelArgs:
     """Translate GGUF hyper-parameter keys to :class:`ModelArgs`.
 
     Raises:
-        ModelLoadError: the architecture is not a supported Llama-family one.
+        ModelLoadError: the architecture is not a supported Llama-family one, a required
+            key is missing, or the file asks for something not implemented
+            (:func:`models.config_check.unimplemented_gguf`; the message names the keys).
     """
-    arch = _scalar(metadata, "general.architecture")
+    meta = _scalars(metadata)
+    arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: GGUF architecture '{arch}' is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     try:
-        heads = int(_scalar(metadata, f"{arch}.attention.head_count"))
-        hidden = int(_scalar(metadata, f"{arch}.embedding_length"))
-        return ModelArgs(
+        heads = int(meta[f"{arch}.attention.head_count"])
+        hidden = int(meta[f"{arch}.embedding_length"])
+        head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+        args = ModelArgs(
             model_type=arch,
             hidden_size=hidden,
-            num_hidden_layers=int(_scalar(metadata, f"{arch}.block_count")),
-            intermediate_size=int(_scalar(metadata, f"{arch}.feed_forward_length")),
+            num_hidden_layers=int(meta[f"{arch}.block_count"]),
+            intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
             num_attention_heads=heads,
-            num_key_value_heads=int(_scalar(metadata, f"{arch}.attention.head_count_kv", heads)),
-            rms_norm_eps=float(_scalar(metadata, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            num_key_value_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+            rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             vocab_size=int(tensors["token_embd.weight"].shape[0]),
-            rope_theta=float(_scalar(metadata, f"{arch}.rope.freq_base", 10000.0)),
+            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
             # llama.cpp's converter permutes Q/K rows into the interleaved layout.
             rope_traditional=True,
-            max_position_embeddings=int(_scalar(metadata, f"{arch}.context_length", 4096)),
+            max_position_embeddings=int(meta.get(f"{arch}.context_length", 4096)),
             tie_word_embeddings="output.weight" not in tensors,
-            head_dim=int(_scalar(metadata, f"{arch}.rope.dimension_count", hidden // heads)),
+            head_dim=head_dim,
             quant_group_size=GGUF_GROUP_SIZE,
         )
     except (KeyError, TypeError) as exc:
         raise ModelLoadError(f"{path}: GGUF metadata lacks a required key ({exc})") from exc
+    problems = unimplemented_gguf(meta, tensors, arch, head_dim)
+    if problems:
+        raise ModelLoadError(f"{path}: " + "; ".join(problems))
+    return args
+
+
+def tokenizer_from_gguf(metadata: dict[str, Any], path: Path) -> ChatTokenizer:
+    """The tokenizer, chat template and stop ids in a GGUF file's metadata.
+
+    Raises:
+        ModelLoadError: the metadata holds no tokenizer stepserve can rebuild (the message
+            names the file and why).
+    """
+    try:
+        return ChatTokenizer.from_gguf_metadata(metadata, path)
+    except (TokenizerError, KeyError) as exc:
+        raise ModelLoadError(f"{path}: cannot build the tokenizer ({exc})") from exc
 
 
 def params_from_tensors(tensors: dict[str, mx.array], args: ModelArgs, path: Path) -> Params:
@@ -132,24 +158,31 @@ def params_from_tensors(tensors: dict[str, mx.array], args: ModelArgs, path: Pat
     (``layers[N]["self_attn"]["q_proj"]["weight"]`` ..., the mlx-lm names).
 
     Raises:
-        ModelLoadError: a tensor the architecture needs is missing.
+        ModelLoadError: a tensor the architecture needs is missing, or the file has tensors
+            it does not use (they would change the math: MoE experts, extra norms, ...).
     """
     layers: list[Params] = [{} for _ in range(args.num_hidden_layers)]
     tree: Params = {"layers": layers}
+    unknown = []
     for name, value in tensors.items():
         stem, _, leaf = name.rpartition(".")
-        if stem.startswith("blk."):
-            _, index, kind = stem.split(".", 2)
-            if kind not in _LAYER_NAMES:
-                continue  # e.g. rope_freqs: not used by this architecture
+        _, index, kind = stem.split(".", 2) if stem.startswith("blk.") else ("", "", "")
+        if kind in _LAYER_NAMES and int(index) < len(layers):
             node, route = layers[int(index)], _LAYER_NAMES[kind]
         elif stem in _TOP_NAMES:
             node, route = tree, _TOP_NAMES[stem]
         else:
+            if kind not in _UNUSED_LAYER_TENSORS:
+                unknown.append(name)
             continue
         for key in route:
             node = node.setdefault(key, {})
-        node["bias" if leaf == "bias" else leaf] = value
+        node[leaf] = value
+    if unknown:
+        raise ModelLoadError(
+            f"{path}: GGUF tensors {unknown[:5]} are not part of stepserve's {args.model_type}; "
+            "the file is of a variant that is not implemented"
+        )
     missing = [k for k in ("embed_tokens", "norm") if k not in tree]
     missing += [f"blk.{i}" for i, layer in enumerate(layers) if len(layer) < 4]
     if missing:

@@ -10,6 +10,7 @@ linear stored as ``weight`` (uint32), ``scales`` and ``biases``.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -20,7 +21,8 @@ from tokenizers import Tokenizer
 
 from models import llama, qwen2, qwen3
 from models.gguf import ModelLoadError
-from models.llama import ModelArgs, Params
+from models.layers import Params, quantized_bits
+from models.llama import ModelArgs
 from models.tokenizer import ChatTokenizer
 
 #: model_type -> the module that implements it (mlx-lm's convention: one module per type).
@@ -71,6 +73,31 @@ def _check_quantization(config: dict, path: Path) -> None:
             )
 
 
+def _check_quantized_bits(weights: dict[str, mx.array], config: dict[str, Any], file: Path) -> None:
+    """Each quantized weight's bit width, read from its shapes at the config's group size
+    (:func:`models.layers.quantized_bits`), must be the config's ``bits`` for its module: a
+    wrong group size can give another valid width (4 bits at group 64 read as 8 at 32)."""
+    quant = config.get("quantization")
+    if not isinstance(quant, dict) or "bits" not in quant:
+        return
+    group = quant.get("group_size", 64)
+    for key in weights:
+        module = key.removesuffix(".scales")
+        if module == key or f"{module}.weight" not in weights:
+            continue
+        override = quant.get(module)
+        expected = override.get("bits", quant["bits"]) if isinstance(override, dict) else quant["bits"]
+        try:
+            bits = quantized_bits({"weight": weights[f"{module}.weight"], "scales": weights[key]}, group)
+        except ValueError as exc:
+            raise ModelLoadError(f"{file}: {module}: {exc}") from exc
+        if bits != expected:
+            raise ModelLoadError(
+                f"{file}: {module} holds {bits}-bit weights at group size {group}, but the config says {expected} "
+                "bits; its quantization settings do not match the weights"
+            )
+
+
 def read_weights(directory: Path) -> dict[str, mx.array]:
     """All tensors of the directory's safetensors files (every shard)."""
     files = sorted(directory.glob("*.safetensors"))
@@ -79,11 +106,13 @@ def read_weights(directory: Path) -> dict[str, mx.array]:
     weights: dict[str, mx.array] = {}
     for file in files:
         try:
-            weights.update(mx.load(str(file)))
+            loaded = mx.load(str(file))
         except Exception as exc:
             raise ModelLoadError(
                 f"{file} could not be read as safetensors ({exc}); the file is truncated or corrupt"
             ) from exc
+        assert isinstance(loaded, dict)  # a safetensors file loads as {name: array}
+        weights.update(loaded)
     return weights
 
 
@@ -140,16 +169,55 @@ def tokenizer_from_dir(directory: Path, config: dict) -> ChatTokenizer:
     )
 
 
+def _args(module: ModuleType, config: dict[str, Any], file: Path) -> ModelArgs:
+    """``module.ModelArgs.from_dict(config)``; its refusals become ModelLoadError naming ``file``."""
+    try:
+        return module.ModelArgs.from_dict(config)
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{file}: {exc}") from exc
+
+
+#: Projections that carry a ``bias`` when the config's flag is true (Hugging Face's
+#: LlamaAttention/LlamaMLP and mlx-lm's llama.Attention/MLP apply the flag to all of them).
+_BIASED = {
+    "attention_bias": ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+    "mlp_bias": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def _check_tensors_present(params: Params, args: ModelArgs, config: dict[str, Any], file: Path) -> None:
+    """Refuse a checkpoint that lacks what the config says the math uses: the biases of
+    ``attention_bias``/``mlp_bias``, or ``lm_head`` when the embeddings are not tied
+    (:func:`models.llama.prefill` would silently use the embeddings)."""
+    missing = []
+    for flag, (block, names) in _BIASED.items():
+        if config.get(flag):
+            missing += [
+                f"layers.{i}.{block}.{name}.bias"
+                for i, layer in enumerate(params["layers"])
+                for name in names
+                if "bias" not in layer.get(block, {}).get(name, {})
+            ]
+    if not args.tie_word_embeddings and "lm_head" not in params:
+        missing.append("lm_head.weight")
+    if missing:
+        raise ModelLoadError(
+            f"{file}: the config asks for tensors the checkpoint lacks: {missing[:5]}"
+            f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}"
+        )
+
+
 def load_dir(directory: Path) -> tuple[ModelArgs, Params, ChatTokenizer]:
     """Read a model directory. Raises ModelLoadError naming the file and the problem."""
-    config = _read_json(directory / "config.json")
-    module = architecture(config.get("model_type"), directory / "config.json")
-    _check_quantization(config, directory / "config.json")
+    file = directory / "config.json"
+    config = _read_json(file)
+    module = architecture(config.get("model_type"), file)
+    _check_quantization(config, file)
+    args = _args(module, config, file)  # refuses unimplemented keys before any weight is read
     weights = read_weights(directory)
-    config = {"tie_word_embeddings": "lm_head.weight" not in weights, **config}
-    try:
-        args = module.ModelArgs.from_dict(config)
-    except TypeError as exc:
-        raise ModelLoadError(f"{directory / 'config.json'}: {exc}") from exc
-    weights = module.sanitize(weights, args)
-    return args, params_from_weights(weights, args), tokenizer_from_dir(directory, config)
+    _check_quantized_bits(weights, config, file)
+    if config.get("tie_word_embeddings") is None:  # tied when the checkpoint has no lm_head
+        args = replace(args, tie_word_embeddings="lm_head.weight" not in weights)
+    params = params_from_weights(module.sanitize(weights, args), args)
+    _check_tensors_present(params, args, config, file)
+    return args, params, tokenizer_from_dir(directory, config)

@@ -12,14 +12,27 @@ Shapes use: B batch rows (a batch bucket), T prompt tokens (a prompt bucket), C 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
 
+from models.config_check import unimplemented_config
 from models.kv_cache import KVCache
+from models.layers import Params, embed, linear
 
-Params = dict[str, Any]
+#: Keys a ``config.json`` must have: without them the model's shape is unknown (mlx-lm's
+#: llama.ModelArgs requires the same ones).
+REQUIRED_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "num_attention_heads",
+    "rms_norm_eps",
+    "vocab_size",
+)
 
 
 @dataclass(frozen=True)
@@ -27,20 +40,20 @@ class ModelArgs:
     """Hyper-parameters of a Llama-family decoder.
 
     Field names follow the Hugging Face / mlx-lm ``config.json`` convention so that
-    :meth:`from_dict` takes such a config unchanged (unknown keys are ignored).
-    ``rope_traditional`` selects MLX's interleaved RoPE (pairs ``(2i, 2i+1)``), which is the
-    layout of Q/K rows in llama.cpp GGUF files (convert_hf_to_gguf.py permutes them); the
-    Hugging Face layout uses the non-interleaved form (``False``).
+    :meth:`from_dict` takes such a config unchanged. ``rope_traditional`` selects MLX's
+    interleaved RoPE (pairs ``(2i, 2i+1)``), which is the layout of Q/K rows in llama.cpp
+    GGUF files (convert_hf_to_gguf.py permutes them); the Hugging Face layout uses the
+    non-interleaved form (``False``).
     """
 
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
     model_type: str = "llama"
-    hidden_size: int = 576
-    num_hidden_layers: int = 30
-    intermediate_size: int = 1536
-    num_attention_heads: int = 9
-    num_key_value_heads: int = 3
     rms_norm_eps: float = 1e-5
-    vocab_size: int = 49152
     rope_theta: float = 10000.0
     rope_traditional: bool = False
     max_position_embeddings: int = 8192
@@ -49,14 +62,27 @@ class ModelArgs:
     quant_group_size: int = 32
 
     @classmethod
-    def from_dict(cls, config: dict) -> ModelArgs:
-        """Build from a ``config.json`` dict, ignoring keys this class does not know.
+    def from_dict(cls, config: dict[str, Any]) -> ModelArgs:
+        """Build from a ``config.json`` dict.
 
-        ``rope_theta`` may be nested under ``rope_parameters`` (transformers >= 5), and the
-        quantization group size comes from ``quantization.group_size`` (mlx-lm's format).
+        Keys that do not change the computation are ignored (mlx-lm's convention); keys
+        that would change it in a way stepserve does not implement are refused
+        (:func:`models.config_check.unimplemented_config`). ``num_key_value_heads``
+        defaults to ``num_attention_heads`` (Hugging Face's default), ``rope_theta`` may be
+        nested under ``rope_parameters`` (transformers >= 5), and the quantization group
+        size comes from ``quantization.group_size`` (mlx-lm's format).
+
+        Raises:
+            ValueError: a key in :data:`REQUIRED_KEYS` is missing, or the config asks for
+                something not implemented; the message names every such key and value.
         """
+        problems = [f"'{k}' is missing (required)" for k in REQUIRED_KEYS if k not in config]
+        problems += unimplemented_config(config)
+        if problems:
+            raise ValueError("; ".join(problems))
         names = {f.name for f in fields(cls)}
-        values = {k: v for k, v in config.items() if k in names}
+        values = {k: v for k, v in config.items() if k in names and v is not None}
+        values.setdefault("num_key_value_heads", config["num_attention_heads"])
         rope = config.get("rope_parameters") or {}
         if "rope_theta" not in values and "rope_theta" in rope:
             values["rope_theta"] = rope["rope_theta"]
@@ -75,48 +101,6 @@ class ModelArgs:
 # ---------------------------------------------------------------------------------------
 
 
-def _bits(p: Params, group_size: int) -> int:
-    """Bits per weight of a quantized triple, from its (static) shapes."""
-    in_features = p["scales"].shape[-1] * group_size
-    return p["weight"].shape[-1] * 32 // in_features
-
-
-def linear(x: mx.array, p: Params, group_size: int = 32) -> mx.array:
-    """``x @ W.T (+ bias)`` for a dense or MLX affine-quantized weight.
-
-    ``p`` holds ``weight`` [out, in] (dense) or ``weight`` [out, in*bits/32] uint32 with
-    ``scales``/``biases`` [out, in/group_size] (MLX affine quantization, ``mx.quantize``);
-    optional ``bias`` [out]. x: [..., in] -> [..., out].
-    """
-    if "scales" in p:
-        out = mx.quantized_matmul(
-            x,
-            p["weight"],
-            p["scales"],
-            p["biases"],
-            transpose=True,
-            group_size=group_size,
-            bits=_bits(p, group_size),
-        )
-    else:
-        out = x @ p["weight"].T
-    return out + p["bias"] if "bias" in p else out
-
-
-def embed(tokens: mx.array, p: Params, group_size: int = 32) -> mx.array:
-    """Look up embeddings. tokens: int32 [...] -> [..., H] in the table's (scales') dtype."""
-    w = p["weight"]
-    if "scales" not in p:
-        return w[tokens]
-    return mx.dequantize(
-        w[tokens],
-        p["scales"][tokens],
-        p["biases"][tokens],
-        group_size=group_size,
-        bits=_bits(p, group_size),
-    )
-
-
 def _mlp(p: Params, x: mx.array, g: int) -> mx.array:
     """SwiGLU feed-forward (Shazeer 2020, "GLU Variants Improve Transformer")."""
     if "gate_up_proj" in p:  # fused by :func:`fuse_projections`: one matmul, then a split
@@ -126,7 +110,7 @@ def _mlp(p: Params, x: mx.array, g: int) -> mx.array:
     return linear(gate * mx.sigmoid(gate) * up, p["down_proj"], g)
 
 
-def _project_qkv(p: Params, x: mx.array, args: ModelArgs):
+def _project_qkv(p: Params, x: mx.array, args: ModelArgs) -> tuple[mx.array, mx.array, mx.array]:
     """x [B, L, H] -> q [B, Hq, L, D], k and v [B, Hkv, L, D].
 
     Optional parts follow the parameters present: ``bias`` on the projections (Qwen2) and
@@ -149,9 +133,8 @@ def _project_qkv(p: Params, x: mx.array, args: ModelArgs):
 def fuse_projections(params: Params) -> Params:
     """Concatenate each layer's Q, K and V projections into ``qkv_proj`` and the MLP's gate
     and up projections into ``gate_up_proj`` along the output axis, so that a step runs one
-    matmul where it ran three (or two): fewer kernel launches per token, which is most of a
-    small model's decode time on a GPU. The step functions split the result back, so the
-    outputs are the same up to the matmul's own rounding.
+    matmul where it ran three (or two): fewer kernel launches per token. The step functions
+    split the result back, so the outputs are the same up to the matmul's own rounding.
 
     Works for dense weights [out, in] and MLX affine-quantized triples (``weight``,
     ``scales``, ``biases`` are all per output row); ``bias`` vectors are concatenated too.
@@ -160,8 +143,8 @@ def fuse_projections(params: Params) -> Params:
     """
 
     def fuse(block: Params, names: tuple[str, ...], fused: str) -> Params:
-        parts = [block.get(n) for n in names]
-        if any(not isinstance(p, dict) for p in parts):
+        parts: list[Params] = [block[n] for n in names if isinstance(block.get(n), dict)]
+        if len(parts) != len(names):
             return block
         keys = set(parts[0])
         if any(set(p) != keys for p in parts) or any(
@@ -181,7 +164,7 @@ def fuse_projections(params: Params) -> Params:
     return {**params, "layers": layers}
 
 
-def _rope(x: mx.array, offset, args: ModelArgs) -> mx.array:
+def _rope(x: mx.array, offset: int | mx.array, args: ModelArgs) -> mx.array:
     """Rotary embedding (Su et al. 2021). offset: int 0 or int32 [B] start positions."""
     return mx.fast.rope(
         x,
@@ -193,6 +176,11 @@ def _rope(x: mx.array, offset, args: ModelArgs) -> mx.array:
     )
 
 
+def _attention_scale(args: ModelArgs) -> float:
+    """1/sqrt(D), the scaled dot-product attention scale (Vaswani et al. 2017)."""
+    return 1.0 / math.sqrt(args.dim_per_head)
+
+
 def _final_logits(params: Params, h: mx.array, args: ModelArgs) -> mx.array:
     """h [B, H] -> float32 logits [B, V]."""
     h = mx.fast.rms_norm(h, params["norm"]["weight"], args.rms_norm_eps)
@@ -201,8 +189,89 @@ def _final_logits(params: Params, h: mx.array, args: ModelArgs) -> mx.array:
 
 
 # ---------------------------------------------------------------------------------------
-# The two step functions
+# One transformer block, two ways to attend, the two step functions
 # ---------------------------------------------------------------------------------------
+
+#: One layer's attention and cache update, the only part prefill and decode do differently:
+#: (q [B, Hq, L, D], k and v [B, Hkv, L, D] after RoPE, the layer's cache keys and values
+#: [B, Hkv, C, D]) -> (output [B, Hq, L, D], the new cache keys, the new cache values).
+Attend = Callable[[mx.array, mx.array, mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array]]
+
+
+def _block(
+    layer: Params,
+    x: mx.array,
+    offset: int | mx.array,
+    keys: mx.array,
+    values: mx.array,
+    attend: Attend,
+    args: ModelArgs,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """One pre-norm decoder block (mlx-lm's ``llama.TransformerBlock``): norm -> attention ->
+    residual -> norm -> MLP -> residual.
+
+    x [B, L, H]; offset: RoPE start position, int 0 or int32 [B]; keys/values: this layer's
+    cache [B, Hkv, C, D]. Returns (x [B, L, H], new keys, new values).
+    """
+    B, L, _ = x.shape
+    g, eps = args.quant_group_size, args.rms_norm_eps
+    h = mx.fast.rms_norm(x, layer["input_layernorm"]["weight"], eps)
+    q, k, v = _project_qkv(layer["self_attn"], h, args)
+    q, k = _rope(q, offset, args), _rope(k, offset, args)
+    o, keys, values = attend(q, k, v, keys, values)
+    o = o.transpose(0, 2, 1, 3).reshape(B, L, -1)
+    x = x + linear(o, layer["self_attn"]["o_proj"], g)
+    h = mx.fast.rms_norm(x, layer["post_attention_layernorm"]["weight"], eps)
+    return x + _mlp(layer["mlp"], h, g), keys, values
+
+
+def _blocks(
+    params: Params, x: mx.array, offset: int | mx.array, cache: KVCache, attend: Attend, args: ModelArgs
+) -> tuple[mx.array, KVCache]:
+    """Every layer's :func:`_block` in turn. x [B, L, H] -> (x [B, L, H], the new cache)."""
+    new_keys, new_values = [], []
+    for layer, keys, values in zip(params["layers"], cache.keys, cache.values, strict=True):
+        x, keys, values = _block(layer, x, offset, keys, values, attend, args)
+        new_keys.append(keys)
+        new_values.append(values)
+    return x, KVCache(new_keys, new_values)
+
+
+def _attend_prompt(
+    q: mx.array, k: mx.array, v: mx.array, keys: mx.array, values: mx.array, *, scale: float
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Prefill's :data:`Attend`: causal attention within the prompt (a real query only sees
+    earlier, real keys), and k/v [B, Hkv, T, D] written at cache positions 0..T-1."""
+    o = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
+    return o, _write_prefix(keys, k), _write_prefix(values, v)
+
+
+def _write_prefix(buf: mx.array, new: mx.array) -> mx.array:
+    """Write new [B, Hkv, T, D] into buf [B, Hkv, C, D] at positions 0..T-1 (C >= T)."""
+    T, C = new.shape[2], buf.shape[2]
+    if T == C:
+        return new.astype(buf.dtype)
+    return mx.concatenate([new.astype(buf.dtype), buf[:, :, T:, :]], axis=2)
+
+
+def _attend_cache(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    *,
+    index: mx.array,
+    mask: mx.array,
+    scale: float,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Decode's :data:`Attend`: each row's k/v [B, Hkv, 1, D] scattered at its position
+    (index: int32 [B, 1, 1, 1]), then attention over the whole cache, masked to positions
+    0..position per row (mask: bool [B, 1, 1, C])."""
+    keys = mx.put_along_axis(keys, mx.broadcast_to(index, k.shape), k.astype(keys.dtype), axis=2)
+    values = mx.put_along_axis(values, mx.broadcast_to(index, v.shape), v.astype(values.dtype), axis=2)
+    o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    return o, keys, values
 
 
 def prefill(
@@ -211,7 +280,7 @@ def prefill(
     """Run the prompt through the model and fill the KV cache from position 0.
 
     Args:
-        params: the model's parameter tree (see :func:`models.gguf.load_gguf`).
+        params: the model's parameter tree (see :func:`models.loader.load_model`).
         tokens: int32 [B, T], prompts right-padded to the prompt bucket T.
         lengths: int32 [B], real prompt lengths (1 <= lengths <= T); padded rows use 1.
         cache: KV cache of capacity C >= T; positions 0..T-1 are overwritten.
@@ -222,32 +291,11 @@ def prefill(
         Keys written for padded positions (>= length) are garbage; decode masks them out
         by position, and each later token overwrites one of them.
     """
-    B, T = tokens.shape
-    x = embed(tokens, params["embed_tokens"], args.quant_group_size)
-    scale = 1.0 / math.sqrt(args.dim_per_head)
-    new_keys, new_values = [], []
-    for i, layer in enumerate(params["layers"]):
-        h = mx.fast.rms_norm(x, layer["input_layernorm"]["weight"], args.rms_norm_eps)
-        q, k, v = _project_qkv(layer["self_attn"], h, args)
-        q, k = _rope(q, 0, args), _rope(k, 0, args)
-        # Causal attention within the prompt: a real query only sees earlier (real) keys.
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
-        o = o.transpose(0, 2, 1, 3).reshape(B, T, -1)
-        x = x + linear(o, layer["self_attn"]["o_proj"], args.quant_group_size)
-        h = mx.fast.rms_norm(x, layer["post_attention_layernorm"]["weight"], args.rms_norm_eps)
-        x = x + _mlp(layer["mlp"], h, args.quant_group_size)
-        new_keys.append(_write_prefix(cache.keys[i], k))
-        new_values.append(_write_prefix(cache.values[i], v))
-    last = mx.take_along_axis(x, (lengths - 1).astype(mx.int32)[:, None, None], axis=1)
-    return _final_logits(params, last[:, 0, :], args), KVCache(new_keys, new_values)
-
-
-def _write_prefix(buf: mx.array, new: mx.array) -> mx.array:
-    """Write new [B, Hkv, T, D] into buf [B, Hkv, C, D] at positions 0..T-1 (C >= T)."""
-    T, C = new.shape[2], buf.shape[2]
-    if T == C:
-        return new.astype(buf.dtype)
-    return mx.concatenate([new.astype(buf.dtype), buf[:, :, T:, :]], axis=2)
+    x = embed(tokens, params["embed_tokens"], args.quant_group_size)  # [B, T, H]
+    attend = partial(_attend_prompt, scale=_attention_scale(args))
+    x, cache = _blocks(params, x, 0, cache, attend, args)
+    last = mx.take_along_axis(x, (lengths - 1).astype(mx.int32)[:, None, None], axis=1)  # [B, 1, H]
+    return _final_logits(params, last[:, 0, :], args), cache
 
 
 def decode(
@@ -268,27 +316,12 @@ def decode(
         Row b attends to cache positions 0..positions[b] only, so padding rows, stale entries
         and other rows never influence it.
     """
-    B = tokens.shape[0]
-    C = cache.capacity
     x = embed(tokens[:, None], params["embed_tokens"], args.quant_group_size)  # [B, 1, H]
-    scale = 1.0 / math.sqrt(args.dim_per_head)
-    mask = (mx.arange(C)[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, C]
+    mask = (mx.arange(cache.capacity)[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, C]
     index = positions.astype(mx.int32)[:, None, None, None]  # [B, 1, 1, 1]
-    new_keys, new_values = [], []
-    for i, layer in enumerate(params["layers"]):
-        h = mx.fast.rms_norm(x, layer["input_layernorm"]["weight"], args.rms_norm_eps)
-        q, k, v = _project_qkv(layer["self_attn"], h, args)  # [B, H*, 1, D]
-        q, k = _rope(q, positions, args), _rope(k, positions, args)
-        keys = mx.put_along_axis(cache.keys[i], mx.broadcast_to(index, k.shape), k.astype(cache.dtype), axis=2)
-        values = mx.put_along_axis(cache.values[i], mx.broadcast_to(index, v.shape), v.astype(cache.dtype), axis=2)
-        new_keys.append(keys)
-        new_values.append(values)
-        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-        o = o.transpose(0, 2, 1, 3).reshape(B, 1, -1)
-        x = x + linear(o, layer["self_attn"]["o_proj"], args.quant_group_size)
-        h = mx.fast.rms_norm(x, layer["post_attention_layernorm"]["weight"], args.rms_norm_eps)
-        x = x + _mlp(layer["mlp"], h, args.quant_group_size)
-    return _final_logits(params, x[:, 0, :], args), KVCache(new_keys, new_values)
+    attend = partial(_attend_cache, index=index, mask=mask, scale=_attention_scale(args))
+    x, cache = _blocks(params, x, positions, cache, attend, args)
+    return _final_logits(params, x[:, 0, :], args), cache
 
 
 def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:

@@ -5,15 +5,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
-from models.gguf import ModelLoadError, args_from_metadata, params_from_tensors, read_gguf
+from models.gguf import ModelLoadError, args_from_metadata, params_from_tensors, read_gguf, tokenizer_from_gguf
 from models.hf import load_dir
-from models.llama import ModelArgs, Params, fuse_projections
-from models.tokenizer import ChatTokenizer, TokenizerError
+from models.layers import Params, quantized_bits
+from models.llama import ModelArgs, fuse_projections
+from models.tokenizer import ChatTokenizer
 
 WeightsMode = Literal["quantized", "dequantized"]
 
@@ -50,23 +51,31 @@ class LoadedModel:
     @property
     def nbytes(self) -> int:
         """Bytes of all parameters."""
-        return sum(v.nbytes for _, v in tree_flatten(self.params))
+        # Without a ``destination``, tree_flatten returns the list of its union return type.
+        leaves = cast(list[tuple[str, mx.array]], tree_flatten(self.params))
+        return sum(leaf.nbytes for _, leaf in leaves)
 
 
 def prepare_params(params: Params, dtype: mx.Dtype, weights: WeightsMode, group_size: int) -> Params:
     """Cast float leaves to ``dtype``; with ``weights="dequantized"`` expand quantized triples.
 
     Quantized ``weight`` (uint32) leaves are kept as they are; their ``scales`` and
-    ``biases`` take the compute dtype (float16 scales on the CPU make every matmul slow).
+    ``biases`` take the compute dtype, as the activations do.
+
+    Raises:
+        ValueError: a quantized triple's shapes fit no MLX bit width at ``group_size``
+            (:func:`models.layers.quantized_bits`).
     """
 
     def expand(node):
         if isinstance(node, dict):
-            if "scales" in node and weights == "dequantized":
-                bits = node["weight"].shape[-1] * 32 // (node["scales"].shape[-1] * group_size)
-                dense = mx.dequantize(node["weight"], node["scales"], node["biases"], group_size=group_size, bits=bits)
-                rest = {k: v for k, v in node.items() if k not in ("weight", "scales", "biases")}
-                return {"weight": dense, **{k: expand(v) for k, v in rest.items()}}
+            if "scales" in node:
+                bits = quantized_bits(node, group_size)  # checked in either mode
+                if weights == "dequantized":
+                    w, scales, biases = node["weight"], node["scales"], node["biases"]
+                    dense = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
+                    rest = {k: v for k, v in node.items() if k not in ("weight", "scales", "biases")}
+                    return {"weight": dense, **{k: expand(v) for k, v in rest.items()}}
             return {k: expand(v) for k, v in node.items()}
         if isinstance(node, list):
             return [expand(v) for v in node]
@@ -100,12 +109,12 @@ def load_model(
     else:
         tensors, metadata = read_gguf(path)
         args = args_from_metadata(metadata, tensors, path)
-        try:
-            tokenizer = ChatTokenizer.from_gguf_metadata(metadata, path)
-        except (TokenizerError, KeyError) as exc:
-            raise ModelLoadError(f"{path}: cannot build the tokenizer ({exc})") from exc
         params = params_from_tensors(tensors, args, path)
-    params = prepare_params(params, dtype, weights, args.quant_group_size)
+        tokenizer = tokenizer_from_gguf(metadata, path)
+    try:
+        params = prepare_params(params, dtype, weights, args.quant_group_size)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
     if fuse:
         params = fuse_projections(params)
     try:

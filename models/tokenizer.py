@@ -42,6 +42,26 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     raise TokenizerError(f"unsupported GGUF pre-tokenizer '{pre}' (supported: smollm, llama-bpe, gpt2)")
 
 
+def _scalar(value: Any) -> Any:
+    """A one-element array (how ``mx.load`` returns a numeric GGUF value) as a Python scalar."""
+    return value.item() if getattr(value, "size", None) == 1 else value
+
+
+def _as_list(value: Any) -> list[Any]:
+    """A GGUF array value (an ``mx.array`` or a list) as a list."""
+    return value.tolist() if hasattr(value, "tolist") else list(value)
+
+
+def _bpe(vocab: dict[str, int], merges: list[str], pre: str) -> Tokenizer:
+    """A byte-level BPE tokenizer from GGUF's vocabulary (token -> id) and merges ("a b"
+    strings, rank order), with the pre-tokenizer named by ``tokenizer.ggml.pre``."""
+    pairs = [(a, b) for a, b in (m.split(" ", 1) for m in merges)]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    tok.pre_tokenizer = _pre_tokenizer(pre)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
 @dataclass
 class ChatTokenizer:
     """A `tokenizers.Tokenizer` plus the model's chat template and stop tokens.
@@ -67,41 +87,39 @@ class ChatTokenizer:
         """Rebuild the tokenizer from GGUF metadata (values as returned by ``mx.load``).
 
         Raises:
-            TokenizerError: no tokenizer in the file, or a tokenizer model other than
-                byte-level BPE (``tokenizer.ggml.model == "gpt2"``).
+            TokenizerError: no tokenizer in the file, no EOS token id, or a tokenizer model
+                other than byte-level BPE (``tokenizer.ggml.model == "gpt2"``).
         """
 
-        def get(key, default=None):
-            value = metadata.get(key, default)
-            return value.item() if hasattr(value, "item") and getattr(value, "size", 2) == 1 else value
+        def get(key: str, default: Any = None) -> Any:
+            return _scalar(metadata.get(key, default))
 
         kind = get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise TokenizerError(f"{path}: tokenizer model '{kind}' is not supported; only byte-level BPE ('gpt2')")
         tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-        merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
-        types = metadata.get("tokenizer.ggml.token_type")
-        types = types.tolist() if hasattr(types, "tolist") else list(types or [1] * len(tokens))
+        raw_types = metadata.get("tokenizer.ggml.token_type")  # int32 array, 1 (normal) when absent
+        types = [1] * len(tokens) if raw_types is None else [int(t) for t in _as_list(raw_types)]
         vocab = {tok: i for i, tok in enumerate(tokens)}
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        tok.pre_tokenizer = _pre_tokenizer(str(get("tokenizer.ggml.pre", "gpt2")))
-        tok.decoder = decoders.ByteLevel()
+        tok = _bpe(vocab, metadata["tokenizer.ggml.merges"], str(get("tokenizer.ggml.pre", "gpt2")))
         specials = [tokens[i] for i, t in enumerate(types) if t == _CONTROL]
         users = [tokens[i] for i, t in enumerate(types) if t == _USER_DEFINED]
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in users])
-        eos = int(get("tokenizer.ggml.eos_token_id"))
-        stops = {eos}
-        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-            if metadata.get(key) is not None:
-                stops.add(int(get(key)))
+        eos = get("tokenizer.ggml.eos_token_id")
+        if eos is None:
+            raise TokenizerError(f"{path}: GGUF metadata has no tokenizer.ggml.eos_token_id")
+        stops = {int(eos)}
+        stops.update(
+            int(get(k)) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if get(k) is not None
+        )
         stops.update(vocab[t] for t in ("<|endoftext|>", "<|im_end|>", "<|eot_id|>") if t in specials)
         bos = get("tokenizer.ggml.bos_token_id")
         return cls(
             tokenizer=tok,
             chat_template=get("tokenizer.chat_template"),
             bos_token_id=None if bos is None else int(bos),
-            eos_token_id=eos,
+            eos_token_id=int(eos),
             add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
             stop_token_ids=frozenset(stops),
         )

@@ -1,0 +1,280 @@
+"""Never a silent wrong model: every config key (or GGUF metadata key) that changes the math
+is either implemented, and then matches mlx-lm on a tiny random model, or refused at load
+with a ModelLoadError naming the file, the key, its value and what is supported."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama as lm_llama
+from mlx_lm.models import qwen2 as lm_qwen2
+from mlx_lm.models import qwen3 as lm_qwen3
+from mlx_lm.models.cache import make_prompt_cache
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from models.config_check import unimplemented_config
+from models.gguf import ModelLoadError, args_from_metadata, params_from_tensors, read_gguf
+from models.kv_cache import KVCache
+from models.layers import AFFINE_BITS, quantized_bits
+from models.llama import decode, prefill
+from models.loader import load_model
+from tests.support import ATOL, TINY, random_params
+
+CONFIG = {
+    "hidden_size": TINY.hidden_size,
+    "num_hidden_layers": TINY.num_hidden_layers,
+    "intermediate_size": TINY.intermediate_size,
+    "num_attention_heads": TINY.num_attention_heads,
+    "num_key_value_heads": TINY.num_key_value_heads,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": TINY.vocab_size,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+    "eos_token_id": 0,
+}
+LM_MODULES = {"llama": lm_llama, "mistral": lm_llama, "qwen2": lm_qwen2, "qwen3": lm_qwen3}
+IDS = [5, 17, 33, 2, 90, 11, 60, 7]
+
+
+def write_dir(
+    directory: Path, model_type: str = "llama", model_keys: dict | None = None, quantize: tuple | None = None, **extra
+):
+    """A random mlx-lm ``model_type`` model (built from ``CONFIG`` and ``model_keys``, quantized
+    at ``quantize`` = (group size, bits) if given) saved as a model directory whose config.json
+    also carries ``extra``; returns the mlx-lm model."""
+    base = {
+        **CONFIG,
+        "model_type": model_type,
+        **({"head_dim": 32} if model_type == "qwen3" else {}),
+        **(model_keys or {}),
+    }
+    mx.random.seed(3)
+    module = LM_MODULES[model_type]
+    model = module.Model(module.ModelArgs.from_dict(base))
+    if quantize:
+        nn.quantize(model, group_size=quantize[0], bits=quantize[1])
+    directory.mkdir()
+    mx.save_safetensors(str(directory / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (directory / "config.json").write_text(json.dumps({**base, **extra}))
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(TINY.vocab_size)}, unk_token="t1"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return model
+
+
+def logits_ours(directory: Path, steps: int = 4) -> list[mx.array]:
+    model = load_model(directory, "tiny", mx.float32)
+    a = model.args
+    kv = KVCache.allocate(a.num_hidden_layers, 1, a.num_key_value_heads, 32, a.dim_per_head, mx.float32)
+    logits, kv = prefill(model.params, mx.array([IDS], mx.int32), mx.array([len(IDS)]), kv, args=a)
+    history = [logits[0]]
+    for i in range(steps):
+        token = mx.argmax(logits, axis=-1).astype(mx.int32)
+        logits, kv = decode(model.params, token, mx.array([len(IDS) + i]), kv, args=a)
+        history.append(logits[0])
+    return history
+
+
+def logits_mlx_lm(model, steps: int = 4) -> list[mx.array]:
+    cache = make_prompt_cache(model)
+    history = [model(mx.array([IDS]), cache=cache)[0, -1]]
+    for _ in range(steps):
+        history.append(model(mx.argmax(history[-1])[None, None], cache=cache)[0, -1])
+    return history
+
+
+def assert_matches_mlx_lm(directory: Path, reference) -> None:
+    ours, theirs = logits_ours(directory), logits_mlx_lm(reference)
+    worst = max(mx.abs(x - y).max().item() for x, y in zip(ours, theirs, strict=True))
+    assert worst < max(ATOL, 1e-4) * 10
+
+
+# -- implemented: loads and computes what mlx-lm computes --------------------------------------------
+
+LLAMA31_ROPE = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+}
+
+
+@pytest.mark.parametrize(
+    "model_type,model_keys,extra",
+    [
+        # attention_bias/mlp_bias: linear() adds the bias tensors the checkpoint carries.
+        ("llama", {"attention_bias": True, "mlp_bias": True}, {}),
+        ("llama", {}, {"rope_scaling": {"rope_type": "default"}, "hidden_act": "silu", "pretraining_tp": 1}),
+        ("mistral", {}, {"sliding_window": None}),  # Mistral v0.2+
+        # Qwen2.5: a window that is switched off, and one switched on for no layer.
+        ("qwen2", {}, {"use_sliding_window": False, "sliding_window": 4, "max_window_layers": 0}),
+        ("qwen2", {}, {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2}),
+        ("qwen3", {}, {"sliding_window": None, "use_sliding_window": False, "layer_types": ["full_attention"] * 2}),
+        # transformers >= 5 nests rope_theta (and the RoPE type) under rope_parameters.
+        ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 5000.0}, "rope_theta": None}, {}),
+    ],
+)
+def test_implemented_keys_match_mlx_lm(tmp_path, model_type, model_keys, extra):
+    reference = write_dir(tmp_path / "model", model_type, model_keys, **extra)
+    assert_matches_mlx_lm(tmp_path / "model", reference)
+
+
+# -- not implemented: refused at load, naming the file, the key, the value and what is supported ---
+
+REFUSED = [
+    ("llama", {"rope_scaling": LLAMA31_ROPE}, "rope_scaling", '"rope_type": "llama3"'),  # Llama 3.1/3.2
+    ("llama", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling", '"linear"'),
+    ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling", '"yarn"'),
+    ("llama", {"rope_parameters": {**LLAMA31_ROPE, "rope_theta": 5e5}}, "rope_parameters", '"llama3"'),
+    ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor", "0.5"),
+    ("llama", {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "rope_parameters", "0.5"),
+    ("mistral", {"sliding_window": 4096}, "sliding_window", "4096"),  # Mistral v0.1
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}, "use_sliding_window", "true"),
+    ("llama", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}, "layer_types", "sliding"),
+    ("llama", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping", "50.0"),
+    ("llama", {"final_logit_softcapping": 30.0}, "final_logit_softcapping", "30.0"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act", '"gelu"'),
+    ("llama", {"hidden_activation": "gelu_pytorch_tanh"}, "hidden_activation", "gelu_pytorch_tanh"),
+    ("llama", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config", "gptq"),
+]
+
+
+@pytest.mark.parametrize("model_type,extra,key,value", REFUSED)
+def test_unimplemented_keys_are_refused_at_load(tmp_path, model_type, extra, key, value):
+    write_dir(tmp_path / "model", model_type, **extra)
+    with pytest.raises(ModelLoadError) as refused:
+        load_model(tmp_path / "model", "tiny", mx.float32)
+    message = str(refused.value)
+    assert str(tmp_path / "model" / "config.json") in message
+    assert key in message and value in message and "not implemented (supported: " in message
+
+
+def test_a_missing_shape_key_is_refused_not_defaulted(tmp_path):
+    write_dir(tmp_path / "model")
+    config = json.loads((tmp_path / "model/config.json").read_text())
+    del config["hidden_size"]
+    (tmp_path / "model/config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="'hidden_size' is missing"):
+        load_model(tmp_path / "model", "tiny", mx.float32)
+
+
+@pytest.mark.parametrize(
+    "extra,missing",
+    [({"attention_bias": True}, "layers.0.self_attn.q_proj.bias"), ({"tie_word_embeddings": False}, "lm_head.weight")],
+)
+def test_tensors_the_config_promises_must_be_in_the_checkpoint(tmp_path, extra, missing):
+    write_dir(tmp_path / "model", **extra)  # weights without biases, with tied embeddings
+    with pytest.raises(ModelLoadError, match=f"lacks: .*{missing}"):
+        load_model(tmp_path / "model", "tiny", mx.float32)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"rope_theta": 1e6, "sliding_window": 131072, "use_sliding_window": False, "max_window_layers": 28},  # Qwen2.5
+        {"sliding_window": None, "use_sliding_window": False, "max_window_layers": 36, "head_dim": 128},  # Qwen3
+        {"rope_scaling": None, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False},  # Llama 2, SmolLM2
+    ],
+)
+def test_real_configs_without_unimplemented_keys_pass(config):
+    assert unimplemented_config({**CONFIG, "num_hidden_layers": 28, **config}) == []
+
+
+# -- GGUF metadata -------------------------------------------------------------------------------------
+
+
+def write_gguf(path: Path, metadata: dict | None = None, tensors: dict | None = None) -> Path:
+    """The tiny random model as a llama GGUF (weights and hyper-parameters; no tokenizer)."""
+    params, a = random_params(), TINY
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    names.update({n: f"attn_{n[0]}" for n in ("q_proj", "k_proj", "v_proj")} | {"o_proj": "attn_output"})
+    names.update({f"{n}_proj": f"ffn_{n}" for n in ("gate", "up", "down")})
+    arrays = {"token_embd.weight": params["embed_tokens"]["weight"], "output_norm.weight": params["norm"]["weight"]}
+    for i, layer in enumerate(params["layers"]):
+        for path_, w in tree_flatten(layer):
+            arrays[f"blk.{i}.{names[path_.split('.')[-2]]}.weight"] = w
+
+    def u32(value: int) -> mx.array:
+        return mx.array(value, mx.uint32)
+
+    meta = {
+        "general.architecture": "llama",
+        "llama.block_count": u32(a.num_hidden_layers),
+        "llama.embedding_length": u32(a.hidden_size),
+        "llama.feed_forward_length": u32(a.intermediate_size),
+        "llama.attention.head_count": u32(a.num_attention_heads),
+        "llama.attention.head_count_kv": u32(a.num_key_value_heads),
+        "llama.rope.dimension_count": u32(a.dim_per_head),
+    }
+    mx.save_gguf(str(path), {**arrays, **(tensors or {})}, {**meta, **(metadata or {})})
+    return path
+
+
+def test_tiny_gguf_without_unimplemented_keys_loads(tmp_path):
+    tensors, metadata = read_gguf(write_gguf(tmp_path / "tiny.gguf"))
+    args = args_from_metadata(metadata, tensors, tmp_path / "tiny.gguf")
+    assert len(params_from_tensors(tensors, args, tmp_path / "tiny.gguf")["layers"]) == TINY.num_hidden_layers
+
+
+@pytest.mark.parametrize(
+    "metadata,tensors,named",
+    [
+        ({"llama.rope.scaling.type": "yarn"}, {}, 'llama.rope.scaling.type="yarn"'),
+        ({"llama.rope.scaling.factor": mx.array(4.0)}, {}, "llama.rope.scaling.factor=4.0"),  # linear by default
+        ({"llama.rope.scale_linear": mx.array(2.0)}, {}, "llama.rope.scale_linear=2.0"),
+        ({"llama.attention.sliding_window": mx.array(4096, mx.uint32)}, {}, "llama.attention.sliding_window=4096"),
+        ({"llama.expert_count": mx.array(8, mx.uint32)}, {}, "llama.expert_count=8"),
+        ({"llama.final_logit_softcapping": mx.array(30.0)}, {}, "llama.final_logit_softcapping=30.0"),
+        ({"llama.rope.dimension_count": mx.array(8, mx.uint32)}, {}, "llama.rope.dimension_count=8"),
+        ({}, {"rope_freqs.weight": mx.ones((8,))}, "tensor rope_freqs.weight"),  # Llama 3.1 RoPE
+        ({}, {"blk.0.ffn_gate_exps.weight": mx.ones((2, 4, 4))}, "blk.0.ffn_gate_exps.weight"),
+    ],
+)
+def test_unimplemented_gguf_keys_are_refused_at_load(tmp_path, metadata, tensors, named):
+    path = write_gguf(tmp_path / "tiny.gguf", metadata, tensors)
+    with pytest.raises(ModelLoadError, match=str(path)) as refused:
+        load_model(path, "tiny", mx.float32)
+    assert named in str(refused.value)
+
+
+def test_gguf_rope_scaling_type_none_turns_a_factor_off(tmp_path):
+    path = write_gguf(
+        tmp_path / "tiny.gguf", {"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": mx.array(4.0)}
+    )
+    tensors, metadata = read_gguf(path)
+    assert args_from_metadata(metadata, tensors, path).head_dim == TINY.dim_per_head
+
+
+# -- the one quantized-bits helper --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", AFFINE_BITS)
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_quantized_bits_reads_mx_quantize_shapes(bits, group_size):
+    w, scales, biases = mx.quantize(mx.random.normal((8, 256)), group_size=group_size, bits=bits)
+    assert quantized_bits({"weight": w, "scales": scales, "biases": biases}, group_size) == bits
+
+
+def test_quantized_bits_refuses_a_wrong_group_size():
+    w, scales, biases = mx.quantize(mx.random.normal((8, 256)), group_size=64, bits=3)
+    with pytest.raises(ValueError, match="fits no MLX bit width"):
+        quantized_bits({"weight": w, "scales": scales, "biases": biases}, 128)
+
+
+def test_a_group_size_that_does_not_match_the_weights_is_refused(tmp_path):
+    # 4-bit weights at group size 64 have the shapes of 8-bit weights at group size 32.
+    write_dir(tmp_path / "model", quantize=(64, 4), quantization={"group_size": 32, "bits": 4})
+    with pytest.raises(ModelLoadError, match="holds 8-bit weights at group size 32, but the config says 4 bits"):
+        load_model(tmp_path / "model", "tiny", mx.float32)
+
+
+def test_quantized_directory_matches_mlx_lm(tmp_path):
+    reference = write_dir(tmp_path / "model", quantize=(64, 4), quantization={"group_size": 64, "bits": 4})
+    assert_matches_mlx_lm(tmp_path / "model", reference)
