@@ -3,6 +3,7 @@ random model of the unit tests, the README's commands and the deployment files' 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -16,9 +17,14 @@ from pathlib import Path
 
 import httpx
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama as lm_llama
+from mlx_lm.models import qwen2 as lm_qwen2
+from mlx_lm.models import qwen3 as lm_qwen3
 from prometheus_client.parser import text_string_to_metric_families
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 
 from models.kv_cache import KVCache
@@ -206,3 +212,46 @@ class WordTokenizer:
     def detokenizer(self) -> Detokenizer:
         vocab = {f"t{i}": i for i in range(TINY.vocab_size)}
         return Detokenizer(Tokenizer(WordLevel(vocab, unk_token="t0")))
+
+
+# A tiny random model directory written from mlx-lm's own classes.
+CONFIG = {
+    "hidden_size": TINY.hidden_size,
+    "num_hidden_layers": TINY.num_hidden_layers,
+    "intermediate_size": TINY.intermediate_size,
+    "num_attention_heads": TINY.num_attention_heads,
+    "num_key_value_heads": TINY.num_key_value_heads,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": TINY.vocab_size,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+    "eos_token_id": 0,
+}
+LM_MODULES = {"llama": lm_llama, "mistral": lm_llama, "qwen2": lm_qwen2, "qwen3": lm_qwen3}
+
+
+def write_dir(
+    directory: Path, model_type: str = "llama", model_keys: dict | None = None, quantize: tuple | None = None, **extra
+):
+    """A random mlx-lm ``model_type`` model (built from ``CONFIG`` and ``model_keys``, quantized
+    at ``quantize`` = (group size, bits) if given) saved as a model directory whose config.json
+    also carries ``extra``; returns the mlx-lm model."""
+    base = {
+        **CONFIG,
+        "model_type": model_type,
+        **({"head_dim": 32} if model_type == "qwen3" else {}),
+        **(model_keys or {}),
+    }
+    mx.random.seed(3)
+    module = LM_MODULES[model_type]
+    model = module.Model(module.ModelArgs.from_dict(base))
+    if quantize:
+        nn.quantize(model, group_size=quantize[0], bits=quantize[1])
+    directory.mkdir()
+    mx.save_safetensors(str(directory / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (directory / "config.json").write_text(json.dumps({**base, **extra}))
+    tokenizer = Tokenizer(WordLevel({f"t{i}": i for i in range(TINY.vocab_size)}, unk_token="t1"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return model

@@ -53,13 +53,13 @@ ROUTES = {
 @schemathesis.check
 def error_bodies_are_clean(ctx, response, case) -> None:
     """No response shows a stack trace or a file path, and every error is stepserve's JSON
-    ``{"error": {message, type, param, code}}`` with ``code`` equal to the status."""
+    ``{"error": {message, type, param, code}}`` with ``code`` the status as a string."""
     for leak in LEAKS:
         if leak in response.text:
             raise AssertionError(f"response shows {leak!r}: {response.text[:300]}")
     if response.status_code >= 400:
         error = response.json()["error"]
-        if set(error) != {"message", "type", "param", "code"} or error["code"] != response.status_code:
+        if set(error) != {"message", "type", "param", "code"} or error["code"] != str(response.status_code):
             raise AssertionError(f"not a stepserve error body: {response.text[:300]}")
 
 

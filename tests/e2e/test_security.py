@@ -69,7 +69,7 @@ def test_every_route_needs_the_api_key(locked_server, method, path):
         "message": "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
         "type": "authentication_error",
         "param": "Authorization",
-        "code": 401,
+        "code": "401",
     }
     assert reply.headers["www-authenticate"] == "Bearer"
 
