@@ -76,7 +76,7 @@ def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """
     path = Path(path)
     if not path.is_file():
-        raise ModelLoadError(f"model file {path} does not exist; pass --model PATH to a GGUF file")
+        raise ModelLoadError(f"model file {path} does not exist; pass --model PATH to a GGUF file or a model directory")
     try:  # MLX's reader segfaults on damaged metadata: check the layout first
         check_gguf_layout(path)
     except GGUFLayoutError as exc:
