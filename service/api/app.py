@@ -13,11 +13,12 @@ from models.loader import LoadedModel, device_name
 from service import __version__
 from service.api import openai as openai_api
 from service.api import security
+from service.api.docs import install_docs
 from service.api.errors import install_error_handlers
 from service.api.middleware import BodyLimitMiddleware, StatusCountMiddleware
 from service.api.routes import router
 from service.api.state import AppState
-from service.config import Settings
+from service.config import ServedModel, Settings
 from service.engine.compile_cache import CompileCache
 from service.engine.core import Engine, WarmupSpec
 from service.metrics import Metrics
@@ -37,29 +38,13 @@ def create_app(
     metrics = Metrics(CollectorRegistry(), version=__version__, device=device_name())
     specs = settings.served_models()
     state = AppState(settings, metrics, specs[0].name)
-    watchdog = EngineWatchdog(state)
+    watchdog = EngineWatchdog(state.engines, settings.shutdown_grace_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loaded = models or load_models(settings)
         for spec in specs:
-            model = loaded[spec.name]
-            cache = CompileCache(spec.compile, metrics.record_lookup, metrics.record_compile)
-            engine = Engine(
-                model, buckets_of(spec), cache, metrics, settings.max_waiting, settings.max_admit, spec.max_sequences
-            )
-            state.engines[spec.name] = engine
-            log.info(
-                "model %s: %s, %.0f MB, %s weights, %s compute, compile %s",
-                model.name,
-                model.path,
-                model.nbytes / 1e6,
-                model.weights,
-                model.dtype,
-                spec.compile,
-            )
-            positions = spec.warmup_prompt_tokens + settings.default_max_tokens
-            engine.start(WarmupSpec(spec.warmup_prompt_tokens, spec.warmup_batch, positions), progress)
+            state.engines[spec.name] = _start_engine(settings, spec, loaded[spec.name], metrics, progress)
         watchdog.start()
         try:
             yield
@@ -73,12 +58,15 @@ def create_app(
         version=__version__,
         lifespan=lifespan,
         description="MLX inference with compiled, bucketed prefill and decode steps.",
+        docs_url=None,  # served from local files by install_docs
+        redoc_url=None,
     )
     app.state.stepserve = state
     app.state.watchdog = watchdog  # `stepserve serve` exits with its exit_code
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(openai_api.router)
+    install_docs(app)
     # The middleware added last runs first: CORS, request counting, API key, body bounds.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.read_timeout_s)
     security.add_auth(app, settings)
@@ -86,3 +74,29 @@ def create_app(
     security.add_cors(app, settings)
     security.warn_if_exposed(settings)
     return app
+
+
+def _start_engine(
+    settings: Settings,
+    spec: ServedModel,
+    model: LoadedModel,
+    metrics: Metrics,
+    progress: Callable[[int, str], None] | None,
+) -> Engine:
+    """Build ``model``'s engine and start its thread, which warms up, then serves."""
+    cache = CompileCache(spec.compile, metrics.record_lookup, metrics.record_compile)
+    engine = Engine(
+        model, buckets_of(spec), cache, metrics, settings.max_waiting, settings.max_admit, spec.max_sequences
+    )
+    log.info(
+        "model %s: %s, %.0f MB, %s weights, %s compute, compile %s",
+        model.name,
+        model.path,
+        model.nbytes / 1e6,
+        model.weights,
+        model.dtype,
+        spec.compile,
+    )
+    positions = spec.warmup_prompt_tokens + settings.default_max_tokens
+    engine.start(WarmupSpec(spec.warmup_prompt_tokens, spec.warmup_batch, positions), progress)
+    return engine

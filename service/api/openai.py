@@ -1,5 +1,12 @@
 """OpenAI-compatible routes: ``POST /v1/completions`` and ``POST /v1/chat/completions``,
-streaming and not, in the JSON shapes of OpenAI's API (so its SDKs work unchanged)."""
+streaming and not, in the JSON shapes of OpenAI's API (so its SDKs work unchanged).
+
+``finish_reason`` is only ``stop`` or ``length``. A request ended early answers as an error in
+OpenAI's shape (:mod:`service.api.errors`): 504 (``type`` ``timeout``) past
+``request_timeout_s``, 503 (``unavailable``, "server shutting down") at shutdown, 500 when the
+engine failed. A stream that had started ends instead with a ``data: {"error": {...}}`` event,
+then ``data: [DONE]`` (as vLLM does). Extensions to OpenAI's API: ``top_k`` (as in vLLM).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +15,10 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from service.api import pipeline as generation
-from service.api.routes import ERRORS, State
+from service.api import pipeline
+from service.api.errors import ERRORS
 from service.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAISampling
+from service.api.state import AppState, State
 from service.engine.sequence import FinalEvent
 
 router = APIRouter(prefix="/v1")
@@ -28,7 +36,8 @@ class _OpenAIFormat:
     """What completions and chat share: ids, ``created``, usage chunks and ``[DONE]``."""
 
     done_marker = True
-    object_name = chunk_object = prefix = ""
+    partial_ends = False  # finish_reason is stop or length: an early end is an error
+    object_name = chunk_object = prefix = ""  # set by the subclasses
 
     def __init__(self, model: str, include_usage: bool):
         self.id = f"{self.prefix}-{uuid.uuid4().hex[:24]}"
@@ -45,6 +54,10 @@ class _OpenAIFormat:
         if self.include_usage:
             chunk["usage"] = usage
         return chunk
+
+    def _choice_end(self, reason: str) -> dict:
+        """The last choice of a stream, with its ``finish_reason``."""
+        raise NotImplementedError
 
     def final_chunks(self, final: FinalEvent) -> list[dict]:
         chunks = [self._chunk(self._choice_end(final.finish_reason.value))]
@@ -107,26 +120,32 @@ class ChatFormat(_OpenAIFormat):
 
 
 async def _generate(
-    body: OpenAISampling, request: Request, state, prompt: str | None, messages: list[dict] | None, fmt_cls
+    body: OpenAISampling,
+    request: Request,
+    state: AppState,
+    prompt: str | None,
+    messages: list[dict] | None,
+    fmt_cls: type[CompletionFormat | ChatFormat],
 ):
-    engine = generation.resolve_engine(state, body.model)
-    ids = generation.prompt_ids(engine, prompt, messages)
+    engine = pipeline.resolve_engine(state, body.model)
+    ids = pipeline.prompt_ids(engine, prompt, messages)
     max_tokens = body.max_completion_tokens or body.max_tokens or state.settings.default_max_tokens
-    params = generation.sampling_params(engine, len(ids), max_tokens, **body.sampling())
-    seq, events = generation.start(state, engine, ids, params)
+    params = pipeline.sampling_params(engine, len(ids), max_tokens, **body.sampling())
+    gen = pipeline.start(state, engine, ids, params)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return await generation.respond(
-        request, engine, seq, events, fmt_cls(engine.model.name, include_usage), body.stream
-    )
+    return await pipeline.respond(request, gen, fmt_cls(engine.model.name, include_usage), body.stream)
 
 
 @router.post("/completions", responses=ERRORS)
 async def completions(body: CompletionRequest, request: Request, state: State):
-    """OpenAI text completion of one prompt."""
-    return await _generate(body, request, state, body.prompt, None, CompletionFormat)
+    """OpenAI text completion of one prompt (``top_k`` accepted, as in vLLM). ``finish_reason``
+    is ``stop`` or ``length``; a request ended early by its time limit or a shutdown answers
+    504 or 503, or, once streaming, a last ``{"error": ...}`` event before ``[DONE]``."""
+    return await _generate(body, request, state, body.prompt_text, None, CompletionFormat)
 
 
 @router.post("/chat/completions", responses=ERRORS)
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: State):
-    """OpenAI chat completion, rendered with the model's chat template."""
+    """OpenAI chat completion, rendered with the model's chat template; ``finish_reason`` and
+    early ends as in ``/v1/completions``."""
     return await _generate(body, request, state, None, [m.model_dump() for m in body.messages], ChatFormat)

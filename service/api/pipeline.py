@@ -1,12 +1,19 @@
-"""From a validated request to events and back: tokenize, check the buckets, submit to the
-engine, and either collect the whole text or stream server-sent events. Shared by
-``/infer`` and the OpenAI-compatible routes, which differ only in their JSON shapes."""
+"""The one request pipeline of ``/infer`` and the OpenAI-compatible routes, which differ only
+in their :class:`ResponseFormat`:
+
+route → :func:`resolve_engine`, :func:`prompt_ids`, :func:`sampling_params` (checks, 4xx/503)
+→ :func:`start` (memory admission, ``Engine.submit``) → :func:`respond` (the engine's events,
+awaited under the request's deadline, answered as one JSON body or as server-sent events).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from fastapi import Request
@@ -14,22 +21,26 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from models.tokenizer import TokenizerError
 from service.api import security
-from service.api.errors import ApiError
+from service.api.errors import ApiError, client_closed
 from service.api.state import AppState
 from service.engine.buckets import BucketLimitError
 from service.engine.core import Engine
 from service.engine.scheduler import DrainingError, QueueFullError
 from service.engine.sequence import Event, FinalEvent, FinishReason, SamplingParams, Sequence
-from service.process import watchdog as faults
+from service.process import memory
 
-DISCONNECT_POLL_S = 0.25
-CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class ResponseFormat(Protocol):
-    """How one route shapes its answers."""
+    """How one route shapes its answers (dicts, serialized as JSON)."""
 
     done_marker: bool  # end a stream with ``data: [DONE]`` (OpenAI)
+    # A request that produced tokens before its time limit or a shutdown ended it: True, it
+    # answers normally with finish_reason timeout/cancelled (/infer); False, it answers as an
+    # error, 504 or 503 (OpenAI, whose finish_reason is only stop or length).
+    partial_ends: bool
 
     def chunks(self, text: str) -> list[dict]: ...
     def final_chunks(self, final: FinalEvent) -> list[dict]: ...
@@ -63,6 +74,7 @@ def prompt_ids(engine: Engine, prompt: str | None, messages: list[dict] | None) 
         text = tokenizer.apply_chat_template(messages) if messages is not None else prompt
     except TokenizerError as exc:
         raise ApiError(400, str(exc), param="messages") from exc
+    assert text is not None  # the schemas require a prompt or messages
     security.check_prompt_chars(tokenizer, text, engine.buckets.prompt[-1])
     ids = tokenizer.encode(text)
     if not ids:
@@ -87,15 +99,82 @@ def sampling_params(engine: Engine, n_prompt: int, max_tokens: int, **sampling) 
     return SamplingParams(max_tokens=max_tokens, **sampling)
 
 
-def start(state: AppState, engine: Engine, ids: list[int], params: SamplingParams) -> tuple[Sequence, asyncio.Queue]:
-    """Submit a request; its events arrive on the returned queue. 429 when the queue is full,
-    503 when it could take MLX past its memory limit (:func:`service.faults.admit_memory`)."""
-    faults.admit_memory(state, engine, len(ids), params.max_tokens)
+@dataclass
+class Generation:
+    """One submitted request: its engine, its sequence, the queue its events arrive on, its
+    time limit in seconds and its deadline (a ``time.perf_counter()`` time, ``seq.deadline``)."""
+
+    engine: Engine
+    seq: Sequence
+    events: asyncio.Queue[Event]
+    timeout_s: float
+    deadline: float
+
+    async def next(self) -> Event:
+        """The next event, never waiting past the deadline.
+
+        At the deadline the request is cancelled as timed out and a ``timeout``
+        :class:`FinalEvent` made here is returned at once (the engine may be busy with a
+        compile or a long prefill; its own final event is then never read). A final event's
+        ``error`` always says why a ``timeout`` or ``cancelled`` request ended.
+        """
+        while True:
+            event = await self._next_within(math.inf)  # None: the deadline came, checked next round
+            if event is not None:
+                return event
+
+    async def next_or_gone(self, request: Request) -> Event | None:
+        """:meth:`next`, or None once the client disconnected (noticed within
+        ``DISCONNECT_POLL_S``); the request is then cancelled."""
+        while (event := await self._next_within(DISCONNECT_POLL_S)) is None:
+            if await request.is_disconnected():
+                self.cancel()
+                return None
+        return event
+
+    async def _next_within(self, wait_s: float) -> Event | None:
+        """The next event, or the timeout at the deadline; None if ``wait_s`` passed first."""
+        if not self.events.empty():  # produced before the deadline: delivered
+            return self._explained(self.events.get_nowait())
+        left = self.deadline - time.perf_counter()
+        if left <= 0:
+            self.engine.cancel(self.seq, FinishReason.TIMEOUT)
+            return self._explained(replace(self.seq.final_event(), finish_reason=FinishReason.TIMEOUT))
+        try:
+            return self._explained(await asyncio.wait_for(self.events.get(), min(left, wait_s)))
+        except TimeoutError:
+            return None
+
+    def cancel(self) -> None:
+        """The client went away: end the request at the engine's next step."""
+        self.engine.cancel(self.seq)
+
+    def _explained(self, event: Event) -> Event:
+        if not isinstance(event, FinalEvent) or event.error is not None:
+            return event
+        if event.finish_reason is FinishReason.TIMEOUT:
+            return replace(event, error=f"request timed out after {self.timeout_s:g} s (request_timeout_s)")
+        if event.finish_reason is FinishReason.CANCELLED:
+            return replace(event, error="request cancelled")
+        return event
+
+
+def start(state: AppState, engine: Engine, ids: list[int], params: SamplingParams) -> Generation:
+    """Admit and submit a request; its events arrive on the returned generation's queue.
+
+    Raises ApiError: 503 when it could take MLX past its memory limit
+    (:func:`service.process.memory.admit`; with ``Retry-After`` when it would fit on an idle
+    server), 429 when the waiting queue is full, 503 while draining.
+    """
+    _admit_memory(state, engine, len(ids), params.max_tokens)
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
-    seq = Sequence(
-        ids, params, engine.model.tokenizer.detokenizer(), lambda e: loop.call_soon_threadsafe(events.put_nowait, e)
-    )
-    seq.deadline = seq.arrival + state.settings.request_timeout_s
+
+    def emit(event: Event) -> None:  # called on the engine thread
+        loop.call_soon_threadsafe(events.put_nowait, event)
+
+    seq = Sequence(ids, params, engine.model.tokenizer.detokenizer(), emit)
+    timeout_s = state.settings.request_timeout_s
+    seq.deadline = deadline = seq.arrival + timeout_s
     try:
         engine.submit(seq)
     except QueueFullError as exc:
@@ -104,75 +183,81 @@ def start(state: AppState, engine: Engine, ids: list[int], params: SamplingParam
     except DrainingError as exc:
         state.metrics.queue_rejections.labels(engine.model.name, "draining").inc()
         raise ApiError(503, str(exc), type="unavailable") from exc
-    return seq, events
+    return Generation(engine, seq, events, timeout_s, deadline)
 
 
-async def next_event(request: Request, engine: Engine, seq: Sequence, events: asyncio.Queue) -> Event | None:
-    """The next event, or None when the client disconnected (the request is then cancelled)."""
-    while True:
-        try:
-            return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-        except TimeoutError:
-            if await request.is_disconnected():
-                engine.cancel(seq)
-                return None
+def _admit_memory(state: AppState, engine: Engine, prompt_tokens: int, max_tokens: int) -> None:
+    try:
+        memory.admit(list(state.engines.values()), engine, prompt_tokens, max_tokens)
+    except memory.MemoryAdmissionError as exc:
+        state.metrics.queue_rejections.labels(engine.model.name, "memory").inc()
+        retry = {"Retry-After": "1"} if exc.retry else None
+        raise ApiError(503, exc.message, type="unavailable", param="max_tokens", headers=retry) from exc
 
 
-def _failure(final: FinalEvent) -> ApiError | None:
-    """The HTTP error for a request that ended before producing anything, else None."""
-    if final.finish_reason is FinishReason.ERROR:
-        return ApiError(500, final.error or "generation failed", type="server_error")
-    if final.completion_tokens == 0 and final.finish_reason is FinishReason.TIMEOUT:
-        return ApiError(504, "request timed out before its first token", type="timeout")
-    if final.completion_tokens == 0 and final.finish_reason is FinishReason.CANCELLED:
-        return ApiError(503, final.error or "request cancelled", type="unavailable")
-    return None
+def _failure(final: FinalEvent, partial_ends: bool) -> ApiError | None:
+    """The error a request's end answers as, else None (see :attr:`ResponseFormat.partial_ends`):
+    500 for an engine failure; 504 for a timeout and 503 for a shutdown, when nothing was
+    generated or the route has no partial ends."""
+    reason, message = final.finish_reason, final.error
+    if reason is FinishReason.ERROR:
+        return ApiError(500, message or "generation failed", type="server_error")
+    if reason not in (FinishReason.TIMEOUT, FinishReason.CANCELLED) or (partial_ends and final.completion_tokens):
+        return None
+    if reason is FinishReason.TIMEOUT:
+        n = final.completion_tokens
+        when = f"with {n} tokens generated" if n else "before its first token"
+        return ApiError(504, f"{message} {when}", type="timeout")
+    return ApiError(503, message or "request cancelled", type="unavailable")
 
 
-async def respond(
-    request: Request, engine: Engine, seq: Sequence, events: asyncio.Queue, fmt: ResponseFormat, stream: bool
-):
-    """Answer with the whole text (JSON) or a server-sent event stream in ``fmt``'s shape."""
-    first = await next_event(request, engine, seq, events)
+async def respond(request: Request, gen: Generation, fmt: ResponseFormat, stream: bool):
+    """Answer with the whole text (JSON) or a server-sent event stream in ``fmt``'s shape.
+
+    An error before the first event is the HTTP status (:func:`_failure`); once a stream has
+    started, an error is its last ``data:`` event (then ``[DONE]`` where ``fmt`` uses it).
+    """
+    first = await gen.next_or_gone(request)
     if first is None:
-        return JSONResponse({"error": {"message": "client closed request"}}, status_code=CLIENT_CLOSED)
-    if isinstance(first, FinalEvent) and (error := _failure(first)):
+        return client_closed()
+    if isinstance(first, FinalEvent) and (error := _failure(first, fmt.partial_ends)):
         raise error
     if stream:
-        return StreamingResponse(
-            _sse(request, engine, seq, events, fmt, first),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return StreamingResponse(_sse(gen, fmt, first), media_type="text/event-stream", headers=_SSE_HEADERS)
+    return await _collect(request, gen, fmt, first)
+
+
+async def _collect(request: Request, gen: Generation, fmt: ResponseFormat, first: Event) -> JSONResponse | dict:
     pieces, event = [], first
     while not isinstance(event, FinalEvent):
         pieces.append(event.text)
-        event = await next_event(request, engine, seq, events)
+        event = await gen.next_or_gone(request)
         if event is None:
-            return JSONResponse({"error": {"message": "client closed request"}}, status_code=CLIENT_CLOSED)
-    if error := _failure(event):
+            return client_closed()
+    if error := _failure(event, fmt.partial_ends):
         raise error
     return fmt.body("".join(pieces), event)
 
 
-async def _sse(request, engine, seq, events, fmt: ResponseFormat, first: Event) -> AsyncIterator[str]:
+def _data(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+async def _sse(gen: Generation, fmt: ResponseFormat, first: Event) -> AsyncIterator[str]:
     """Server-sent events; a client that goes away cancels the request."""
     finished = False
     try:
         event = first
-        while True:
-            for chunk in fmt.final_chunks(event) if isinstance(event, FinalEvent) else fmt.chunks(event.text):
-                yield f"data: {json.dumps(chunk)}\n\n"
-            if isinstance(event, FinalEvent):
-                finished = True
-                break
-            event = await events.get()
+        while not isinstance(event, FinalEvent):
+            for chunk in fmt.chunks(event.text):
+                yield _data(chunk)
+            event = await gen.next()  # a disconnect ends this generator (Starlette cancels it)
+        finished = True
+        error = _failure(event, fmt.partial_ends)
+        for chunk in [error.body()] if error else fmt.final_chunks(event):
+            yield _data(chunk)
         if fmt.done_marker:
             yield "data: [DONE]\n\n"
     finally:
         if not finished:
-            engine.cancel(seq)
-
-
-def timings(final: FinalEvent) -> dict:
-    return {"queue_s": final.queue_s, "ttft_s": final.ttft_s, "decode_s": final.decode_s, "total_s": final.total_s}
+            gen.cancel()

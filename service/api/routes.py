@@ -2,32 +2,40 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from service.api import pipeline as generation
-from service.api.errors import ApiError
+from service.api import pipeline
+from service.api.errors import ERRORS, ApiError
 from service.api.schemas import ErrorBody, InferChunk, InferRequest, InferResponse, ModelCard, ModelList
-from service.api.state import AppState
+from service.api.state import State
 from service.engine.sequence import FinalEvent
 
 router = APIRouter()
-ERRORS = {code: {"model": ErrorBody} for code in (400, 404, 413, 422, 429, 500, 503, 504)}
 
 
-def get_state(request: Request) -> AppState:
-    return request.app.state.stepserve
-
-
-State = Annotated[AppState, Depends(get_state)]
+def _end(final: FinalEvent) -> dict:
+    """The fields of a request's end: finish_reason, error, usage and timings (seconds)."""
+    return {
+        "finish_reason": final.finish_reason.value,
+        "error": final.error,
+        "usage": {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens},
+        "timings": {
+            "queue_s": final.queue_s,
+            "ttft_s": final.ttft_s,
+            "decode_s": final.decode_s,
+            "total_s": final.total_s,
+        },
+    }
 
 
 class InferFormat:
-    """``/infer`` answers: :class:`InferResponse`, or :class:`InferChunk` events."""
+    """``/infer`` answers: :class:`InferResponse`, or :class:`InferChunk` events. A request
+    that had produced tokens when its time limit or a shutdown ended it answers 200 with
+    ``finish_reason`` ``timeout`` or ``cancelled`` and the reason in ``error``."""
 
     done_marker = False
+    partial_ends = True
 
     def __init__(self, request_id: str, model: str):
         self.id, self.model = request_id, model
@@ -36,35 +44,24 @@ class InferFormat:
         return [InferChunk(id=self.id, model=self.model, text=text).model_dump(exclude_none=True)]
 
     def final_chunks(self, final: FinalEvent) -> list[dict]:
-        usage = {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens}
-        chunk = InferChunk(
-            id=self.id,
-            model=self.model,
-            text="",
-            finish_reason=final.finish_reason.value,
-            usage=usage,
-            timings=generation.timings(final),
-        )
-        return [chunk.model_dump()]
+        return [InferChunk.model_validate({"id": self.id, "model": self.model, "text": "", **_end(final)}).model_dump()]
 
     def body(self, text: str, final: FinalEvent) -> dict:
-        return InferResponse(
-            id=self.id,
-            model=self.model,
-            text=text,
-            finish_reason=final.finish_reason.value,
-            usage={"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens},
-            timings=generation.timings(final),
+        return InferResponse.model_validate(
+            {"id": self.id, "model": self.model, "text": text, **_end(final)}
         ).model_dump()
 
 
 @router.post("/infer", response_model=InferResponse, responses={**ERRORS, 200: {"content": {"text/event-stream": {}}}})
 async def infer(body: InferRequest, request: Request, state: State):
-    """Generate a completion for a prompt or a chat; ``stream`` answers server-sent events."""
-    engine = generation.resolve_engine(state, body.model)
+    """Generate a completion for a prompt or a chat; ``stream`` answers server-sent events
+    (:class:`InferChunk`). ``finish_reason``: ``stop``, ``length``, and ``timeout`` or
+    ``cancelled`` (with ``error``) for a request ended early after its first token; ended
+    before it, the request answers 504 or 503."""
+    engine = pipeline.resolve_engine(state, body.model)
     messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
-    ids = generation.prompt_ids(engine, body.prompt, messages)
-    params = generation.sampling_params(
+    ids = pipeline.prompt_ids(engine, body.prompt, messages)
+    params = pipeline.sampling_params(
         engine,
         len(ids),
         body.max_tokens or state.settings.default_max_tokens,
@@ -72,12 +69,10 @@ async def infer(body: InferRequest, request: Request, state: State):
         top_p=body.top_p,
         top_k=body.top_k,
         seed=body.seed,
-        stop=tuple(body.stop),
+        stop=tuple(body.stop or ()),
     )
-    seq, events = generation.start(state, engine, ids, params)
-    return await generation.respond(
-        request, engine, seq, events, InferFormat(seq.request_id, engine.model.name), body.stream
-    )
+    gen = pipeline.start(state, engine, ids, params)
+    return await pipeline.respond(request, gen, InferFormat(gen.seq.request_id, engine.model.name), body.stream)
 
 
 @router.get("/v1/models", response_model=ModelList)
@@ -108,7 +103,7 @@ async def readyz(state: State) -> dict:
                 "warmup_s": e.warmup_seconds,
                 "warmed": e.warmup_buckets,
                 "compiled": sum(c == "compiled" for c in choices.values()),
-                "compile": e.runner.compiled.policy,
+                "compile": e.compile_policy,
                 "buckets": choices,
             }
             for name, e in state.engines.items()

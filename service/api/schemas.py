@@ -71,26 +71,34 @@ class Timings(BaseModel):
     total_s: float
 
 
+# ``/infer``'s reasons: ``timeout`` (request_timeout_s) and ``cancelled`` (server shutdown) end a
+# request that had produced tokens; one that had not answers 504 or 503 instead.
 FinishReasonName = Literal["stop", "length", "timeout", "cancelled"]
+ENDED_EARLY = "why the request ended early ('timeout' or 'cancelled', e.g. 'server shutting down'); else null"
 
 
 class InferResponse(BaseModel):
+    """``POST /infer``'s answer: the whole text, why it ended, token counts and timings."""
+
     id: str
     model: str
     text: str
     finish_reason: FinishReasonName
+    error: str | None = Field(default=None, description=ENDED_EARLY)
     usage: Usage
     timings: Timings
 
 
 class InferChunk(BaseModel):
     """One server-sent event of a streamed ``/infer``: new text, and on the last event the
-    finish reason, usage and timings."""
+    finish reason, the message of an early end, usage and timings. A request the engine
+    failed after its first event ends with an :class:`ErrorBody` event instead."""
 
     id: str
     model: str
     text: str
     finish_reason: FinishReasonName | None = None
+    error: str | None = Field(default=None, description=ENDED_EARLY)
     usage: Usage | None = None
     timings: Timings | None = None
 
@@ -109,13 +117,14 @@ class ModelList(BaseModel):
 
 class ErrorDetail(BaseModel):
     message: str
-    type: str
-    param: str | None = None
-    code: int
+    type: str = Field(description="OpenAI's error type, e.g. 'invalid_request_error', 'rate_limit_error'")
+    param: str | None = Field(None, description="the offending field's path, e.g. 'messages.0.role'")
+    code: str = Field(description="the HTTP status as a string, e.g. '404'")
 
 
 class ErrorBody(BaseModel):
-    """Every error response: OpenAI's ``{"error": {...}}`` shape."""
+    """Every error response, and the last event of a stream that fails: OpenAI's
+    ``{"error": {...}}`` shape, no other key."""
 
     error: ErrorDetail
 
@@ -153,7 +162,7 @@ class OpenAISampling(BaseModel):
             "top_p": self.top_p,
             "top_k": self.top_k,
             "seed": self.seed,
-            "stop": tuple(self.stop),
+            "stop": tuple(self.stop or ()),
         }
 
 
@@ -171,12 +180,11 @@ class CompletionRequest(OpenAISampling):
             raise ValueError("prompt must not be empty")
         return prompt
 
+    @property
+    def prompt_text(self) -> str:
+        """The one prompt (the validator has unwrapped a list of one)."""
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
 
 class ChatCompletionRequest(OpenAISampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
-
-
-class OpenAIUsage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int

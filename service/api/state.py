@@ -1,9 +1,13 @@
-"""What the app holds while it runs (built by the lifespan, read by the routes)."""
+"""What the app holds while it runs (built by the lifespan, read by the routes), and the
+``State`` dependency that hands it to a route."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Request
 
 from service.config import Settings
 from service.engine.core import Engine
@@ -18,5 +22,12 @@ class AppState:
     metrics: Metrics
     default_model: str
     engines: dict[str, Engine] = field(default_factory=dict)
-    started: int = field(default_factory=lambda: int(time.time()))
+    started: int = field(default_factory=lambda: int(time.time()))  # Unix seconds, /v1/models' ``created``
     draining: bool = False  # SIGTERM received: refuse new work, finish what runs
+
+
+def get_state(request: Request) -> AppState:
+    return request.app.state.stepserve
+
+
+State = Annotated[AppState, Depends(get_state)]
