@@ -274,6 +274,60 @@ def _attend_cache(
     return o, keys, values
 
 
+def _attend_chunk(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    *,
+    index: mx.array,
+    mask: mx.array,
+    scale: float,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """A prompt chunk's :data:`Attend`: row b's k/v [B, Hkv, T, D] scattered at positions
+    offsets[b] .. offsets[b]+T-1 (index: int32 [B, 1, T, 1]), then attention over the cache,
+    query t of row b seeing positions 0..offsets[b]+t (mask: bool [B, 1, T, C]): the cached
+    prefix and the chunk's earlier tokens."""
+    keys = mx.put_along_axis(keys, mx.broadcast_to(index, k.shape), k.astype(keys.dtype), axis=2)
+    values = mx.put_along_axis(values, mx.broadcast_to(index, v.shape), v.astype(values.dtype), axis=2)
+    o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    return o, keys, values
+
+
+def prefill_chunk(
+    params: Params, tokens: mx.array, offsets: mx.array, lengths: mx.array, cache: KVCache, *, args: ModelArgs
+) -> tuple[mx.array, KVCache]:
+    """Prefill a chunk of each row's prompt on top of what its cache already holds.
+
+    Chunked prefill (Agrawal et al. 2023, "SARATHI"; vLLM's chunked prefill) and prefix-cache
+    hits both continue a prompt from an offset: the cache's positions 0..offsets[b]-1 already
+    hold row b's earlier keys and values.
+
+    Args:
+        params: the model's parameter tree.
+        tokens: int32 [B, T], each row's next prompt tokens, right-padded to the chunk bucket T.
+        offsets: int32 [B], where each row's chunk starts (tokens already in its cache).
+        lengths: int32 [B], real tokens in each row's chunk (1 <= lengths <= T).
+        cache: KV cache [B, Hkv, C, D] per layer, with offsets[b] + T <= C for every row.
+        args: hyper-parameters (static).
+
+    Returns:
+        (logits float32 [B, V] at each row's last real token of the chunk, the cache with the
+        chunk's keys and values written at offsets[b]..offsets[b]+T-1). Positions written for
+        padding (>= offsets + lengths) are garbage that decode masks and later overwrites.
+    """
+    T, C = tokens.shape[1], cache.capacity
+    x = embed(tokens, params["embed_tokens"], args.quant_group_size)  # [B, T, H]
+    positions = offsets[:, None] + mx.arange(T)[None, :]  # [B, T]
+    index = positions.astype(mx.int32)[:, None, :, None]  # [B, 1, T, 1]
+    mask = (mx.arange(C)[None, None, :] <= positions[:, :, None])[:, None, :, :]  # [B, 1, T, C]
+    attend = partial(_attend_chunk, index=index, mask=mask, scale=_attention_scale(args))
+    x, cache = _blocks(params, x, offsets, cache, attend, args)
+    last = mx.take_along_axis(x, (lengths - 1).astype(mx.int32)[:, None, None], axis=1)  # [B, 1, H]
+    return _final_logits(params, last[:, 0, :], args), cache
+
+
 def prefill(
     params: Params, tokens: mx.array, lengths: mx.array, cache: KVCache, *, args: ModelArgs
 ) -> tuple[mx.array, KVCache]:

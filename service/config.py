@@ -71,8 +71,8 @@ class ServedModel:
     prompt_buckets: list[int]
     capacity_buckets: list[int]
     max_sequences: int | None  # None until start-up derives it from the memory budget
-    warmup_prompt_tokens: int
-    warmup_batch: int
+    warmup_prompt_tokens: int | None  # None: every prompt length
+    warmup_batch: int | None  # None: max_sequences
 
 
 # ModelSettings field -> the top-level Settings field it inherits from.
@@ -123,30 +123,64 @@ class Settings(BaseSettings):
         description="running-batch sizes the steps are compiled for (ascending); a batch pads up to the next",
     )
     prompt_buckets: list[int] = Field(
-        [32, 64, 128, 256, 512, 1024, 2048],
-        description="prompt lengths in tokens prefill is compiled for (ascending); longer prompts are refused",
+        [32, 64, 128, 256, 512],
+        description="prefill lengths in tokens the steps are compiled for (ascending): a whole short prompt, or one "
+        "chunk of a longer one, pads up to the next; none larger than prefill_chunk_tokens is needed",
     )
     capacity_buckets: list[int] = Field(
         [256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192],
         description="KV-cache lengths in tokens (prompt + output) decode is compiled for (ascending); "
         "the last bounds a sequence",
     )
-    warmup_prompt_tokens: int = Field(
-        512, ge=0, description="warm-up compiles every bucket a single request of this many prompt tokens can reach"
+    warmup_prompt_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="warm-up compiles every step a request of up to this many prompt tokens can reach (0: none); "
+        "unset: every prompt length on a GPU, 512 on the CPU (buckets left cold run eagerly, never compiling "
+        "after ready)",
     )
-    warmup_batch: int = Field(
-        1, ge=1, description="warm-up also covers the batch buckets this many concurrent requests reach"
+    warmup_batch: int | None = Field(
+        None,
+        ge=1,
+        description="warm-up covers up to this many concurrent requests; unset: max_sequences on a GPU, 4 on the CPU",
+    )
+    warmup_rehearsal: bool = Field(
+        True,
+        description="after compiling, run a few dummy requests through the engine so the eager paths (slot inserts, "
+        "bucket moves, prefix-cache copies) are built before ready",
     )
     default_max_tokens: int = Field(256, ge=1, description="tokens generated at most for a request that sets no max")
     max_waiting: int = Field(256, ge=0, description="queued requests beyond the running batch; more get 429")
-    max_admit: int = Field(4, ge=1, description="requests prefilled together per engine step at most")
+    prefill_chunk_tokens: int = Field(
+        512,
+        ge=1,
+        description="prompt tokens one request prefills per engine step at most (chunked prefill); at most the "
+        "largest prompt bucket",
+    )
+    max_batched_tokens: int = Field(
+        2048,
+        ge=1,
+        description="tokens one engine step processes at most: one per decoding sequence plus prompt chunks "
+        "(vLLM's max_num_batched_tokens); bounds what a long prompt costs the running streams per step",
+    )
+    prefix_cache_bytes: int = Field(
+        512 * 1024 * 1024,
+        ge=0,
+        description="bytes of prompt-prefix KV kept for reuse (LRU; counted in the memory budget, evicted before a "
+        "request is refused for memory); 0: no prefix cache",
+    )
+    prefix_block_tokens: int = Field(
+        32, ge=1, description="tokens per prefix-cache block: prefixes are reused in whole blocks"
+    )
     request_timeout_s: float = Field(
         600.0, gt=0, description="seconds; a request still running after this ends with 'timeout'"
     )
     shutdown_grace_s: float = Field(30.0, ge=0, description="seconds running requests get to finish after SIGTERM")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="request bodies larger than this many bytes get 413")
     max_sequences: int | None = Field(
-        None, ge=1, description="running sequences at most; unset: the largest batch bucket whose worst-case memory fits the budget"
+        None,
+        ge=1,
+        description="running sequences at most; unset: the largest batch bucket that fits the memory budget",
     )
     memory_budget_bytes: int | None = Field(
         None,
@@ -219,6 +253,11 @@ class Settings(BaseSettings):
                     f"model '{spec.name}': the largest prompt bucket ({spec.prompt_buckets[-1]}) exceeds the largest "
                     f"capacity bucket ({spec.capacity_buckets[-1]}); add a capacity bucket or drop the prompt bucket"
                 )
+        if self.max_batched_tokens < self.prefill_chunk_tokens:
+            raise ValueError(
+                f"max_batched_tokens ({self.max_batched_tokens}) is below prefill_chunk_tokens "
+                f"({self.prefill_chunk_tokens}); a step must hold at least one chunk"
+            )
         return self
 
     def served_models(self) -> list[ServedModel]:

@@ -59,6 +59,18 @@ class RequestStat:
     shutdown: bool = False  # cancelled because the server is shutting down
 
 
+@dataclass(frozen=True)
+class PrefixCacheStat:
+    """A prefix cache's counts since its previous stat, and the bytes it holds now
+    (``PrefixCache.take_stat`` in service/engine/prefix_cache.py)."""
+
+    model: str
+    queried_tokens: int  # prompt tokens looked up
+    hit_tokens: int  # of those, tokens whose KV was cached
+    evicted_blocks: int
+    nbytes: int  # keys and values held now
+
+
 class Metrics:
     """The metric objects, bound to one registry."""
 
@@ -168,6 +180,34 @@ class Metrics:
         self.timeouts = Counter(
             "timeouts_total", "Requests that reached the time limit", ["model", "reason"], namespace=ns, registry=reg
         )
+        self.prefix_queried = Counter(
+            "prefix_cache_queried_tokens_total",
+            "Prompt tokens looked up in the prefix cache",
+            ["model"],
+            namespace=ns,
+            registry=reg,
+        )
+        self.prefix_hits = Counter(
+            "prefix_cache_hit_tokens_total",
+            "Prompt tokens whose KV the prefix cache held (not prefilled)",
+            ["model"],
+            namespace=ns,
+            registry=reg,
+        )
+        self.prefix_evictions = Counter(
+            "prefix_cache_evictions_total",
+            "Blocks evicted from the prefix cache",
+            ["model"],
+            namespace=ns,
+            registry=reg,
+        )
+        self.prefix_bytes = Gauge(
+            "prefix_cache_bytes",
+            "Bytes of keys and values the prefix cache holds",
+            ["model"],
+            namespace=ns,
+            registry=reg,
+        )
         self.active_memory = Gauge("mlx_active_memory_bytes", "MLX memory in use", namespace=ns, registry=reg)
         self.active_memory.set_function(mx.get_active_memory)
         self.peak_memory = Gauge("mlx_peak_memory_bytes", "MLX peak memory since start", namespace=ns, registry=reg)
@@ -186,7 +226,14 @@ class Metrics:
     def init_model(self, model: str) -> None:
         """Create a model's labelled counters at zero, so that Prometheus' ``rate()`` and
         ``increase()`` count their first event (a series born at 1 is invisible to them)."""
-        for metric in (self.prompt_tokens, self.generation_tokens):
+        for metric in (
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.prefix_queried,
+            self.prefix_hits,
+            self.prefix_evictions,
+            self.prefix_bytes,
+        ):
             metric.labels(model)
         for reason in ("queue_full", "draining", "memory"):
             self.queue_rejections.labels(model, reason)
@@ -222,6 +269,13 @@ class Metrics:
         self.batch_size.labels(stat.model, stat.phase).observe(stat.rows)
         self.padding_waste.labels(stat.model, stat.phase).observe(1 - stat.rows / stat.bucket_rows)
         self.step_seconds.labels(stat.model, stat.phase, stat.bucket).observe(stat.seconds)
+
+    def record_prefix_cache(self, stat: PrefixCacheStat) -> None:
+        """Record a prefix cache's counts since its previous stat and the bytes it holds."""
+        self.prefix_queried.labels(stat.model).inc(stat.queried_tokens)
+        self.prefix_hits.labels(stat.model).inc(stat.hit_tokens)
+        self.prefix_evictions.labels(stat.model).inc(stat.evicted_blocks)
+        self.prefix_bytes.labels(stat.model).set(stat.nbytes)
 
     def record_status(self, status: int) -> None:
         """Count a finished HTTP request by status code."""

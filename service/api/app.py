@@ -20,9 +20,11 @@ from service.api.routes import router
 from service.api.state import AppState
 from service.config import ServedModel, Settings
 from service.engine.compile_cache import CompileCache
-from service.engine.core import Engine, WarmupSpec
+from service.engine.core import Engine
+from service.engine.prefix_cache import PrefixCache
+from service.engine.warmup import WarmupSpec
 from service.metrics import Metrics
-from service.process.startup import buckets_of, load_models
+from service.process.startup import buckets_of, load_models, warmup_extent
 from service.process.watchdog import EngineWatchdog
 
 log = logging.getLogger("stepserve")
@@ -85,8 +87,18 @@ def _start_engine(
 ) -> Engine:
     """Build ``model``'s engine and start its thread, which warms up, then serves."""
     cache = CompileCache(spec.compile, metrics.record_lookup, metrics.record_compile)
+    buckets = buckets_of(spec)
+    prefix = PrefixCache(settings.prefix_block_tokens, settings.prefix_cache_bytes)
     engine = Engine(
-        model, buckets_of(spec), cache, metrics, settings.max_waiting, settings.max_admit, spec.max_sequences
+        model,
+        buckets,
+        cache,
+        metrics,
+        settings.max_waiting,
+        spec.max_sequences,
+        settings.prefill_chunk_tokens,
+        settings.max_batched_tokens,
+        prefix,
     )
     log.info(
         "model %s: %s, %.0f MB, %s weights, %s compute, compile %s",
@@ -97,6 +109,15 @@ def _start_engine(
         model.dtype,
         spec.compile,
     )
-    positions = spec.warmup_prompt_tokens + settings.default_max_tokens
-    engine.start(WarmupSpec(spec.warmup_prompt_tokens, spec.warmup_batch, positions), progress)
+    prompt_tokens, batch = warmup_extent(spec, buckets.capacity[-1], engine.scheduler.max_running)
+    positions = None if prompt_tokens >= buckets.capacity[-1] else prompt_tokens + settings.default_max_tokens
+    warmup = WarmupSpec(
+        prompt_tokens,
+        batch,
+        positions,
+        engine.scheduler.chunk_tokens,
+        settings.max_batched_tokens,
+        settings.warmup_rehearsal,
+    )
+    engine.start(warmup, progress)
     return engine

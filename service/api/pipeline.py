@@ -23,7 +23,6 @@ from models.tokenizer import TokenizerError
 from service.api import security
 from service.api.errors import ApiError, client_closed
 from service.api.state import AppState
-from service.engine.buckets import BucketLimitError
 from service.engine.core import Engine
 from service.engine.scheduler import DrainingError, QueueFullError
 from service.engine.sequence import Event, FinalEvent, FinishReason, SamplingParams, Sequence
@@ -67,7 +66,7 @@ def resolve_engine(state: AppState, name: str | None) -> Engine:
 def prompt_ids(engine: Engine, prompt: str | None, messages: list[dict] | None) -> list[int]:
     """Token ids of a raw prompt or of chat messages rendered by the chat template.
 
-    Raises ApiError 400 when the template fails or the prompt exceeds the largest bucket.
+    Raises ApiError 400 when the template fails or the prompt exceeds the largest capacity bucket.
     """
     tokenizer = engine.model.tokenizer
     try:
@@ -75,14 +74,16 @@ def prompt_ids(engine: Engine, prompt: str | None, messages: list[dict] | None) 
     except TokenizerError as exc:
         raise ApiError(400, str(exc), param="messages") from exc
     assert text is not None  # the schemas require a prompt or messages
-    security.check_prompt_chars(tokenizer, text, engine.buckets.prompt[-1])
+    security.check_prompt_chars(tokenizer, text, engine.capacity_limit)
     ids = tokenizer.encode(text)
     if not ids:
         raise ApiError(400, "prompt encodes to no tokens", param="prompt")
-    try:
-        engine.buckets.prompt_for(len(ids))
-    except BucketLimitError as exc:
-        raise ApiError(400, f"prompt is {len(ids)} tokens: {exc}", param="prompt") from exc
+    if len(ids) > engine.capacity_limit:
+        raise ApiError(
+            400,
+            f"prompt is {len(ids)} tokens, over the largest KV capacity bucket ({engine.capacity_limit})",
+            param="prompt",
+        )
     return ids
 
 

@@ -19,7 +19,11 @@ def _end(final: FinalEvent) -> dict:
     return {
         "finish_reason": final.finish_reason.value,
         "error": final.error,
-        "usage": {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens},
+        "usage": {
+            "prompt_tokens": final.prompt_tokens,
+            "completion_tokens": final.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
+        },
         "timings": {
             "queue_s": final.queue_s,
             "ttft_s": final.ttft_s,

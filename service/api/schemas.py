@@ -57,9 +57,16 @@ class InferRequest(BaseModel):
         return self
 
 
+class PromptTokensDetails(BaseModel):
+    """As OpenAI's ``usage.prompt_tokens_details``."""
+
+    cached_tokens: int = Field(0, description="prompt tokens whose keys and values came from the prefix cache")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=lambda: PromptTokensDetails(cached_tokens=0))
 
 
 class Timings(BaseModel):

@@ -113,7 +113,7 @@ def check_prompt_chars(tokenizer: ChatTokenizer, text: str, max_tokens: int) -> 
     if len(text) > limit:
         raise ApiError(
             400,
-            f"prompt is {len(text)} characters: more than the largest prompt bucket ({max_tokens} "
+            f"prompt is {len(text)} characters: more than the largest KV capacity bucket ({max_tokens} "
             f"tokens) can hold, which is at most {limit} characters",
             param="prompt",
         )

@@ -47,27 +47,16 @@ class BucketTable:
         """Smallest capacity bucket >= positions. Raises BucketLimitError."""
         return self._fit(self.capacity, positions, "KV capacity")
 
-    def warmup_shapes(
-        self, prompt_tokens: int, max_rows: int = 1, max_prefill_rows: int = 1, batched_positions: int | None = None
-    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The (batch, prompt) prefill and (batch, capacity) decode shapes to warm up.
+    def prefill_rows(self, prompt_bucket: int, chunk_tokens: int) -> int:
+        """The most prompts of one prompt bucket a whole prefill runs together: the largest
+        batch bucket whose padded tokens stay within one chunk (at least 1)."""
+        fitting = [b for b in self.batch if b * prompt_bucket <= chunk_tokens]
+        return fitting[-1] if fitting else 1
 
-        Prefill: every prompt bucket up to ``prompt_tokens`` at the batch buckets of up to
-        ``max_prefill_rows`` prompts. Decode: batch 1 at every capacity bucket (one request
-        can grow into any of them), and the batch buckets of up to ``max_rows`` concurrent
-        requests at the capacities holding ``batched_positions`` positions (all if None).
-        """
-        if prompt_tokens <= 0:
-            return [], []
-        top_prompt = self.prompt_for(min(prompt_tokens, self.prompt[-1]))
-        prompts = [t for t in self.prompt if t <= top_prompt]
-        prefill_batches = [b for b in self.batch if b <= self.batch_for(max(1, min(max_prefill_rows, max_rows)))]
-        decode_batches = [b for b in self.batch if b <= self.batch_for(max_rows)]
-        top_capacity = (
-            self.capacity[-1]
-            if batched_positions is None
-            else self.capacity_for(min(batched_positions, self.capacity[-1]))
-        )
-        prefill = [(b, t) for b in prefill_batches for t in prompts]
-        decode = [(b, c) for b in decode_batches for c in self.capacity if b == 1 or c <= top_capacity]
-        return prefill, decode
+    def staging_for(self, positions: int) -> int:
+        """The capacity of a prompt's staging cache for chunked prefill: the smallest capacity
+        bucket >= positions that is a power of two or the largest (a coarser ladder than decode's,
+        so fewer chunk steps to compile; a chunk's attention costs its whole capacity).
+        Raises BucketLimitError."""
+        ladder = [c for c in self.capacity if c & (c - 1) == 0 or c == self.capacity[-1]]
+        return self._fit(tuple(ladder), positions, "KV capacity")

@@ -14,6 +14,7 @@ its compile time. The policy decides what runs:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ import mlx.core as mx
 
 from service.metrics import CompileStat
 
+log = logging.getLogger("stepserve.compile")
 AUTO_MARGIN = 0.02  # compiled must be >= 2% faster than eager for ``auto`` to keep it
 Policy = str  # "on" | "off" | "auto"
 
@@ -34,10 +36,11 @@ class StepKey:
 
     Attributes:
         model: the model's name.
-        phase: "prefill", "decode", "sample" or "greedy".
+        phase: "prefill", "chunk", "decode", "sample" or "greedy".
         batch: batch bucket B (0 for shapeless functions).
-        size: prompt bucket T (prefill) or capacity bucket C (decode); 0 where none applies.
+        size: prompt bucket T (prefill, chunk) or capacity bucket C (decode); 0 where none applies.
         dtype: compute dtype name.
+        capacity: the cache's capacity bucket C of a prefill chunk; 0 elsewhere.
     """
 
     model: str
@@ -45,13 +48,16 @@ class StepKey:
     batch: int
     size: int
     dtype: str
+    capacity: int = 0
 
     @property
     def bucket(self) -> str:
-        """Label value: ``b{B}`` or ``b{B}x{T|C}``; ``any`` for shapeless functions."""
+        """Label value: ``b{B}``, ``b{B}x{T|C}`` or ``b{B}x{T}c{C}``; ``any`` for shapeless functions."""
         if self.batch == 0:
             return "any"
-        return f"b{self.batch}" + (f"x{self.size}" if self.size else "")
+        return (
+            f"b{self.batch}" + (f"x{self.size}" if self.size else "") + (f"c{self.capacity}" if self.capacity else "")
+        )
 
 
 @dataclass(frozen=True)
@@ -142,20 +148,38 @@ class CompileCache:
         self._on_lookup, self._on_compiled = on_lookup, on_compiled
         self._entries: dict[StepKey, _Entry] = {}
         self._lock = threading.Lock()
+        self._sealed = False
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def get(self, key: StepKey, spec: StepSpec) -> Callable[..., Any]:
-        """The function for ``key``, compiling ``spec`` on the first lookup (a miss)."""
+        """The function for ``key``, compiling ``spec`` on the first lookup (a miss).
+
+        After :meth:`seal` a miss does not compile: the bucket runs eagerly (the same pure
+        function), so no request waits for a compile, and a warning names the bucket.
+        """
         with self._lock:
             entry = self._entries.get(key)
             hit = entry is not None
             if entry is None:
-                entry = _Entry(key, self._build(spec), spec.fn, self._on_compiled)
+                fn = spec.fn if self._sealed else self._build(spec)
+                entry = _Entry(key, fn, spec.fn, self._on_compiled)
                 self._entries[key] = entry
         self._on_lookup(key.model, key.phase, key.bucket, hit)
+        if not hit and self._sealed:
+            log.warning(
+                "%s %s %s was not warmed up: it runs eagerly (widen the warm-up to compile it)",
+                key.model,
+                key.phase,
+                key.bucket,
+            )
         return entry
+
+    def seal(self) -> None:
+        """Warm-up is over: from now on a miss runs its bucket eagerly rather than make a
+        request wait for a compile, with a warning naming the bucket."""
+        self._sealed = True
 
     def choices(self) -> dict[StepKey, bool]:
         """For each key: whether it runs compiled."""

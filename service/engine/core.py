@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from models.loader import LoadedModel
 from service.engine import warmup
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
+from service.engine.prefix_cache import PrefixCache
 from service.engine.runner import ModelRunner, RunnerOutput
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import FinishReason, Sequence
@@ -37,8 +39,10 @@ class Engine:
         cache: the compile cache.
         metrics: where stats go.
         max_waiting: queued requests beyond the running batch (more get 429).
-        max_admit: requests prefilled per step at most.
         max_running: running sequences at most (default and ceiling: the largest batch bucket).
+        chunk_tokens: prompt tokens one request prefills per step at most (chunked prefill).
+        max_batched_tokens: tokens one step processes at most (decode rows plus prompt chunks).
+        prefix: the prefix cache (None: none).
     """
 
     def __init__(
@@ -48,12 +52,16 @@ class Engine:
         cache: CompileCache,
         metrics: Metrics,
         max_waiting: int = 256,
-        max_admit: int = 4,
         max_running: int | None = None,
+        chunk_tokens: int = 512,
+        max_batched_tokens: int = 2048,
+        prefix: PrefixCache | None = None,
     ):
         self.model, self.buckets, self.metrics = model, buckets, metrics
-        self.runner = ModelRunner(model, buckets, cache)
-        self.scheduler = Scheduler(min(max_running or buckets.batch[-1], buckets.batch[-1]), max_waiting, max_admit)
+        chunk_tokens = min(chunk_tokens, buckets.prompt[-1])  # a chunk pads up to a prompt bucket
+        self.runner = ModelRunner(model, buckets, cache, chunk_tokens, prefix)
+        running = min(max_running or buckets.batch[-1], buckets.batch[-1])
+        self.scheduler = Scheduler(running, max_waiting, chunk_tokens, max_batched_tokens)
         self.capacity_limit = buckets.capacity[-1]
         self._stop = threading.Event()
         self._abort = threading.Event()
@@ -62,6 +70,8 @@ class Engine:
         self.not_ready_reason = "warming up"
         self.warmup_seconds: float | None = None
         self.warmup_buckets = 0
+        self._prefix_evict = 0  # bytes of prefix-cache blocks admission asked to free
+        self.rehearsed: list[str] = []  # what the warm-up rehearsal ran (see warmup.rehearse)
         metrics.init_model(model.name)
         metrics.running.labels(model.name).set_function(lambda: self.scheduler.num_running)
         metrics.waiting.labels(model.name).set_function(lambda: self.scheduler.num_waiting)
@@ -111,6 +121,16 @@ class Engine:
             self._finish(seq, FinishReason.ERROR, message)
         self.runner.abort()
 
+    @property
+    def prefix_cache_bytes(self) -> int:
+        """Bytes the prefix cache holds now (read without a lock: an estimate)."""
+        return self.runner.prefix.nbytes
+
+    def shrink_prefix_cache(self, nbytes: int) -> None:
+        """Have the engine thread evict at least ``nbytes`` of prefix-cache blocks before its
+        next prefill (memory admission calls this rather than refuse a request)."""
+        self._prefix_evict = max(self._prefix_evict, nbytes)
+
     def load(self) -> list[tuple[int, int]]:
         """(prompt tokens, max_tokens) of every request running or waiting now."""
         return self.scheduler.load()
@@ -144,6 +164,7 @@ class Engine:
             self.not_ready_reason = f"warm-up failed: {type(exc).__name__}"
             return
         self.not_ready_reason = ""
+        self.runner.compiled.seal()
         self.ready.set()
         while not self._stop.is_set():
             try:
@@ -162,20 +183,27 @@ class Engine:
         Returns whether there was anything to do (False: the engine may sleep).
         """
         plan = self.scheduler.schedule()
+        if self._prefix_evict:
+            self.runner.prefix.evict(self._prefix_evict)
+            self._prefix_evict = 0
         for seq, reason in plan.aborted:
             self._finish(seq, reason)
-        if plan.admitted:
-            self._apply(self.runner.prefill_requests(plan.admitted))
-            self._record_moves(self.runner.join([s for s in plan.admitted if s.finish_reason is None]))
+        if plan.prefill:
+            self._apply(self.runner.prefill_requests(plan.prefill))
+            stat = self.runner.prefix.take_stat(self.model.name)
+            if self.ready.is_set():  # the warm-up rehearsal's lookups are not served traffic
+                self.metrics.record_prefix_cache(stat)
+            self._record_moves(self.runner.join([s for s in plan.prefill if s.finish_reason is None]))
         busy = self.runner.busy
         self._apply(self.runner.decode_requests())
-        return bool(plan.admitted or plan.aborted or busy)
+        return bool(plan.prefill or plan.aborted or busy)
 
     def _apply(self, out: RunnerOutput) -> None:
         """Append each new token to its request and finish the requests that stop."""
-        for stat in out.steps:
-            self.metrics.record_step(stat)
-        self._record_moves(out.moves)
+        if self.ready.is_set():  # the warm-up rehearsal's steps are not served traffic
+            for stat in out.steps:
+                self.metrics.record_step(stat)
+            self._record_moves(out.moves)
         for seq, message in out.failed:
             log.error("request %s failed: %s", seq.request_id, message)
             self._finish(seq, FinishReason.ERROR, message)
@@ -193,6 +221,9 @@ class Engine:
         if reason is not None:
             seq.finish_reason = reason
         final = seq.final_event(error)
+        if seq.warmup:
+            seq.emit(final)
+            return
         stat = RequestStat(
             self.model.name,
             final.finish_reason.value,
@@ -217,8 +248,12 @@ class Engine:
             self.metrics.bucket_moves.labels(self.model.name, kind).inc()
 
     def _warmup(self, spec: WarmupSpec, progress) -> None:
-        steps = warmup.plan(self.buckets, spec, self.scheduler.max_admit)
-        self.warmup_seconds, self.warmup_buckets = warmup.run(self.runner, steps, progress), len(steps)
+        start = time.perf_counter()
+        steps = warmup.plan(self.buckets, spec)
+        warmup.run(self.runner, steps, progress)
+        if spec.rehearse and steps:
+            self.rehearsed = warmup.rehearse(self, spec)
+        self.warmup_seconds, self.warmup_buckets = time.perf_counter() - start, len(steps)
         for key, compiled in self.runner.compiled.choices().items():
             self.metrics.compiled_step.labels(key.model, key.phase, key.bucket).set(int(compiled))
         log.info("warm-up done: %d buckets in %.1f s", len(steps), self.warmup_seconds)

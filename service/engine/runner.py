@@ -18,6 +18,8 @@ from models.loader import LoadedModel
 from service.engine import warmup
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache, StepKey, StepSpec
+from service.engine.prefill import Prefiller
+from service.engine.prefix_cache import PrefixCache
 from service.engine.sequence import Sequence
 from service.metrics import StepStat
 
@@ -65,12 +67,20 @@ class ModelRunner:
     that masking keeps away from real rows.
     """
 
-    def __init__(self, model: LoadedModel, buckets: BucketTable, cache: CompileCache):
+    def __init__(
+        self,
+        model: LoadedModel,
+        buckets: BucketTable,
+        cache: CompileCache,
+        chunk_tokens: int = 512,
+        prefix: PrefixCache | None = None,
+    ):
         self.model, self.buckets, self.compiled = model, buckets, cache
         a = model.args
         self._dtype_name = str(model.dtype).rsplit(".", 1)[-1]
         self._specs = {
             "prefill": StepSpec(partial(llama.prefill, args=a)),
+            "chunk": StepSpec(partial(llama.prefill_chunk, args=a)),
             "decode": StepSpec(partial(llama.decode, args=a)),
             "sample": StepSpec(sampling.sample, random_state=True),
             "greedy": StepSpec(sampling.greedy, shapeless=True),
@@ -82,6 +92,8 @@ class ModelRunner:
         self._keys: dict[str, mx.array] = {}  # request id -> its PRNG key (seeded rows only)
         self._inflight: _DecodeStep | None = None
         self._last_read_back = 0.0
+        self.prefix = prefix if prefix is not None else PrefixCache(block_tokens=buckets.prompt[0], budget_bytes=0)
+        self.prefiller = Prefiller(self, chunk_tokens, self.prefix)
 
     # -- executing the scheduler's plan --------------------------------------------------
 
@@ -90,45 +102,18 @@ class ModelRunner:
         """A request holds a slot, or a decode step is in flight."""
         return self._inflight is not None or any(s is not None for s in self.slots)
 
-    def prefill_requests(self, admitted: list[Sequence]) -> RunnerOutput:
-        """Prefill new requests, batched by prompt bucket, and sample each one's first token.
-
-        Sets each request's ``position`` to its prompt length. A group whose step raises is
-        reported in ``failed``; the others go on. Call :meth:`join` with the requests that
-        did not stop at their first token.
-        """
+    def prefill_requests(self, seqs: list[Sequence]) -> RunnerOutput:
+        """Advance each request's prompt by one chunk, or prefill it whole (see
+        :mod:`service.engine.prefill`); a request whose prompt is now complete gets its first
+        token in ``tokens``. Call :meth:`join` with those that did not stop at it."""
         out = RunnerOutput()
-        groups: dict[int, list[Sequence]] = {}
-        for seq in admitted:
-            seq.started = time.perf_counter()
-            groups.setdefault(self.buckets.prompt_for(len(seq.prompt_ids)), []).append(seq)
-        for group in groups.values():
-            start = time.perf_counter()
-            try:
-                logits, prompt_kv = self.prefill([s.prompt_ids for s in group])
-                rows: list[Sequence | None] = [*group, *[None] * (logits.shape[0] - len(group))]
-                keys = [mx.random.key(s.params.seed) if s and s.params.seed is not None else None for s in rows]
-                tokens, keys = self.select(logits, rows, keys)
-                token_list = _ints(tokens)
-            except Exception as exc:  # one failed bucket must not take the others down
-                out.failed += [(seq, f"prefill failed: {type(exc).__name__}") for seq in group]
-                continue
-            stat = StepStat(
-                self.model.name,
-                "prefill",
-                f"b{prompt_kv.batch}x{prompt_kv.capacity}",
-                len(group),
-                prompt_kv.batch,
-                time.perf_counter() - start,
-            )
-            out.steps.append(stat)
-            for i, seq in enumerate(group):
-                seq.position = len(seq.prompt_ids)
-                seq.prefilled = (prompt_kv, i)
-                if (key := keys[i]) is not None:
-                    self._keys[seq.request_id] = key
-                out.tokens.append((seq, token_list[i]))
+        self.prefiller.run(seqs, out)
         return out
+
+    def keep_key(self, seq: Sequence, key: mx.array | None) -> None:
+        """Remember a seeded request's next PRNG key (uint32 [2]); None: unseeded."""
+        if key is not None:
+            self._keys[seq.request_id] = key
 
     def join(self, seqs: list[Sequence]) -> list[str]:
         """Copy prefilled requests' KV rows into free decode slots (re-bucketing the cache
@@ -169,6 +154,7 @@ class ModelRunner:
         it only runs once the engine thread is gone)."""
         self._vacate(seq)
         self._keys.pop(seq.request_id, None)
+        seq.staging = seq.prefilled = None
 
     def abort(self) -> None:
         """Forget the whole batch (every request was ended): slots, keys, the step in flight."""
@@ -235,9 +221,9 @@ class ModelRunner:
 
     # -- compiled functions --------------------------------------------------------------
 
-    def step_fn(self, phase: str, batch: int = 0, size: int = 0) -> Callable:
-        """The compiled function of ``phase`` at bucket (batch, size); counts a hit or miss."""
-        key = StepKey(self.model.name, phase, batch, size, self._dtype_name)
+    def step_fn(self, phase: str, batch: int = 0, size: int = 0, capacity: int = 0) -> Callable:
+        """The compiled function of ``phase`` at bucket (batch, size[, capacity]); counts a hit or miss."""
+        key = StepKey(self.model.name, phase, batch, size, self._dtype_name, capacity)
         return self.compiled.get(key, self._specs[phase])
 
     def new_kv(self, batch: int, capacity: int) -> KVCache:
@@ -366,12 +352,12 @@ class ModelRunner:
 
     # -- warm-up -------------------------------------------------------------------------
 
-    def warm(self, phase: str, batch: int, size: int, repeats: int = 3) -> bool:
+    def warm(self, phase: str, batch: int, size: int, capacity: int = 0, repeats: int = 3) -> bool:
         """Compile and run one bucket's step on dummy inputs (:func:`warmup.dummy_inputs`).
         Under the ``auto`` policy, time it compiled and eager (``repeats`` runs each) and keep
         the faster. Returns whether the bucket runs compiled."""
-        fn = self.step_fn(phase, batch, size)
-        args = warmup.dummy_inputs(self, phase, batch, size)
+        fn = self.step_fn(phase, batch, size, capacity)
+        args = warmup.dummy_inputs(self, phase, batch, size, capacity)
         if self.compiled.policy == "auto":
             return fn.calibrate(args, repeats)
         mx.eval(fn(*args))

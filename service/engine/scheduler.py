@@ -1,8 +1,12 @@
-"""The scheduler: decides, before each engine step, which requests join, leave or wait.
+"""The scheduler: decides, before each engine step, which requests join, leave or wait, and
+which prompts advance by one prefill chunk.
 
 Plain Python: no MLX and no asyncio, so it can be tested alone. It is FCFS: requests are
-admitted in arrival order whenever the running batch has room, so none starves. The engine
-calls :meth:`Scheduler.schedule` between decode steps; HTTP handlers call :meth:`add` and
+admitted in arrival order whenever the running batch has room, so none starves. Each step
+processes at most ``max_batched_tokens`` tokens — one per decoding row, and prompt chunks of
+at most ``chunk_tokens`` — so a long prompt costs the running streams at most one chunk's
+time per step (vLLM's ``max_num_batched_tokens`` and chunked prefill). The engine calls
+:meth:`Scheduler.schedule` between decode steps; HTTP handlers call :meth:`add` and
 :meth:`cancel` from the event loop's thread, hence the lock.
 """
 
@@ -29,26 +33,35 @@ class SchedulerOutput:
     """What the engine does in the next step.
 
     Attributes:
-        admitted: waiting requests to prefill and merge into free slots, in arrival order.
+        admitted: waiting requests that join the running set this step, in arrival order
+            (each is also in ``prefill``).
+        prefill: running requests whose prompt advances by one chunk this step (at most
+            ``chunk_tokens`` tokens each), in arrival order; a request whose last chunk this is
+            gets its first token and a decode slot.
         aborted: requests to end now, with the reason (cancelled, timeout, shutdown).
     """
 
     admitted: list[Sequence] = field(default_factory=list)
+    prefill: list[Sequence] = field(default_factory=list)
     aborted: list[tuple[Sequence, FinishReason]] = field(default_factory=list)
 
 
 class Scheduler:
-    """FCFS admission into a running batch of at most ``max_running`` sequences.
+    """FCFS admission into a running batch of at most ``max_running`` sequences, under a
+    per-step token budget.
 
     Args:
-        max_running: the largest batch bucket.
+        max_running: running sequences at most (prefilling or decoding).
         max_waiting: queued requests beyond the running batch; more are refused.
-        max_admit: requests admitted (prefilled) per step at most, so running rows keep
-            their inter-token latency while a burst arrives.
+        chunk_tokens: prompt tokens one request prefills per step at most.
+        max_batched_tokens: tokens one step processes at most: a token per decoding row plus
+            the prompt chunks. A step always makes progress: its first chunk is scheduled even
+            when it alone exceeds the budget.
     """
 
-    def __init__(self, max_running: int, max_waiting: int, max_admit: int):
-        self.max_running, self.max_waiting, self.max_admit = max_running, max_waiting, max_admit
+    def __init__(self, max_running: int, max_waiting: int, chunk_tokens: int = 512, max_batched_tokens: int = 2048):
+        self.max_running, self.max_waiting = max_running, max_waiting
+        self.chunk_tokens, self.max_batched_tokens = chunk_tokens, max_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.draining = False
@@ -104,11 +117,29 @@ class Scheduler:
                     if reason is not None:
                         queue.remove(seq)
                         out.aborted.append((seq, reason))
-            while self.waiting and len(self.running) < self.max_running and len(out.admitted) < self.max_admit:
+            budget = self.max_batched_tokens - sum(s.prompt_done for s in self.running)
+            for seq in self.running:  # prompts already being prefilled go first
+                if not seq.prompt_done:
+                    budget = self._take_chunk(seq, budget, out)
+            while self.waiting and len(self.running) < self.max_running:
+                if self._chunk(self.waiting[0]) > budget and out.prefill:
+                    break
                 seq = self.waiting.popleft()
                 self.running.append(seq)
                 out.admitted.append(seq)
+                budget = self._take_chunk(seq, budget, out)
         return out
+
+    def _chunk(self, seq: Sequence) -> int:
+        """Tokens ``seq``'s next prefill chunk takes at most."""
+        return min(self.chunk_tokens, len(seq.prompt_ids) - seq.num_computed)
+
+    def _take_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        tokens = self._chunk(seq)
+        if tokens <= budget or not out.prefill:
+            out.prefill.append(seq)
+            budget -= tokens
+        return budget
 
     def load(self) -> list[tuple[int, int]]:
         """(prompt tokens, max_tokens) of every running and waiting request, read under the lock."""

@@ -62,6 +62,7 @@ class FinalEvent:
     decode_s: float
     total_s: float
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 Event = TokenEvent | FinalEvent
@@ -88,6 +89,9 @@ class Sequence:
     text: str = ""
     position: int = 0
     slot: int = -1
+    num_computed: int = 0  # prompt tokens whose keys and values are computed (or came from the prefix cache)
+    cached_tokens: int = 0  # prompt tokens that came from the prefix cache
+    staging: Any = None  # KVCache [1, Hkv, C, D] holding the prompt while it is prefilled in chunks (runner only)
     prefilled: Any = None  # (prompt KVCache, row) between prefill and joining a slot (runner only)
     started: float | None = None  # admitted to the engine (end of queueing)
     first_token_at: float | None = None
@@ -95,8 +99,14 @@ class Sequence:
     inter_token_s: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     deadline: float | None = None  # perf_counter() time after which the request times out
+    warmup: bool = False  # a dummy request of the warm-up rehearsal: no metrics
     cancel_reason: FinishReason | None = None  # set by Engine.cancel (any thread); acted on at the next schedule
     _sent: int = 0  # characters of ``text`` already emitted
+
+    @property
+    def prompt_done(self) -> bool:
+        """Every prompt token's keys and values are computed: the request decodes."""
+        return self.num_computed >= len(self.prompt_ids)
 
     @property
     def last_token(self) -> int:
@@ -162,4 +172,5 @@ class Sequence:
             decode_s=0.0 if first is None else (self.last_token_at or first) - first,
             total_s=now - self.arrival,
             error=error,
+            cached_tokens=self.cached_tokens,
         )

@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from service.engine.buckets import BucketTable
+from service.engine.sequence import SamplingParams, Sequence
 
 if TYPE_CHECKING:
+    from service.engine.core import Engine
     from service.engine.runner import ModelRunner
 
 log = logging.getLogger("stepserve.engine")
@@ -21,33 +23,75 @@ log = logging.getLogger("stepserve.engine")
 
 @dataclass(frozen=True)
 class WarmupSpec:
-    """What to compile before serving: buckets of requests of up to ``prompt_tokens`` prompt
-    tokens, up to ``batch`` at a time, growing to ``batched_positions`` positions when
-    batched (a lone request: every capacity bucket)."""
+    """What to compile before serving.
+
+    Attributes:
+        prompt_tokens: prompts of up to this many tokens (chunks and whole prefills alike);
+            0 warms nothing.
+        batch: up to this many concurrent requests (decode batch buckets, whole-prefill rows).
+        batched_positions: batches of more than one row reach the capacity buckets holding
+            this many positions (a lone request: every capacity bucket); None: all.
+        chunk_tokens: the engine's prefill chunk (prompt tokens per request per step).
+        max_batched_tokens: the engine's token budget per step (bounds whole-prefill rows).
+        rehearse: also run a few dummy requests through the engine's own step, to build the
+            eager paths (slot inserts, bucket moves, prefix-cache copies) before ready.
+    """
 
     prompt_tokens: int = 512
     batch: int = 1
     batched_positions: int | None = None
+    chunk_tokens: int = 512
+    max_batched_tokens: int = 2048
+    rehearse: bool = True
 
 
-def plan(buckets: BucketTable, spec: WarmupSpec, max_admit: int = 1) -> list[tuple[str, int, int]]:
-    """(phase, batch, size) of the buckets to warm up (:meth:`BucketTable.warmup_shapes`),
-    plus the sampler of each batch bucket and the shapeless greedy step; [] when
-    ``spec.prompt_tokens`` is 0."""
-    max_rows = spec.batch
-    prefill, decode = buckets.warmup_shapes(
-        spec.prompt_tokens, max_rows, min(max_rows, max_admit), spec.batched_positions
-    )
-    if not prefill:
+Step = tuple[str, int, int, int]  # (phase, batch, size, capacity): a compile-cache key's buckets
+
+
+def plan(buckets: BucketTable, spec: WarmupSpec) -> list[Step]:
+    """Every step function a request within ``spec`` can reach, so none compiles after ready:
+
+    * ``prefill`` (B, T): prompts of up to ``chunk_tokens`` tokens prefilled whole, B the rows
+      of one prompt bucket one call runs (at most a chunk of padded tokens; ``batch`` and the
+      token budget bound them too);
+    * ``chunk`` (1, T, C): a longer prompt's chunks, and what follows a prefix-cache hit, at
+      every chunk bucket T and every staging capacity C >= T the prompts reach
+      (:meth:`BucketTable.staging_for`);
+    * ``decode`` (B, C): batch 1 at every capacity bucket, larger batches up to ``batch`` at the
+      capacities of ``batched_positions``;
+    * the sampler of every batch bucket above, and the shapeless greedy step.
+    """
+    if spec.prompt_tokens <= 0:
         return []
-    steps = [("prefill", b, t) for b, t in prefill] + [("decode", b, c) for b, c in decode]
-    return steps + [("sample", b, 0) for b in sorted({b for b, _ in prefill + decode})] + [("greedy", 0, 0)]
+    limit = buckets.capacity[-1]
+    chunk_top = buckets.prompt_for(min(spec.chunk_tokens, buckets.prompt[-1]))
+    chunk_ts = [t for t in buckets.prompt if t <= chunk_top]
+    whole_ts = [t for t in chunk_ts if t <= buckets.prompt_for(min(spec.prompt_tokens, chunk_top))]
+    rows = buckets.batch_for(min(spec.batch, buckets.batch[-1]))
+    prefill = []
+    for i, t in enumerate(whole_ts):
+        shortest = (chunk_ts[i - 1] + 1) if i else 1  # a prompt in bucket t has at least this many tokens
+        admitted = max(1, min(rows, spec.max_batched_tokens // shortest))
+        most = min(buckets.batch_for(admitted), buckets.prefill_rows(t, spec.chunk_tokens))
+        prefill += [("prefill", b, t, 0) for b in buckets.batch if b <= most]
+    staging_top = buckets.staging_for(min(spec.prompt_tokens + 1, limit))
+    stagings = sorted({buckets.staging_for(c) for c in buckets.capacity if c <= staging_top})
+    chunks = [("chunk", 1, t, c) for c in stagings for t in chunk_ts if t <= c]
+    batched_top = limit if spec.batched_positions is None else buckets.capacity_for(min(spec.batched_positions, limit))
+    decode = [
+        ("decode", b, c, 0) for b in buckets.batch if b <= rows for c in buckets.capacity if b == 1 or c <= batched_top
+    ]
+    batches = sorted({b for _, b, _, _ in prefill + chunks + decode})
+    return prefill + chunks + decode + [("sample", b, 0, 0) for b in batches] + [("greedy", 0, 0, 0)]
 
 
-def dummy_inputs(runner: ModelRunner, phase: str, batch: int, size: int) -> tuple:
-    """Arguments of ``phase``'s step function at bucket (batch, size): zero tokens and
-    positions, lengths of 1, a zeroed KV cache, zero logits and keys, no seeded rows."""
+def dummy_inputs(runner: ModelRunner, phase: str, batch: int, size: int, capacity: int = 0) -> tuple:
+    """Arguments of ``phase``'s step function at bucket (batch, size[, capacity]): zero tokens,
+    positions and offsets, lengths of 1, a zeroed KV cache, zero logits and keys, no seeded rows."""
     params, vocab = runner.model.params, runner.vocab
+    if phase == "chunk":
+        zeros, ones = mx.zeros((batch,), mx.int32), mx.ones((batch,), mx.int32)
+        return params, mx.zeros((batch, size), mx.int32), zeros, ones, runner.new_kv(batch, capacity)
     if phase == "prefill":
         return params, mx.zeros((batch, size), mx.int32), mx.ones((batch,), mx.int32), runner.new_kv(batch, size)
     if phase == "decode":
@@ -59,17 +103,61 @@ def dummy_inputs(runner: ModelRunner, phase: str, batch: int, size: int) -> tupl
     return logits, ones, ones, mx.full((batch,), vocab, mx.int32), keys, mx.zeros((batch,), mx.bool_)
 
 
-def run(
-    runner: ModelRunner, steps: list[tuple[str, int, int]], progress: Callable[[int, str], None] | None = None
-) -> float:
+def run(runner: ModelRunner, steps: list[Step], progress: Callable[[int, str], None] | None = None) -> float:
     """Warm every step of ``steps`` (logging each with its time) and return the seconds taken."""
     start = time.perf_counter()
-    for i, (phase, b, size) in enumerate(steps):
+    for i, (phase, b, size, capacity) in enumerate(steps):
         t0 = time.perf_counter()
-        compiled = runner.warm(phase, b, size)
-        label = f"{phase} b{b}x{size}" if size else (f"{phase} b{b}" if b else phase)
+        compiled = runner.warm(phase, b, size, capacity)
+        label = f"{phase} b{b}" + (f"x{size}" if size else "") + (f"c{capacity}" if capacity else "") if b else phase
         how = "compiled" if compiled else "eager"
         log.info("warm-up %d/%d: %s ready in %.2f s, runs %s", i + 1, len(steps), label, time.perf_counter() - t0, how)
         if progress:
             progress(len(steps), label)
     return time.perf_counter() - start
+
+
+def rehearse(engine: Engine, spec: WarmupSpec) -> list[str]:
+    """Run dummy requests through ``engine.step()`` before ready, so the paths built eagerly on
+    first use — slot inserts, batch and capacity moves, chunked prefill, prefix-cache copies,
+    seeded sampling — are built now rather than under the first requests.
+
+    Runs on the engine thread, before it serves; the requests are marked ``warmup`` (no
+    metrics) and the prefix cache is emptied afterwards. Returns what ran, one line each.
+    """
+    buckets, runner = engine.buckets, engine.runner
+    vocab, limit = engine.model.args.vocab_size, buckets.capacity[-1]
+    rows = max(1, min(spec.batch, engine.scheduler.max_running, 4))
+    long = max(2, min(spec.chunk_tokens + 40, spec.prompt_tokens, limit - 8))
+    near_edge = max(2, min(buckets.capacity[0] - 2, spec.prompt_tokens))
+
+    def request(length: int, max_tokens: int, base: int, **sampling) -> Sequence:
+        ids = [1 + (base + 7 * i) % (vocab - 1) for i in range(length)]
+        params = SamplingParams(max_tokens=max_tokens, **sampling)
+        seq = Sequence(ids, params, engine.model.tokenizer.detokenizer(), lambda event: None)
+        seq.warmup = True
+        return seq
+
+    scenarios = {
+        f"a burst of {rows} short requests, greedy, sampled and seeded (batch moves up and down)": [
+            request(5 + 3 * i, 2 + i, i, temperature=0.7 * (i % 2), seed=i if i % 2 else None) for i in range(rows)
+        ],
+        f"a {long}-token prompt (prefill in chunks of {spec.chunk_tokens})": [request(long, 3, 100)],
+        f"the same {long}-token prompt again (a prefix-cache hit, when the cache is on)": [request(long, 2, 100)],
+        f"a {near_edge}-token prompt that grows past its capacity bucket (a capacity move)": [
+            request(near_edge, 4, 200)
+        ],
+    }
+    done = []
+    for name, seqs in scenarios.items():
+        for seq in seqs:
+            engine.submit(seq)
+        while not all(s.finish_reason is not None for s in seqs):
+            engine.step()
+        while runner.busy:  # a step still in flight for a row that already stopped
+            engine.step()
+        done.append(name)
+        log.info("warm-up rehearsal: %s", name)
+    runner.prefix.evict(runner.prefix.nbytes)
+    runner.prefix.take_stat(engine.model.name)
+    return done

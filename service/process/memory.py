@@ -32,24 +32,28 @@ class MemoryEstimate:
         model: the model's name.
         weights: the parameters.
         decode_cache: the decode KV cache at (batch bucket, capacity bucket); counted twice in
-            ``total``, since a bucket move holds the old and the new cache.
-        prefill: the largest prefill's KV cache plus its float32 attention scores.
+            ``total``, since a bucket move holds the old and the new cache (and a prompt being
+            prefilled in chunks holds a staging row instead of a decode row).
+        prefill: the largest prefill step's KV cache plus its float32 attention scores.
+        prefix_cache: the prefix cache's budget (``prefix_cache_bytes``).
     """
 
     model: str
     weights: int
     decode_cache: int
     prefill: int
+    prefix_cache: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + 2 * self.decode_cache + self.prefill
+        return self.weights + 2 * self.decode_cache + self.prefill + self.prefix_cache
 
     def describe(self) -> str:
         gb = 1e9
         return (
             f"model '{self.model}': {self.total / gb:.2f} GB = weights {self.weights / gb:.2f} GB"
             f" + 2 x decode KV cache {self.decode_cache / gb:.2f} GB + prefill {self.prefill / gb:.2f} GB"
+            f" + prefix cache {self.prefix_cache / gb:.2f} GB"
         )
 
 
@@ -74,39 +78,54 @@ def kv_bytes_per_position(model: LoadedModel) -> int:
     return 2 * a.num_hidden_layers * a.num_key_value_heads * a.dim_per_head * model.dtype.size
 
 
-def model_bytes(model: LoadedModel, batch: int, capacity: int, prefill_rows: int, prompt: int) -> MemoryEstimate:
-    """The memory formula: ``model``'s weights, its decode KV cache of ``batch`` rows (a batch
-    bucket) x ``capacity`` positions (a capacity bucket), and a prefill of ``prefill_rows``
-    rows x ``prompt`` tokens (a prompt bucket): its KV cache and its float32 attention
-    scores (rows x query heads x prompt x prompt). Bytes; ``batch`` 0 means no request."""
-    per_position = kv_bytes_per_position(model)
-    scores = model.args.num_attention_heads * prompt * SCORES_BYTES
-    return MemoryEstimate(
-        model.name, model.nbytes, batch * capacity * per_position, prefill_rows * prompt * (per_position + scores)
-    )
+def prefill_bytes(
+    model: LoadedModel, buckets: BucketTable, rows: int, prompt: int, chunk_tokens: int, max_batched_tokens: int
+) -> int:
+    """Bytes of the largest prefill call for up to ``rows`` requests of up to ``prompt`` tokens:
+    a whole prefill of as many prompts of one bucket as one call runs (their KV cache and
+    float32 attention scores, rows x heads x T x T), or one chunk of a longer prompt (heads x T
+    x C scores against its staging cache, C the capacity it needs)."""
+    per_position, heads = kv_bytes_per_position(model), model.args.num_attention_heads
+    T = buckets.prompt_for(min(prompt, chunk_tokens))
+    admitted = buckets.batch_for(max(1, min(rows, max_batched_tokens // max(1, T // 2))))
+    whole_rows = min(admitted, buckets.prefill_rows(T, chunk_tokens))
+    whole = whole_rows * T * (per_position + heads * T * SCORES_BYTES)
+    if prompt <= chunk_tokens:
+        return whole
+    C = buckets.staging_for(min(prompt + T, buckets.capacity[-1]))
+    return max(whole, T * per_position + heads * T * C * SCORES_BYTES)
 
 
-def worst_case(model: LoadedModel, buckets: BucketTable, max_running: int, max_admit: int) -> MemoryEstimate:
-    """The most ``model`` can hold: ``max_running`` rows at the largest capacity bucket while
-    ``max_admit`` of the longest prompts are prefilled."""
-    batch = buckets.batch_for(max_running)
-    prefill_rows = buckets.batch_for(min(max_admit, max_running))
-    return model_bytes(model, batch, buckets.capacity[-1], prefill_rows, buckets.prompt[-1])
+def worst_case(
+    model: LoadedModel,
+    buckets: BucketTable,
+    max_running: int,
+    chunk_tokens: int = 512,
+    max_batched_tokens: int = 2048,
+    prefix_cache_bytes: int = 0,
+) -> MemoryEstimate:
+    """The most ``model`` can hold: ``max_running`` rows at the largest capacity bucket, the
+    largest prefill step (:func:`prefill_bytes`) and the prefix cache's whole budget."""
+    per_position, C = kv_bytes_per_position(model), buckets.capacity[-1]
+    decode = buckets.batch_for(max_running) * C * per_position
+    prefill = prefill_bytes(model, buckets, max_running, C, chunk_tokens, max_batched_tokens)
+    return MemoryEstimate(model.name, model.nbytes, decode, prefill, prefix_cache_bytes)
 
 
 def load_bytes(engine: Engine, rows: list[tuple[int, int]]) -> int:
     """Bytes ``engine``'s model may hold while serving ``rows`` of (prompt tokens, max_tokens):
     the rows that can run at once at the capacity bucket of the longest prompt + max_tokens,
-    and a prefill of up to ``max_admit`` of the longest prompts. Requests may stop early, so
-    this bounds the load from above."""
+    and the largest prefill step among them (:func:`prefill_bytes`). Requests may stop early,
+    so this bounds the load from above. The prefix cache is left out: it is evicted first."""
     if not rows:
         return engine.model.nbytes
     buckets, sched = engine.buckets, engine.scheduler
     running = min(len(rows), sched.max_running)
     capacity = buckets.capacity_for(min(max(p + m for p, m in rows), buckets.capacity[-1]))
-    prompt = buckets.prompt_for(min(max(p for p, _ in rows), buckets.prompt[-1]))
-    prefill_rows = buckets.batch_for(min(running, sched.max_admit))
-    return model_bytes(engine.model, buckets.batch_for(running), capacity, prefill_rows, prompt).total
+    decode = buckets.batch_for(running) * capacity * kv_bytes_per_position(engine.model)
+    longest = max(p for p, _ in rows)
+    prefill = prefill_bytes(engine.model, buckets, running, longest, sched.chunk_tokens, sched.max_batched_tokens)
+    return engine.model.nbytes + 2 * decode + prefill
 
 
 def admit(engines: Iterable[Engine], engine: Engine, prompt_tokens: int, max_tokens: int) -> None:
@@ -114,7 +133,8 @@ def admit(engines: Iterable[Engine], engine: Engine, prompt_tokens: int, max_tok
 
     The limit is ``mx.get_memory_limit()`` (``mlx_memory_limit_bytes`` when set, else MLX's
     default); the need is :func:`load_bytes` summed over every served model, with this request
-    added to ``engine``'s load.
+    added to ``engine``'s load. A request that fits only without the prefix cache's blocks is
+    admitted, and ``engine`` evicts that many bytes of them at its next step.
 
     Raises:
         MemoryAdmissionError: naming the need and the limit; ``retry`` when the request would
@@ -124,6 +144,9 @@ def admit(engines: Iterable[Engine], engine: Engine, prompt_tokens: int, max_tok
     limit, request = mx.get_memory_limit(), (prompt_tokens, max_tokens)
     need = sum(load_bytes(e, e.load() + ([request] if e is engine else [])) for e in engines)
     if need <= limit:
+        held = sum(e.prefix_cache_bytes for e in engines)
+        if need + held > limit:  # the prefix cache gives way before any request is refused
+            engine.shrink_prefix_cache(need + held - limit)
         return
     alone = sum(e.model.nbytes for e in engines if e is not engine) + load_bytes(engine, [request])
     if alone > limit:

@@ -84,7 +84,15 @@ def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> Settings
     for rows in candidates:
         resolved = {s.name: s.max_sequences or min(rows, s.batch_buckets[-1]) for s in specs}
         estimates = [
-            memory.worst_case(models[s.name], buckets_of(s), resolved[s.name], settings.max_admit) for s in specs
+            memory.worst_case(
+                models[s.name],
+                buckets_of(s),
+                resolved[s.name],
+                settings.prefill_chunk_tokens,
+                settings.max_batched_tokens,
+                settings.prefix_cache_bytes,
+            )
+            for s in specs
         ]
         total = sum(e.total for e in estimates)
         if total <= limit:
@@ -116,6 +124,27 @@ def _with_max_sequences(settings: Settings, resolved: dict[str, int]) -> Setting
         return settings.model_copy(update={"max_sequences": resolved[settings.model_name]})
     models = [m.model_copy(update={"max_sequences": resolved[m.name]}) for m in settings.models]
     return settings.model_copy(update={"models": models})
+
+
+CPU_WARMUP_PROMPT_TOKENS = 512  # the CPU default: warming every prompt length there takes minutes
+CPU_WARMUP_BATCH = 4
+
+
+def warmup_extent(spec: ServedModel, capacity_limit: int, max_running: int) -> tuple[int, int]:
+    """(prompt tokens, concurrent requests) the warm-up covers for ``spec``.
+
+    Unset settings cover everything on a GPU: every prompt length up to ``capacity_limit``
+    and every concurrency up to ``max_running``. On the CPU, where running each of those
+    steps once takes minutes (docs/BENCHMARKS.md, "Warm-up"), they cover prompts of up to
+    :data:`CPU_WARMUP_PROMPT_TOKENS` and :data:`CPU_WARMUP_BATCH` requests; the buckets left
+    cold run eagerly when first used, never compiling on a request's time.
+    """
+    gpu = device_name() == "gpu"
+    prompt = spec.warmup_prompt_tokens
+    if prompt is None:
+        prompt = capacity_limit if gpu else min(CPU_WARMUP_PROMPT_TOKENS, capacity_limit)
+    batch = spec.warmup_batch or (max_running if gpu else min(CPU_WARMUP_BATCH, max_running))
+    return prompt, batch
 
 
 def log_cpu_blas() -> None:

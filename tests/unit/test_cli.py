@@ -26,9 +26,13 @@ SAMPLES = {
     "capacity_buckets": ("[128,256]", [128, 256]),
     "warmup_prompt_tokens": ("0", 0),
     "warmup_batch": ("2", 2),
+    "warmup_rehearsal": ("false", False),
     "default_max_tokens": ("16", 16),
     "max_waiting": ("3", 3),
-    "max_admit": ("2", 2),
+    "prefill_chunk_tokens": ("32", 32),
+    "max_batched_tokens": ("4096", 4096),
+    "prefix_cache_bytes": ("0", 0),
+    "prefix_block_tokens": ("16", 16),
     "request_timeout_s": ("1.5", 1.5),
     "shutdown_grace_s": ("0", 0.0),
     "max_body_bytes": ("4096", 4096),
@@ -98,7 +102,7 @@ def test_precedence_flag_over_env_over_toml(tmp_path, monkeypatch):
     assert (settings.host, settings.max_waiting) == ("127.0.0.3", 9)  # flag > env, flag > TOML
     assert (settings.port, settings.prompt_buckets) == (9002, [16, 32])  # env > TOML
     assert (settings.compile, settings.batch_buckets) == ("off", [1, 8])  # TOML > default
-    assert settings.max_admit == Settings.model_fields["max_admit"].default
+    assert settings.default_max_tokens == Settings.model_fields["default_max_tokens"].default
 
     monkeypatch.setenv("STEPSERVE_CONFIG", str(config))  # the file without --config
     assert serve_settings([]).compile == "off"
@@ -130,16 +134,16 @@ def test_a_bad_flag_exits_2_naming_the_option(argv, named, capsys):
 
 
 def test_a_bad_env_or_toml_value_names_where_it_came_from(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("STEPSERVE_MAX_ADMIT", "0")
+    monkeypatch.setenv("STEPSERVE_MAX_BATCHED_TOKENS", "0")
     with pytest.raises(SystemExit):
         serve_settings([])
-    assert "STEPSERVE_MAX_ADMIT: Input should be greater than or equal to 1" in capsys.readouterr().err
-    monkeypatch.delenv("STEPSERVE_MAX_ADMIT")
+    assert "STEPSERVE_MAX_BATCHED_TOKENS: Input should be greater than or equal to 1" in capsys.readouterr().err
+    monkeypatch.delenv("STEPSERVE_MAX_BATCHED_TOKENS")
     config = tmp_path / "stepserve.toml"
-    config.write_text("max_admit = 0\n")
+    config.write_text("max_batched_tokens = 0\n")
     with pytest.raises(SystemExit):
         serve_settings(["--config", str(config)])
-    assert f"max_admit in {config}: Input should be" in capsys.readouterr().err
+    assert f"max_batched_tokens in {config}: Input should be" in capsys.readouterr().err
     config.write_text('[[models]]\nname = "a"\nbatch_buckets = [2, 1]\n')
     with pytest.raises(SystemExit):
         serve_settings(["--config", str(config)])

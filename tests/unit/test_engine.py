@@ -15,6 +15,7 @@ from models.loader import LoadedModel
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
 from service.engine.core import Engine, WarmupSpec
+from service.engine.prefix_cache import PrefixCache
 from service.engine.sequence import FinalEvent, FinishReason, SamplingParams, Sequence
 from service.metrics import Metrics
 from tests.support import TINY, WordTokenizer, prefill_one, random_params
@@ -38,13 +39,27 @@ def params():
 
 
 def run_engine(
-    params, stop: frozenset[int], requests: list[tuple[list[int], int]]
+    params,
+    stop: frozenset[int],
+    requests: list[tuple[list[int], int]],
+    prefix_bytes: int = 0,
+    one_at_a_time: bool = False,
 ) -> tuple[list[tuple[list[int], FinalEvent]], Metrics]:
-    """Submit ``(prompt, max_tokens)`` requests at once to a real Engine thread; returns each
-    request's (tokens, final event) and the engine's metrics."""
+    """Submit ``(prompt, max_tokens)`` requests at once (or each after the previous ended) to a
+    real Engine thread prefilling in chunks of 8 tokens, with a prefix cache of
+    ``prefix_bytes`` (blocks of 4 tokens); returns each request's (tokens, final event) and
+    the engine's metrics."""
     model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(stop), mx.float32, "dequantized", 0.0)
     metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
-    engine = Engine(model, BUCKETS, CompileCache(True, lambda *a: None, lambda s: None), metrics, max_admit=2)
+    engine = Engine(
+        model,
+        BUCKETS,
+        CompileCache(True, lambda *a: None, lambda s: None),
+        metrics,
+        chunk_tokens=8,
+        max_batched_tokens=16,
+        prefix=PrefixCache(block_tokens=4, budget_bytes=prefix_bytes),
+    )
     engine.start(WarmupSpec(prompt_tokens=8))
     assert engine.ready.wait(60)
     results: list[tuple[list[int], FinalEvent] | None] = [None] * len(requests)
@@ -61,11 +76,13 @@ def run_engine(
             seq = Sequence(prompt, SamplingParams(max_tokens=max_tokens), model.tokenizer.detokenizer(), emit)
             seqs.append(seq)
             engine.submit(seq)
-        for _ in requests:
+            if one_at_a_time:
+                assert done.acquire(timeout=60), "a request never finished"
+        for _ in range(0 if one_at_a_time else len(requests)):
             assert done.acquire(timeout=60), "a request never finished"
     finally:
         engine.stop()
-    return results, metrics
+    return results, metrics  # type: ignore[return-value]
 
 
 def sample_value(metrics: Metrics, name: str, **labels) -> float:
@@ -107,3 +124,54 @@ def test_staggered_requests_get_their_own_greedy_tokens(params):
         sample_value(metrics, "stepserve_bucket_moves_total", model="tiny", kind=k) for k in ("batch", "capacity")
     )
     assert moves >= 2
+
+
+def test_a_shared_prefix_is_reused_and_changes_no_token(params):
+    limit = BUCKETS.capacity[-1]
+    system = list(range(40, 58))  # 18 tokens: 4 blocks of 4 are reusable
+    prompts = [system + [3, 4], system + [5], system + [3, 4], list(range(60, 70))]
+    requests = [(p, 6) for p in prompts]
+    results, metrics = run_engine(params, frozenset(), requests, prefix_bytes=10**7, one_at_a_time=True)
+    for (prompt, m), (tokens, _) in zip(requests, results, strict=True):
+        assert tokens == reference(params, prompt, m, frozenset(), limit), f"prompt {prompt} changed by a cache hit"
+    cached = [final.cached_tokens for _, final in results]
+    # Whole blocks of 4, leaving at least the last prompt token to prefill (its logits).
+    assert cached == [0, 16, 16, 0], cached
+    assert sample_value(metrics, "stepserve_prefix_cache_hit_tokens_total", model="tiny") == 32
+    assert sample_value(metrics, "stepserve_prefix_cache_queried_tokens_total", model="tiny") == sum(map(len, prompts))
+
+
+def test_requests_sharing_a_prefix_at_once_get_their_own_tokens(params):
+    limit = BUCKETS.capacity[-1]
+    system = list(range(10, 30))
+    requests = [(system + [i, i + 1], 5) for i in range(4)]
+    results, _ = run_engine(params, frozenset(), requests, prefix_bytes=10**7)
+    for (prompt, m), (tokens, _) in zip(requests, results, strict=True):
+        assert tokens == reference(params, prompt, m, frozenset(), limit)
+
+
+def test_a_request_cancelled_mid_prefill_frees_everything(params):
+    model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
+    engine = Engine(
+        model,
+        BUCKETS,
+        CompileCache(True, lambda *a: None, lambda s: None),
+        Metrics(CollectorRegistry(), version="test", device="cpu"),
+        chunk_tokens=8,
+    )
+    ended = threading.Event()
+    finals: list[FinalEvent] = []
+
+    def emit(event):
+        if isinstance(event, FinalEvent):
+            finals.append(event)
+            ended.set()
+
+    seq = Sequence(list(range(1, 25)), SamplingParams(max_tokens=4), model.tokenizer.detokenizer(), emit)
+    engine.submit(seq)
+    engine.step()  # its first chunk of 8
+    assert 0 < seq.num_computed < len(seq.prompt_ids) and seq.staging is not None
+    engine.cancel(seq)
+    engine.step()
+    assert ended.is_set() and finals[0].finish_reason is FinishReason.CANCELLED
+    assert seq.staging is None and engine.idle and not engine.runner.busy

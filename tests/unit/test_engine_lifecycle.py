@@ -89,14 +89,17 @@ def test_a_dead_engines_requests_end_through_the_one_finish_path(model):
 
 def settings_for(tmp_path, **values):
     toml = tmp_path / "s.toml"
-    toml.write_text("batch_buckets = [1, 2, 4]\nprompt_buckets = [8, 16]\ncapacity_buckets = [16, 32]\n")
+    toml.write_text(
+        "batch_buckets = [1, 2, 4]\nprompt_buckets = [8, 16]\ncapacity_buckets = [16, 32]\n"
+        "prefill_chunk_tokens = 16\nmax_batched_tokens = 32\nprefix_cache_bytes = 0\n"
+    )
     return load_settings(toml, model_name="tiny", **values)
 
 
 def test_unset_max_sequences_is_the_largest_batch_that_fits_the_budget(tmp_path, model):
     settings = settings_for(tmp_path)
     spec = settings.served_models()[0]
-    need = {b: worst_case(model, buckets_of(spec), b, settings.max_admit).total for b in (1, 2, 4)}
+    need = {b: worst_case(model, buckets_of(spec), b, 16, 32).total for b in (1, 2, 4)}
     budget = (need[2] + need[4]) // 2  # room for 2 running sequences, not 4
     resolved = check_memory(settings_for(tmp_path, memory_budget_bytes=budget), {"tiny": model})
     assert resolved.served_models()[0].max_sequences == 2
@@ -107,6 +110,6 @@ def test_unset_max_sequences_is_the_largest_batch_that_fits_the_budget(tmp_path,
 
 def test_an_explicit_max_sequences_over_the_budget_is_refused(tmp_path, model):
     spec = settings_for(tmp_path).served_models()[0]
-    need_1 = worst_case(model, buckets_of(spec), 1, 4).total
+    need_1 = worst_case(model, buckets_of(spec), 1, 16, 32).total
     with pytest.raises(MemoryBudgetError, match="lower max_sequences"):
         check_memory(settings_for(tmp_path, memory_budget_bytes=need_1, max_sequences=4), {"tiny": model})

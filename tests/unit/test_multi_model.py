@@ -47,8 +47,11 @@ def test_duplicate_model_names_are_refused(tmp_path):
 
 def test_memory_estimate_counts_weights_and_the_largest_caches():
     model = LoadedModel("tiny", Path("-"), TINY, random_params(), None, mx.float32, "dequantized", 0.0)
-    est = worst_case(model, BucketTable((1, 4), (32,), (256, 1024)), max_running=3, max_admit=2)
+    buckets = BucketTable((1, 4), (32,), (256, 1024))
+    est = worst_case(model, buckets, max_running=3, chunk_tokens=32, max_batched_tokens=64, prefix_cache_bytes=1000)
     per_position = 2 * TINY.num_hidden_layers * TINY.num_key_value_heads * TINY.dim_per_head * 4
-    scores = TINY.num_attention_heads * 32 * 4  # float32 attention scores per prompt position
-    assert est.decode_cache == 4 * 1024 * per_position and est.prefill == 4 * 32 * (per_position + scores)
-    assert est.total == model.nbytes + 2 * est.decode_cache + est.prefill
+    heads = TINY.num_attention_heads
+    whole = 1 * 32 * (per_position + heads * 32 * 4)  # one 32-token prompt per call (a chunk of 32 tokens)
+    chunk = 32 * per_position + heads * 32 * 1024 * 4  # one 32-token chunk's scores against a 1024 cache
+    assert est.decode_cache == 4 * 1024 * per_position and est.prefill == max(whole, chunk)
+    assert est.total == model.nbytes + 2 * est.decode_cache + est.prefill + 1000

@@ -4,8 +4,10 @@ import mlx.core as mx
 import pytest
 
 from service.config import ConfigError, load_settings
+from service.engine import warmup
 from service.engine.buckets import BucketLimitError, BucketTable
 from service.engine.sequence import FinishReason, SamplingParams, Sequence, TokenEvent
+from service.engine.warmup import WarmupSpec
 
 TABLE = BucketTable(batch=(1, 2, 4), prompt=(32, 64, 128), capacity=(256, 512, 1024))
 
@@ -21,11 +23,18 @@ def test_beyond_the_largest_bucket_names_the_limit():
         TABLE.prompt_for(129)
 
 
-def test_warmup_covers_every_bucket_a_single_request_can_reach():
-    prefill, decode = TABLE.warmup_shapes(prompt_tokens=40)
-    assert prefill == [(1, 32), (1, 64)]
-    assert decode == [(1, 256), (1, 512), (1, 1024)]
-    assert TABLE.warmup_shapes(0) == ([], [])
+def test_warmup_covers_every_step_a_single_request_can_reach():
+    steps = warmup.plan(TABLE, WarmupSpec(prompt_tokens=40, chunk_tokens=64, max_batched_tokens=64))
+    assert [s for s in steps if s[0] == "prefill"] == [("prefill", 1, 32, 0), ("prefill", 1, 64, 0)]
+    assert [s for s in steps if s[0] == "decode"] == [
+        ("decode", 1, 256, 0),
+        ("decode", 1, 512, 0),
+        ("decode", 1, 1024, 0),
+    ]
+    # chunks (a prefix-cache hit's remainder) at every chunk bucket in the staging capacity of 40 tokens
+    assert [s for s in steps if s[0] == "chunk"] == [("chunk", 1, 32, 256), ("chunk", 1, 64, 256)]
+    assert steps[-2:] == [("sample", 1, 0, 0), ("greedy", 0, 0, 0)]
+    assert warmup.plan(TABLE, WarmupSpec(prompt_tokens=0)) == []
 
 
 def test_settings_precedence_cli_over_env_over_toml(tmp_path, monkeypatch):

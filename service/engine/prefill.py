@@ -1,0 +1,134 @@
+"""Prefill at request level: whole short prompts batched by prompt bucket, long prompts and
+prefix-cache hits in chunks on a per-request staging cache, and the first token of each.
+
+A prompt of at most ``chunk_tokens`` tokens with no cached prefix is prefilled whole, together
+with the other such prompts of its prompt bucket (``prefill`` at (B, T), a cache of capacity
+T; at most a chunk's worth of padded tokens per call). Any other prompt is prefilled one chunk
+per engine step (``chunk`` at (1, T, C)): its staging cache [1, Hkv, C, D] starts with the prefix
+cache's blocks, if any, grows (by staging capacity bucket) as the prompt does, and each chunk
+attends to what the cache holds so far, at offsets passed as arrays. Either way, once the
+whole prompt is in, its first token is sampled, its full blocks go into the prefix cache and
+its cache row waits in ``seq.prefilled`` for a decode slot (:meth:`ModelRunner.join`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from models.kv_cache import KVCache
+from service.engine.prefix_cache import PrefixCache
+from service.engine.sequence import Sequence
+from service.metrics import StepStat
+
+if TYPE_CHECKING:
+    from service.engine.runner import ModelRunner, RunnerOutput
+
+
+class Prefiller:
+    """The prefill half of a :class:`ModelRunner` (same thread, same compiled steps).
+
+    Args:
+        runner: the model runner whose step functions, sampler and keys it uses.
+        chunk_tokens: prompt tokens one request prefills per step at most.
+        prefix: the prefix cache (a budget of 0 disables it).
+    """
+
+    def __init__(self, runner: ModelRunner, chunk_tokens: int, prefix: PrefixCache):
+        self.runner, self.chunk_tokens, self.prefix = runner, chunk_tokens, prefix
+
+    def run(self, seqs: list[Sequence], out: RunnerOutput) -> None:
+        """Advance each request's prompt by one chunk (or whole), appending first tokens,
+        step stats and failures to ``out``."""
+        whole: dict[int, list[Sequence]] = {}
+        for seq in seqs:
+            try:
+                if seq.started is None:  # admitted this step
+                    seq.started = time.perf_counter()
+                    self._match_prefix(seq)
+                if seq.num_computed == 0 and len(seq.prompt_ids) <= self.chunk_tokens:
+                    whole.setdefault(self.runner.buckets.prompt_for(len(seq.prompt_ids)), []).append(seq)
+                else:
+                    self._chunk(seq, out)
+            except Exception as exc:  # one failed request must not take the others down
+                out.failed.append((seq, f"prefill failed: {type(exc).__name__}"))
+        for T, group in whole.items():
+            rows = self.runner.buckets.prefill_rows(T, self.chunk_tokens)
+            for part in (group[i : i + rows] for i in range(0, len(group), rows)):
+                try:
+                    self._whole(part, out)
+                except Exception as exc:
+                    out.failed += [(seq, f"prefill failed: {type(exc).__name__}") for seq in part]
+
+    def chunk_plan(self, length: int, start: int) -> list[tuple[int, int, int]]:
+        """(offset, real tokens, bucket T) of each chunk that prefills positions start..length-1.
+
+        A chunk padded to its bucket never ends past the largest capacity bucket: when it
+        would, it starts earlier, recomputing a few positions it already holds (the same
+        tokens at the same positions give the same keys and values).
+        """
+        plan, pos, limit = [], start, self.runner.buckets.capacity[-1]
+        while pos < length:
+            n = min(self.chunk_tokens, length - pos)
+            T = self.runner.buckets.prompt_for(n)
+            offset = min(pos, limit - T)
+            plan.append((offset, pos + n - offset, T))
+            pos += n
+        return plan
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Start ``seq``'s staging cache from the prefix cache's blocks, if it has any."""
+        hit = self.prefix.match(seq.prompt_ids)
+        if hit.num_tokens == 0:
+            return
+        seq.staging = self.prefix.gather(hit)  # [1, Hkv, hit, D] per layer; :meth:`_chunk` grows it
+        seq.num_computed = seq.cached_tokens = hit.num_tokens
+
+    def _chunk(self, seq: Sequence, out: RunnerOutput) -> None:
+        runner, start = self.runner, time.perf_counter()
+        offset, n, T = self.chunk_plan(len(seq.prompt_ids), seq.num_computed)[0]
+        # The staging cache grows with the prompt (a chunk's attention costs its whole capacity).
+        capacity = runner.buckets.staging_for(offset + T)
+        kv: KVCache = runner.new_kv(1, capacity) if seq.staging is None else seq.staging
+        if kv.capacity < capacity:
+            kv = kv.resized(capacity)
+        tokens = mx.array([seq.prompt_ids[offset : offset + n] + [0] * (T - n)], mx.int32)
+        fn = runner.step_fn("chunk", 1, T, kv.capacity)
+        logits, kv = fn(runner.model.params, tokens, mx.array([offset], mx.int32), mx.array([n], mx.int32), kv)
+        seq.staging, seq.num_computed = kv, offset + n
+        if seq.prompt_done:
+            self._first_tokens([seq], logits, kv, out)
+        else:
+            mx.eval(kv.keys, kv.values)
+        out.steps.append(
+            StepStat(runner.model.name, "chunk", f"b1x{T}c{kv.capacity}", 1, 1, time.perf_counter() - start)
+        )
+
+    def _whole(self, group: list[Sequence], out: RunnerOutput) -> None:
+        start = time.perf_counter()
+        logits, prompt_kv = self.runner.prefill([s.prompt_ids for s in group])
+        for seq in group:
+            seq.num_computed = len(seq.prompt_ids)
+        self._first_tokens(group, logits, prompt_kv, out)
+        B, T = prompt_kv.batch, prompt_kv.capacity
+        out.steps.append(
+            StepStat(self.runner.model.name, "prefill", f"b{B}x{T}", len(group), B, time.perf_counter() - start)
+        )
+
+    def _first_tokens(self, group: list[Sequence], logits: mx.array, kv: KVCache, out: RunnerOutput) -> None:
+        """Sample each prefilled request's first token from ``logits`` [B, V] (row i is
+        ``group[i]``), store its prompt's blocks in the prefix cache and park its cache row
+        for :meth:`ModelRunner.join`."""
+        runner = self.runner
+        rows: list[Sequence | None] = [*group, *[None] * (logits.shape[0] - len(group))]
+        keys = [mx.random.key(s.params.seed) if s and s.params.seed is not None else None for s in rows]
+        tokens, keys = runner.select(logits, rows, keys)
+        token_list = [int(t) for t in tokens.tolist()]  # type: ignore[union-attr]  # 1-D: a list
+        for i, seq in enumerate(group):
+            seq.position = len(seq.prompt_ids)
+            seq.prefilled, seq.staging = (kv, i), None
+            self.prefix.insert(seq.prompt_ids, kv, i)
+            runner.keep_key(seq, keys[i])
+            out.tokens.append((seq, token_list[i]))

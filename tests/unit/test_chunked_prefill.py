@@ -1,0 +1,90 @@
+"""Chunked prefill and prefix-cache hits on the real default model (float32, CPU): a long
+prompt prefilled in chunks, or continued from cached blocks, gives the logits and greedy tokens
+of the same prompt prefilled whole."""
+
+import mlx.core as mx
+import pytest
+
+from models.gguf import default_model_path
+from models.kv_cache import KVCache
+from models.llama import decode, prefill, prefill_chunk
+from models.loader import load_model
+from service.engine.prefix_cache import PrefixCache
+from tests.support import ON_GPU
+
+TOL = 3e-2 if ON_GPU else 1e-3
+STEPS = 4
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when movable type changed how "
+    "books were made and who could read them. "
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(default_model_path(), "smol", mx.float32, "dequantized")
+
+
+@pytest.fixture(scope="module")
+def prompt(model) -> list[int]:
+    ids = model.tokenizer.encode(TEXT * 12)
+    assert 300 < len(ids) < 500
+    return ids
+
+
+def cache(model, capacity: int) -> KVCache:
+    a = model.args
+    return KVCache.allocate(a.num_hidden_layers, 1, a.num_key_value_heads, capacity, a.dim_per_head, mx.float32)
+
+
+def greedy_after(model, logits: mx.array, kv: KVCache, position: int) -> tuple[list[int], list[mx.array]]:
+    """STEPS greedy tokens decoded after a prefill whose last logits are ``logits`` [1, V]."""
+    tokens, history = [], [logits[0]]
+    for i in range(STEPS):
+        tokens.append(int(mx.argmax(logits[0])))
+        logits, kv = decode(
+            model.params, mx.array([tokens[-1]], mx.int32), mx.array([position + i]), kv, args=model.args
+        )
+        history.append(logits[0])
+    return tokens, history
+
+
+def whole(model, ids: list[int]):
+    logits, kv = prefill(
+        model.params, mx.array([ids], mx.int32), mx.array([len(ids)]), cache(model, len(ids)), args=model.args
+    )
+    return greedy_after(model, logits, kv.resized(1024), len(ids))
+
+
+def chunked(model, ids: list[int], chunk: int, kv: KVCache, start: int = 0):
+    """Prefill ids[start:] in chunks of ``chunk`` (the last one padded) on top of ``kv``."""
+    a, logits = model.args, None
+    for offset in range(start, len(ids), chunk):
+        part = ids[offset : offset + chunk]
+        tokens = mx.array([part + [0] * (chunk - len(part))], mx.int32)
+        logits, kv = prefill_chunk(model.params, tokens, mx.array([offset]), mx.array([len(part)]), kv, args=a)
+    return greedy_after(model, logits, kv, len(ids))
+
+
+def assert_same(got, expected):
+    (tokens, logits), (ref_tokens, ref_logits) = got, expected
+    assert tokens == ref_tokens
+    worst = max(mx.abs(x - y).max().item() for x, y in zip(logits, ref_logits, strict=True))
+    print(f"max |logit diff| {worst:.2e}")
+    assert worst < TOL
+
+
+@pytest.mark.parametrize("chunk", [64, 128])
+def test_a_prompt_prefilled_in_chunks_matches_it_prefilled_whole(model, prompt, chunk):
+    assert_same(chunked(model, prompt, chunk, cache(model, 1024)), whole(model, prompt))
+
+
+def test_a_prefix_cache_hit_matches_the_whole_prefill(model, prompt):
+    prefix = PrefixCache(block_tokens=32, budget_bytes=10**9)
+    first = prompt[:200]
+    _, kv = prefill(model.params, mx.array([first], mx.int32), mx.array([200]), cache(model, 256), args=model.args)
+    assert prefix.insert(first, kv) == 6  # 6 whole blocks of 32
+    hit = prefix.match(prompt)
+    assert hit.num_tokens == 192
+    staged = prefix.gather(hit).resized(1024)
+    assert_same(chunked(model, prompt, 128, staged, start=192), whole(model, prompt))
