@@ -109,6 +109,7 @@ async def readyz(state: State) -> dict:
                 "compiled": sum(c == "compiled" for c in choices.values()),
                 "compile": e.compile_policy,
                 "buckets": choices,
+                "rehearsed": e.rehearsed,
             }
             for name, e in state.engines.items()
             for choices in [e.compile_choices()]

@@ -8,6 +8,8 @@ anything imports MLX; each tool is imported only when it runs.
 
 from __future__ import annotations
 
+import argparse
+
 
 def main(argv: list[str]) -> int:
     """``stepserve bench ARGV``: dispatch on the form and return the tool's exit code.
@@ -16,7 +18,11 @@ def main(argv: list[str]) -> int:
       (:mod:`service.bench.steps`);
     * ``profile …``: where a decode step's time goes (:mod:`service.bench.profile`);
     * ``… --micro …``: plain against compiled, in-process (:mod:`service.bench.micro`);
-    * ``… --side-by-side …``: stepserve against mlx_lm.server (:mod:`service.bench.compare`);
+    * ``… --side-by-side …``: stepserve against its peers (:mod:`service.bench.compare`);
+    * ``… --workload long-arrival …``: stalls while a long prompt prefills
+      (:mod:`service.bench.long_arrival`);
+    * ``… --workload first-burst …``: a just-ready server's first burst against its second
+      (:mod:`service.bench.first_burst`);
     * anything else: the HTTP load generator (:mod:`service.bench.load`).
     """
     if argv[:1] == ["steps"]:
@@ -35,6 +41,22 @@ def main(argv: list[str]) -> int:
         from service.bench.compare import main as side_by_side
 
         return side_by_side(argv)
+    workload = _workload(argv)
+    if workload == "long-arrival":
+        from service.bench.long_arrival import main as long_arrival
+
+        return long_arrival(argv)
+    if workload == "first-burst":
+        from service.bench.first_burst import main as first_burst
+
+        return first_burst(argv)
     from service.bench.load import main as load
 
     return load(argv)
+
+
+def _workload(argv: list[str]) -> str | None:
+    """The value of ``--workload`` in ``argv`` (spelled as argparse would accept it), or None."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--workload")
+    return parser.parse_known_args(argv)[0].workload

@@ -1,6 +1,7 @@
-"""What every bench tool shares, written once: prompt sets, percentiles, ``/metrics``
-scraping, a server subprocess on a free loopback port, tables, plots, machine info, and the
-in-process timing helpers.
+"""What every bench tool shares, written once: prompt sets, a streamed request and the
+figures of many, percentiles, ``/metrics`` scraping, a server subprocess on a free loopback
+port and the BLAS it loaded, tables, plots, the JSON report, machine info, and the in-process
+timing helpers.
 
 Importing this module does not import MLX: the in-process helpers import it when called,
 so the HTTP tools (``stepserve bench``, ``stepserve soak``) stay MLX-free until they need it.
@@ -8,8 +9,12 @@ so the HTTP tools (``stepserve bench``, ``stepserve soak``) stay MLX-free until 
 
 from __future__ import annotations
 
+import ctypes.util
+import json
+import os
 import platform
 import random
+import shlex
 import socket
 import statistics
 import subprocess
@@ -17,12 +22,14 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 from rich.console import Console
 from rich.table import Table
 
@@ -30,6 +37,7 @@ if TYPE_CHECKING:
     from models.loader import WeightsMode
     from service.engine.compile_cache import CompileCache
 
+MISSES = "stepserve_compile_cache_misses_total"
 STEPSERVE_SERVE = [sys.executable, "-m", "service.cli", "serve"]  # the CLI's main() loads OpenBLAS first
 START_TIMEOUT_S = 900  # a cold CUDA host JIT-compiles its kernels for minutes (docs/BENCHMARKS.md)
 
@@ -71,25 +79,144 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
+@dataclass
+class Stream:
+    """One streamed request as the client saw it. Times are ``time.perf_counter()`` seconds,
+    so records of one process compare; ``arrivals`` holds one time per event that carried text
+    (a token, or a few when a server batches them)."""
+
+    start: float = 0.0
+    end: float = 0.0  # when the stream ended (or was closed early)
+    arrivals: list[float] = field(default_factory=list)
+    usage: dict | None = None  # the OpenAI-style usage of the last event that had one
+    error: str | None = None  # a non-200 status or an error event; None when it ended well
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.arrivals[0] - self.start if self.arrivals else None
+
+    @property
+    def gaps(self) -> list[tuple[float, float]]:
+        """(earlier, later) arrival times of each pair of consecutive text events."""
+        return list(zip(self.arrivals, self.arrivals[1:], strict=False))
+
+    @property
+    def tokens(self) -> int:
+        """Completion tokens: the server's ``usage`` count, else the text events seen."""
+        return self.usage["completion_tokens"] if self.usage else len(self.arrivals)
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        return self.usage.get("prompt_tokens") if self.usage else None
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """``usage.prompt_tokens_details.cached_tokens``; None when the server does not say."""
+        details = (self.usage or {}).get("prompt_tokens_details") or {}
+        return details.get("cached_tokens")
+
+
+def _event_text(event: dict) -> str:
+    """The text of one event of ``/infer`` (``text``), ``/v1/completions`` (``choices[0].text``)
+    or ``/v1/chat/completions`` (``choices[0].delta.content``)."""
+    choice = (event.get("choices") or [{}])[0]
+    return event.get("text") or choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+async def stream_request(
+    client: httpx.AsyncClient,
+    path: str,
+    body: dict,
+    record: Stream | None = None,
+    until: Callable[[], bool] | None = None,
+) -> Stream:
+    """POST ``body`` (a streaming request) to ``path`` and read its server-sent events into
+    ``record`` (a new :class:`Stream` when None) as they come, so another task can watch it.
+    ``until`` is asked after each text event; when it answers True the stream is closed early
+    (the server sees a client that left). Raises httpx.HTTPError (transport, timeouts)."""
+    rec = record or Stream()
+    rec.start = time.perf_counter()
+    async with client.stream("POST", path, json=body) as reply:
+        if reply.status_code != 200:
+            rec.error = f"http_{reply.status_code}: {(await reply.aread())[:200].decode(errors='replace')}"
+        else:
+            await _read_events(reply, rec, until)
+    rec.end = time.perf_counter()
+    return rec
+
+
+async def _read_events(reply: httpx.Response, rec: Stream, until: Callable[[], bool] | None) -> None:
+    async for line in reply.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        rec.usage = event.get("usage") or rec.usage
+        rec.error = json.dumps(event["error"])[:200] if event.get("error") else rec.error
+        if _event_text(event):
+            rec.arrivals.append(time.perf_counter())
+            if until is not None and until():
+                return
+
+
+def level_figures(records: Sequence[Stream], errors: int, elapsed_s: float) -> dict:
+    """What one load level reports: requests and errors, completion tokens, aggregate tokens/s
+    (all completion tokens over ``elapsed_s``), per-stream tokens/s (the median over requests
+    of completion tokens over the request's wall time, TTFT included), TTFT and inter-token
+    latency p50/p99 in seconds, and the prompt tokens (min, p50, max) and prefix-cache hits
+    (p50, total) the servers' ``usage`` reported (None where none did). ``records`` are the
+    requests that ended well; failed ones count only in ``errors``."""
+    ttft = [r.ttft_s for r in records if r.ttft_s is not None]
+    prompt = [r.prompt_tokens for r in records if r.prompt_tokens is not None]
+    cached = [r.cached_tokens for r in records if r.cached_tokens is not None]
+    itl = [b - a for r in records for a, b in r.gaps]
+    tokens = sum(r.tokens for r in records)
+    walls = [r.tokens / (r.end - r.start) for r in records]
+    return {
+        "requests": len(records),
+        "errors": errors,
+        "completion_tokens": tokens,
+        "elapsed_s": elapsed_s,
+        "aggregate_tok_s": tokens / elapsed_s,
+        "per_stream_tok_s_p50": statistics.median(walls) if walls else None,
+        "ttft_s_p50": percentile(ttft, 0.5),
+        "ttft_s_p99": percentile(ttft, 0.99),
+        "itl_s_p50": percentile(itl, 0.5),
+        "itl_s_p99": percentile(itl, 0.99),
+        "prompt_tokens_min": min(prompt, default=None),
+        "prompt_tokens_p50": percentile(prompt, 0.5),
+        "prompt_tokens_max": max(prompt, default=None),
+        "cached_tokens_p50": percentile(cached, 0.5),
+        "cached_tokens_total": sum(cached) if cached else None,
+    }
+
+
 def scrape(http: httpx.Client, names: Iterable[str]) -> dict[str, float]:
     """Sum over labels of each named metric's samples on ``GET /metrics`` (prometheus_client's
     text parser); 0.0 for a name the server does not expose. Raises httpx.HTTPError."""
     totals = dict.fromkeys(names, 0.0)
-    for family in text_string_to_metric_families(http.get("/metrics").text):
-        for sample in family.samples:
-            if sample.name in totals:
-                totals[sample.name] += sample.value
+    for sample in _samples(http):
+        if sample.name in totals:
+            totals[sample.name] += sample.value
     return totals
+
+
+def _samples(http: httpx.Client) -> Iterator[Sample]:
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        yield from family.samples
+
+
+def stepserve_counters(http: httpx.Client, names: Sequence[str]) -> Callable[[], dict[str, float]] | None:
+    """A reader of the ``names`` metrics (:func:`scrape`) when the server behind ``http`` has
+    stepserve's ``/metrics``; None for one without (mlx_lm.server, vllm-mlx by default)."""
+    if http.get("/metrics").status_code != 200:
+        return None
+    return lambda: scrape(http, names)
 
 
 def metric_labels(http: httpx.Client, name: str) -> dict[str, str]:
     """Labels of the first sample of ``name`` on ``GET /metrics`` ({} when absent), e.g. the
     version, MLX version and device of ``stepserve_build_info``."""
-    for family in text_string_to_metric_families(http.get("/metrics").text):
-        for sample in family.samples:
-            if sample.name == name:
-                return dict(sample.labels)
-    return {}
+    return next((dict(sample.labels) for sample in _samples(http) if sample.name == name), {})
 
 
 def free_port() -> int:
@@ -101,10 +228,16 @@ def free_port() -> int:
 
 @contextmanager
 def serving(
-    name: str, command: list[str], ready_path: str, log: Path, timeout_s: float = START_TIMEOUT_S
+    name: str,
+    command: list[str],
+    ready_path: str,
+    log: Path,
+    timeout_s: float = START_TIMEOUT_S,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[str, int]]:
-    """Run ``command --port PORT`` (a free loopback port), output to ``log``, until the block
-    ends; yields (base URL, process id) once ``GET ready_path`` answers 200.
+    """Run ``command --port PORT`` (a free loopback port; environment ``env``, default this
+    process's), output to ``log``, until the block ends; yields (base URL, process id) once
+    ``GET ready_path`` answers 200.
 
     Raises:
         SystemExit: the process exited before it was ready, or was not ready within
@@ -113,7 +246,7 @@ def serving(
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with log.open("wb") as out:
-        proc = subprocess.Popen([*command, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([*command, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + timeout_s
         while not _answers(f"{url}{ready_path}"):
@@ -134,6 +267,31 @@ def _answers(url: str) -> bool:
         return False
 
 
+def openblas_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) with the OpenBLAS that
+    ``ctypes.util.find_library("openblas")`` finds put first in ``LD_PRELOAD`` on Linux, so a
+    peer server's MLX binds its CPU matmuls to it as stepserve's does (``models.blas``);
+    unchanged elsewhere or when there is none."""
+    env = dict(os.environ if base is None else base)
+    lib = ctypes.util.find_library("openblas") if sys.platform == "linux" else None
+    if lib:
+        env["LD_PRELOAD"] = " ".join(filter(None, (lib, env.get("LD_PRELOAD"))))
+    return env
+
+
+def process_blas(pid: int) -> str:
+    """The BLAS mapped into process ``pid`` (read once its MLX is loaded): "openblas" when a
+    libopenblas is in ``/proc/PID/maps``, "reference" when not (MLX's bundled netlib BLAS),
+    "accelerate" on macOS, "unknown" where the maps cannot be read."""
+    if sys.platform == "darwin":
+        return "accelerate"
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text(errors="replace")
+    except OSError:
+        return "unknown"
+    return "openblas" if "libopenblas" in maps else "reference"
+
+
 def print_table(table: Table) -> None:
     """Print ``table`` to stderr whole: on a terminal at its width, and when stderr is piped
     or redirected (where rich falls back to 80 columns and would cut columns) as wide as the
@@ -143,6 +301,29 @@ def print_table(table: Table) -> None:
         needed = console.measure(table, options=console.options.update_width(10_000)).maximum
         console = Console(stderr=True, width=max(console.width, needed))
     console.print(table)
+
+
+def report(result: dict, argv: Sequence[str], tables: Sequence[Table], out: Path | None = None) -> int:
+    """Finish a tool's run: add its exact command (``stepserve bench ARGV``), the time and
+    :func:`machine_info` to ``result``, print ``tables`` to stderr, write ``result`` as JSON
+    to ``out`` when given and to stdout. Returns 0 (the tool's exit code)."""
+    result.update(
+        command=shlex.join(["stepserve", "bench", *argv]),
+        time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **machine_info(),
+    )
+    for table in tables:
+        print_table(table)
+    text = json.dumps(result, indent=2)
+    if out:
+        out.write_text(text)
+    print(text)
+    return 0
+
+
+def fmt(value: float | None, scale: float = 1.0, digits: int = 3) -> str:
+    """``value * scale`` with ``digits`` decimals, or "-" for None."""
+    return "-" if value is None else f"{value * scale:.{digits}f}"
 
 
 def plot_levels(results: Mapping[str, dict], path: Path, title: str) -> Path | None:

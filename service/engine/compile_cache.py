@@ -165,6 +165,8 @@ class CompileCache:
             if entry is None:
                 fn = spec.fn if self._sealed else self._build(spec)
                 entry = _Entry(key, fn, spec.fn, self._on_compiled)
+                if self._sealed:
+                    entry.compile_seconds = 0.0  # nothing compiles: no compile time to report
                 self._entries[key] = entry
         self._on_lookup(key.model, key.phase, key.bucket, hit)
         if not hit and self._sealed:

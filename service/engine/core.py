@@ -61,7 +61,8 @@ class Engine:
         chunk_tokens = min(chunk_tokens, buckets.prompt[-1])  # a chunk pads up to a prompt bucket
         self.runner = ModelRunner(model, buckets, cache, chunk_tokens, prefix)
         running = min(max_running or buckets.batch[-1], buckets.batch[-1])
-        self.scheduler = Scheduler(running, max_waiting, chunk_tokens, max_batched_tokens)
+        peek = self.runner.prefix.peek
+        self.scheduler = Scheduler(running, max_waiting, chunk_tokens, max_batched_tokens, peek)
         self.capacity_limit = buckets.capacity[-1]
         self._stop = threading.Event()
         self._abort = threading.Event()

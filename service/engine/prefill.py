@@ -14,6 +14,7 @@ its cache row waits in ``seq.prefilled`` for a decode slot (:meth:`ModelRunner.j
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -25,6 +26,19 @@ from service.metrics import StepStat
 
 if TYPE_CHECKING:
     from service.engine.runner import ModelRunner, RunnerOutput
+
+
+@dataclass
+class _Pending:
+    """A queued prefill call: its requests (none for a non-final chunk), their first tokens
+    (int32 [B], lazy) and next PRNG keys, its cache, and (phase, bucket, rows, bucket rows,
+    start time) for its step stat."""
+
+    group: list[Sequence]
+    tokens: mx.array | None
+    keys: list[mx.array | None]
+    kv: KVCache
+    stat: tuple
 
 
 class Prefiller:
@@ -41,7 +55,9 @@ class Prefiller:
 
     def run(self, seqs: list[Sequence], out: RunnerOutput) -> None:
         """Advance each request's prompt by one chunk (or whole), appending first tokens,
-        step stats and failures to ``out``."""
+        step stats and failures to ``out``. Every call is queued first and the first tokens
+        are read back together: one host sync for the whole step's prefill work."""
+        self._pending: list[_Pending] = []
         whole: dict[int, list[Sequence]] = {}
         for seq in seqs:
             try:
@@ -51,16 +67,17 @@ class Prefiller:
                 if seq.num_computed == 0 and len(seq.prompt_ids) <= self.chunk_tokens:
                     whole.setdefault(self.runner.buckets.prompt_for(len(seq.prompt_ids)), []).append(seq)
                 else:
-                    self._chunk(seq, out)
+                    self._chunk(seq)
             except Exception as exc:  # one failed request must not take the others down
                 out.failed.append((seq, f"prefill failed: {type(exc).__name__}"))
         for T, group in whole.items():
             rows = self.runner.buckets.prefill_rows(T, self.chunk_tokens)
             for part in (group[i : i + rows] for i in range(0, len(group), rows)):
                 try:
-                    self._whole(part, out)
+                    self._whole(part)
                 except Exception as exc:
                     out.failed += [(seq, f"prefill failed: {type(exc).__name__}") for seq in part]
+        self._read_back(out)
 
     def chunk_plan(self, length: int, start: int) -> list[tuple[int, int, int]]:
         """(offset, real tokens, bucket T) of each chunk that prefills positions start..length-1.
@@ -83,10 +100,12 @@ class Prefiller:
         hit = self.prefix.match(seq.prompt_ids)
         if hit.num_tokens == 0:
             return
-        seq.staging = self.prefix.gather(hit)  # [1, Hkv, hit, D] per layer; :meth:`_chunk` grows it
+        first = self.chunk_plan(len(seq.prompt_ids), hit.num_tokens)[0]
+        capacity = self.runner.buckets.staging_for(first[0] + first[2])
+        seq.staging = self.prefix.gather(hit, capacity)  # [1, Hkv, C, D] per layer
         seq.num_computed = seq.cached_tokens = hit.num_tokens
 
-    def _chunk(self, seq: Sequence, out: RunnerOutput) -> None:
+    def _chunk(self, seq: Sequence) -> None:
         runner, start = self.runner, time.perf_counter()
         offset, n, T = self.chunk_plan(len(seq.prompt_ids), seq.num_computed)[0]
         # The staging cache grows with the prompt (a chunk's attention costs its whole capacity).
@@ -98,37 +117,50 @@ class Prefiller:
         fn = runner.step_fn("chunk", 1, T, kv.capacity)
         logits, kv = fn(runner.model.params, tokens, mx.array([offset], mx.int32), mx.array([n], mx.int32), kv)
         seq.staging, seq.num_computed = kv, offset + n
+        stat = ("chunk", f"b1x{T}c{kv.capacity}", 1, 1, start)
         if seq.prompt_done:
-            self._first_tokens([seq], logits, kv, out)
+            self._queue_first_tokens([seq], logits, kv, stat)
         else:
-            mx.eval(kv.keys, kv.values)
-        out.steps.append(
-            StepStat(runner.model.name, "chunk", f"b1x{T}c{kv.capacity}", 1, 1, time.perf_counter() - start)
-        )
+            mx.async_eval(kv.keys, kv.values)
+            self._pending.append(_Pending([], None, [], kv, stat))
 
-    def _whole(self, group: list[Sequence], out: RunnerOutput) -> None:
+    def _whole(self, group: list[Sequence]) -> None:
         start = time.perf_counter()
         logits, prompt_kv = self.runner.prefill([s.prompt_ids for s in group])
         for seq in group:
             seq.num_computed = len(seq.prompt_ids)
-        self._first_tokens(group, logits, prompt_kv, out)
         B, T = prompt_kv.batch, prompt_kv.capacity
-        out.steps.append(
-            StepStat(self.runner.model.name, "prefill", f"b{B}x{T}", len(group), B, time.perf_counter() - start)
-        )
+        self._queue_first_tokens(group, logits, prompt_kv, ("prefill", f"b{B}x{T}", len(group), B, start))
 
-    def _first_tokens(self, group: list[Sequence], logits: mx.array, kv: KVCache, out: RunnerOutput) -> None:
-        """Sample each prefilled request's first token from ``logits`` [B, V] (row i is
-        ``group[i]``), store its prompt's blocks in the prefix cache and park its cache row
-        for :meth:`ModelRunner.join`."""
-        runner = self.runner
+    def _queue_first_tokens(self, group: list[Sequence], logits: mx.array, kv: KVCache, stat: tuple) -> None:
+        """Queue the sampling of each prefilled request's first token from ``logits`` [B, V]
+        (row i is ``group[i]``)."""
         rows: list[Sequence | None] = [*group, *[None] * (logits.shape[0] - len(group))]
         keys = [mx.random.key(s.params.seed) if s and s.params.seed is not None else None for s in rows]
-        tokens, keys = runner.select(logits, rows, keys)
-        token_list = [int(t) for t in tokens.tolist()]  # type: ignore[union-attr]  # 1-D: a list
-        for i, seq in enumerate(group):
-            seq.position = len(seq.prompt_ids)
-            seq.prefilled, seq.staging = (kv, i), None
-            self.prefix.insert(seq.prompt_ids, kv, i)
-            runner.keep_key(seq, keys[i])
-            out.tokens.append((seq, token_list[i]))
+        tokens, keys = self.runner.select(logits, rows, keys)
+        mx.async_eval(tokens, *(k for k in keys if k is not None))
+        self._pending.append(_Pending(group, tokens, keys, kv, stat))
+
+    def _read_back(self, out: RunnerOutput) -> None:
+        """Wait once for every queued call; then, for each prefilled request: its first
+        token, its prompt's blocks into the prefix cache, its cache row parked for
+        :meth:`ModelRunner.join`."""
+        pending, self._pending = self._pending, []
+        try:
+            mx.eval([p.tokens for p in pending if p.tokens is not None], [p.kv.keys for p in pending])
+        except Exception as exc:
+            out.failed += [(seq, f"prefill failed: {type(exc).__name__}") for p in pending for seq in p.group]
+            return
+        done = time.perf_counter()
+        for p in pending:
+            phase, bucket, rows, bucket_rows, start = p.stat
+            out.steps.append(StepStat(self.runner.model.name, phase, bucket, rows, bucket_rows, done - start))
+            if p.tokens is None:
+                continue
+            token_list = [int(t) for t in p.tokens.tolist()]  # type: ignore[union-attr]  # 1-D: a list
+            for i, seq in enumerate(p.group):
+                seq.position = len(seq.prompt_ids)
+                seq.prefilled, seq.staging = (p.kv, i), None
+                self.prefix.insert(seq.prompt_ids, p.kv, i)
+                self.runner.keep_key(seq, p.keys[i])
+                out.tokens.append((seq, token_list[i]))

@@ -58,17 +58,28 @@ class Block:
         digest: the chained hash of the prefix ending with this block (the LRU's key).
         parent: the block before it in the prompt (None for a prompt's first block).
         tokens: its token ids.
-        keys, values: per layer, [Hkv, block_tokens, D] in the cache's dtype; evaluated copies
-            that share no buffer with the cache they came from.
-        nbytes: bytes of ``keys`` and ``values`` together.
+        kv: [layers, 2 (keys, values), Hkv, block_tokens, D] in the cache's dtype: one array
+            per block, so gathering a hit copies one array per block rather than one per
+            layer and block (on a GPU, each copy is a kernel launch); an evaluated copy that
+            shares no buffer with the cache it came from.
+        nbytes: bytes of ``kv``.
     """
 
     digest: bytes
     parent: Block | None
     tokens: tuple[int, ...]
-    keys: list[mx.array]
-    values: list[mx.array]
+    kv: mx.array
     nbytes: int
+
+    @property
+    def keys(self) -> list[mx.array]:
+        """Per layer, the block's keys [Hkv, block_tokens, D] (views of ``kv``)."""
+        return [self.kv[layer, 0] for layer in range(self.kv.shape[0])]
+
+    @property
+    def values(self) -> list[mx.array]:
+        """Per layer, the block's values [Hkv, block_tokens, D] (views of ``kv``)."""
+        return [self.kv[layer, 1] for layer in range(self.kv.shape[0])]
 
 
 @dataclass(frozen=True)
@@ -139,7 +150,22 @@ class PrefixCache:
         if self.budget_bytes == 0:
             return PrefixHit(0, ())
         B = self.block_tokens
-        blocks: list[Block] = []
+        blocks = self._chain(tokens)
+        self._touch(blocks)
+        hit = PrefixHit(len(blocks) * B, tuple(blocks))
+        self.queried_tokens += len(tokens)
+        self.hit_tokens += hit.num_tokens
+        return hit
+
+    def peek(self, tokens: Sequence[int]) -> int:
+        """The tokens :meth:`match` would hit now, without marking or counting anything (for
+        the scheduler's token budget)."""
+        return len(self._chain(tokens)) * self.block_tokens if self.budget_bytes else 0
+
+    def _chain(self, tokens: Sequence[int]) -> list[Block]:
+        """The cached blocks ``tokens`` starts with (capped to leave one token), each checked
+        against its parent and its tokens."""
+        B, blocks = self.block_tokens, []
         parent, digest = None, ROOT_DIGEST
         for i in range((len(tokens) - 1) // B):
             chunk = tuple(tokens[i * B : (i + 1) * B])
@@ -149,29 +175,26 @@ class PrefixCache:
                 break  # a miss, or a collision with another prefix
             blocks.append(block)
             parent = block
-        self._touch(blocks)
-        hit = PrefixHit(len(blocks) * B, tuple(blocks))
-        self.queried_tokens += len(tokens)
-        self.hit_tokens += hit.num_tokens
-        return hit
+        return blocks
 
-    def gather(self, hit: PrefixHit) -> KVCache:
+    def gather(self, hit: PrefixHit, capacity: int | None = None) -> KVCache:
         """The hit's keys and values as a batch-1 cache of capacity ``hit.num_tokens``.
 
-        Returns per layer [1, Hkv, hit.num_tokens, D] in the cache's dtype (lazy: the blocks
-        concatenated along the position axis). Positions ``[0, hit.num_tokens)`` of a prompt's
-        cache row are exactly these; prefill the rest starting at ``hit.num_tokens``.
+        Returns per layer [1, Hkv, capacity or hit.num_tokens, D] in the cache's dtype (lazy:
+        the blocks concatenated along the position axis, zero-padded up to ``capacity``).
+        Positions ``[0, hit.num_tokens)`` of a prompt's cache row are exactly these; prefill
+        the rest starting at ``hit.num_tokens``.
 
         Raises:
             ValueError: the hit is empty (check ``hit.num_tokens`` first).
         """
         if not hit.blocks:
             raise ValueError("an empty prefix hit has nothing to gather")
-        layers = range(len(hit.blocks[0].keys))
-        return KVCache(
-            [mx.concatenate([b.keys[layer] for b in hit.blocks], axis=1)[None] for layer in layers],
-            [mx.concatenate([b.values[layer] for b in hit.blocks], axis=1)[None] for layer in layers],
-        )
+        full = mx.concatenate([b.kv for b in hit.blocks], axis=3)  # [layers, 2, Hkv, hit, D]
+        if capacity is not None and capacity > hit.num_tokens:
+            full = mx.pad(full, [(0, 0), (0, 0), (0, 0), (0, capacity - hit.num_tokens), (0, 0)])
+        layers = range(full.shape[0])
+        return KVCache([full[layer, 0][None] for layer in layers], [full[layer, 1][None] for layer in layers])
 
     def insert(self, tokens: Sequence[int], kv: KVCache, row: int = 0) -> int:
         """Store every full block of ``tokens`` not cached yet, then evict down to the budget.
@@ -218,7 +241,7 @@ class PrefixCache:
             chain.append(block)
             parent = block
         if new:
-            mx.eval([a for b in new for a in (*b.keys, *b.values)])
+            mx.eval([b.kv for b in new])
             self._layout = layout
         self._touch(chain)
         self._evict_until(lambda: self._nbytes <= self.budget_bytes)
@@ -258,9 +281,9 @@ class PrefixCache:
     def _copy(
         self, digest: bytes, parent: Block | None, tokens: tuple[int, ...], kv: KVCache, row: int, i: int
     ) -> Block:
-        """Block ``i`` of row ``row``: per layer [Hkv, block_tokens, D] copies (lazy)."""
+        """Block ``i`` of row ``row``: [layers, 2, Hkv, block_tokens, D], one copy (lazy)."""
         span = slice(i * self.block_tokens, (i + 1) * self.block_tokens)
-        keys = [mx.contiguous(k[row, :, span]) for k in kv.keys]
-        values = [mx.contiguous(v[row, :, span]) for v in kv.values]
-        nbytes = sum(a.nbytes for a in keys) + sum(a.nbytes for a in values)
-        return Block(digest, parent, tokens, keys, values, nbytes)
+        block = mx.stack(
+            [mx.stack([k[row, :, span], v[row, :, span]]) for k, v in zip(kv.keys, kv.values, strict=True)]
+        )
+        return Block(digest, parent, tokens, block, block.nbytes)

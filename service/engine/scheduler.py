@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from service.engine.sequence import FinishReason, Sequence
@@ -57,11 +58,21 @@ class Scheduler:
         max_batched_tokens: tokens one step processes at most: a token per decoding row plus
             the prompt chunks. A step always makes progress: its first chunk is scheduled even
             when it alone exceeds the budget.
+        cached_tokens: prompt tokens ids -> how many the prefix cache holds (called on the
+            engine thread, which schedules; default none).
     """
 
-    def __init__(self, max_running: int, max_waiting: int, chunk_tokens: int = 512, max_batched_tokens: int = 2048):
+    def __init__(
+        self,
+        max_running: int,
+        max_waiting: int,
+        chunk_tokens: int = 512,
+        max_batched_tokens: int = 2048,
+        cached_tokens: Callable[[list[int]], int] = lambda ids: 0,
+    ):
         self.max_running, self.max_waiting = max_running, max_waiting
         self.chunk_tokens, self.max_batched_tokens = chunk_tokens, max_batched_tokens
+        self.cached_tokens = cached_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.draining = False
@@ -131,8 +142,10 @@ class Scheduler:
         return out
 
     def _chunk(self, seq: Sequence) -> int:
-        """Tokens ``seq``'s next prefill chunk takes at most."""
-        return min(self.chunk_tokens, len(seq.prompt_ids) - seq.num_computed)
+        """Tokens ``seq``'s next prefill chunk takes at most (a waiting request's prompt
+        counts without what the prefix cache holds of it)."""
+        done = seq.num_computed if seq.started is not None else self.cached_tokens(seq.prompt_ids)
+        return min(self.chunk_tokens, len(seq.prompt_ids) - done)
 
     def _take_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         tokens = self._chunk(seq)

@@ -86,6 +86,7 @@ def prefill_bytes(
     float32 attention scores, rows x heads x T x T), or one chunk of a longer prompt (heads x T
     x C scores against its staging cache, C the capacity it needs)."""
     per_position, heads = kv_bytes_per_position(model), model.args.num_attention_heads
+    chunk_tokens = min(chunk_tokens, buckets.prompt[-1])  # as the engine caps it
     T = buckets.prompt_for(min(prompt, chunk_tokens))
     admitted = buckets.batch_for(max(1, min(rows, max_batched_tokens // max(1, T // 2))))
     whole_rows = min(admitted, buckets.prefill_rows(T, chunk_tokens))

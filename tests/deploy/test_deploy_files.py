@@ -1,6 +1,6 @@
 """The deployment files, checked with the real tools: plistlib, shellcheck, the installer's
 --dry-run, promtool, and the settings and README they must agree with. No server is started
-(tests/test_deploy_fleet.py runs Prometheus and nginx against real servers)."""
+(tests/deploy/test_deploy_fleet.py runs Prometheus and nginx against real servers)."""
 
 from __future__ import annotations
 

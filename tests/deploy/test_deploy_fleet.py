@@ -36,7 +36,16 @@ RATE_INTERVAL = "1m"
 # Panels that may read 0 right after this load: nothing failed with 5xx, the queue is empty
 # again, batch-1 steps pad nothing, and counters such as the 429s' are born at their first
 # increment, so rate() cannot see the increments of a series' first scrape.
-ZERO_OK = {"Error ratio", "Queue depth", "Padding waste", "Rejections / s"}
+# Panels that may rightly show zeros after this load: no errors, no queue, and prompts shorter than
+# a prefix-cache block (nothing cached, nothing hit).
+ZERO_OK = {
+    "Error ratio",
+    "Queue depth",
+    "Padding waste",
+    "Rejections / s",
+    "Prefix-cache hit ratio",
+    "Prefix-cache bytes and evictions",
+}
 PROMPT = "The sky is"
 
 

@@ -5,8 +5,8 @@ JSON errors; the server then answers a normal request.
 CI runs a small, bounded run (``STEPSERVE_FUZZ_EXAMPLES`` per route and phase, default 10).
 The full run uses the same command with more examples against a server started alike::
 
-    python -m tests.test_fuzz --examples 1500 --workers 4 --out fuzz.json
-    python -m tests.test_fuzz --examples 1000 --workers 4 --mode positive --out fuzz-positive.json
+    python -m tests.e2e.test_fuzz --examples 1500 --workers 4 --out fuzz.json
+    python -m tests.e2e.test_fuzz --examples 1000 --workers 4 --mode positive --out fuzz-positive.json
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def fuzz(
         str(report_dir / "events.ndjson"),
         "--no-color",
     ]
-    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.test_fuzz", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.e2e.test_fuzz", "PYTHONPATH": str(REPO)}
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=report_dir, timeout=3600)
     return result.returncode, result.stdout + result.stderr, summarize(report_dir / "events.ndjson")
 

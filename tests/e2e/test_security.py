@@ -167,7 +167,7 @@ def test_errors_show_no_stack_traces_or_file_paths(server, method, path, body, c
 
 def test_prompt_over_the_character_bound_is_refused_before_tokenizing(server):
     with server.client() as client:
-        reply = client.post("/infer", json={"prompt": "a" * 400_000})
+        reply = client.post("/infer", json={"prompt": "a" * 700_000})  # 8192 x 81 = 663,552 characters at most
     error = reply.json()["error"]
     assert reply.status_code == 400 and error["param"] == "prompt"
-    assert "400000 characters" in error["message"] and "2048 tokens" in error["message"]
+    assert "700000 characters" in error["message"] and "8192 tokens" in error["message"]

@@ -107,7 +107,7 @@ BAD_REQUESTS = [
     ({"max_tokens": 5}, 422, "body"),
     ({"prompt": "hi", "model": "no-such-model"}, 404, "model"),
     ({"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
-    ({"prompt": "word " * 2100}, 400, "prompt"),
+    ({"prompt": "word " * 8300}, 400, "prompt"),  # over the largest capacity bucket (8192)
 ]
 
 
