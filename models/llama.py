@@ -265,30 +265,10 @@ def _attend_cache(
     mask: mx.array,
     scale: float,
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """Decode's :data:`Attend`: each row's k/v [B, Hkv, 1, D] scattered at its position
-    (index: int32 [B, 1, 1, 1]), then attention over the whole cache, masked to positions
-    0..position per row (mask: bool [B, 1, 1, C])."""
-    keys = mx.put_along_axis(keys, mx.broadcast_to(index, k.shape), k.astype(keys.dtype), axis=2)
-    values = mx.put_along_axis(values, mx.broadcast_to(index, v.shape), v.astype(values.dtype), axis=2)
-    o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-    return o, keys, values
-
-
-def _attend_chunk(
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    keys: mx.array,
-    values: mx.array,
-    *,
-    index: mx.array,
-    mask: mx.array,
-    scale: float,
-) -> tuple[mx.array, mx.array, mx.array]:
-    """A prompt chunk's :data:`Attend`: row b's k/v [B, Hkv, T, D] scattered at positions
-    offsets[b] .. offsets[b]+T-1 (index: int32 [B, 1, T, 1]), then attention over the cache,
-    query t of row b seeing positions 0..offsets[b]+t (mask: bool [B, 1, T, C]): the cached
-    prefix and the chunk's earlier tokens."""
+    """Decode's and a prompt chunk's :data:`Attend`: row b's k/v [B, Hkv, L, D] scattered at its
+    positions (index: int32 [B, 1, L, 1]; decode L = 1), then attention over the whole cache,
+    query l of row b masked to positions 0..its own (mask: bool [B, 1, L, C]): for a chunk, the
+    cached prefix and the chunk's earlier tokens."""
     keys = mx.put_along_axis(keys, mx.broadcast_to(index, k.shape), k.astype(keys.dtype), axis=2)
     values = mx.put_along_axis(values, mx.broadcast_to(index, v.shape), v.astype(values.dtype), axis=2)
     o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
@@ -322,7 +302,7 @@ def prefill_chunk(
     positions = offsets[:, None] + mx.arange(T)[None, :]  # [B, T]
     index = positions.astype(mx.int32)[:, None, :, None]  # [B, 1, T, 1]
     mask = (mx.arange(C)[None, None, :] <= positions[:, :, None])[:, None, :, :]  # [B, 1, T, C]
-    attend = partial(_attend_chunk, index=index, mask=mask, scale=_attention_scale(args))
+    attend = partial(_attend_cache, index=index, mask=mask, scale=_attention_scale(args))
     x, cache = _blocks(params, x, offsets, cache, attend, args)
     last = mx.take_along_axis(x, (lengths - 1).astype(mx.int32)[:, None, None], axis=1)  # [B, 1, H]
     return _final_logits(params, last[:, 0, :], args), cache

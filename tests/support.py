@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 
+from models.gguf import default_model_path
 from models.kv_cache import KVCache
 from models.llama import ModelArgs, prefill
 from models.tokenizer import Detokenizer
@@ -255,3 +256,32 @@ def write_dir(
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(directory / "tokenizer.json"))
     return model
+
+
+def damaged(data: bytes, kind: str) -> bytes:
+    """``data`` with its GGUF header or metadata broken in one of the ways MLX segfaults on."""
+    b = bytearray(data)
+    if kind == "key-length":  # the first metadata key's length: random bytes
+        b[24:32] = (0x7A_1B_33_9C_00_4F_12_A4).to_bytes(8, "little")
+    elif kind == "tensor-count":
+        b[8:16] = (1 << 40).to_bytes(8, "little")
+    elif kind == "value-type":  # the first metadata value's type (after the 8 + len(key) key)
+        key_len = int.from_bytes(b[24:32], "little")
+        b[32 + key_len : 36 + key_len] = (77).to_bytes(4, "little")
+    elif kind == "not-gguf":
+        b[:4] = b"\x00ELF"
+    return bytes(b)
+
+
+SMALL_BUCKETS = "batch_buckets = [1, 2]\nprompt_buckets = [32, 64]\ncapacity_buckets = [256, 512]\n"
+
+
+def write_config(tmp_path, converted, extra: str = "") -> str:
+    """A TOML file serving the default GGUF and its converted directory as two small models."""
+    config = tmp_path / "stepserve.toml"
+    config.write_text(
+        f"warmup_prompt_tokens = 64\n{extra}\n"
+        f'[[models]]\nname = "smol-gguf"\npath = "{default_model_path()}"\n{SMALL_BUCKETS}\n'
+        f'[[models]]\nname = "smol-mlx"\npath = "{converted}"\ncompile = "off"\nmax_sequences = 1\n{SMALL_BUCKETS}'
+    )
+    return str(config)

@@ -19,7 +19,7 @@ import pytest
 from models.gguf import default_model_path
 from service.bench.common import free_port
 from service.process.watchdog import ENGINE_DIED_EXIT
-from tests.support import STEPSERVE, ServerProcess
+from tests.support import STEPSERVE, ServerProcess, damaged
 
 SHORT = {"prompt": "The sky is", "max_tokens": 2}
 MEMORY_LIMIT = 700_000_000  # above the weights (538 MB dequantized here) + a short request, below a long one
@@ -29,21 +29,6 @@ READ_TIMEOUT_S = 2
 @pytest.fixture(scope="module")
 def gguf_bytes() -> bytes:
     return default_model_path().read_bytes()
-
-
-def damaged(data: bytes, kind: str) -> bytes:
-    """``data`` with its GGUF header or metadata broken in one of the ways MLX segfaults on."""
-    b = bytearray(data)
-    if kind == "key-length":  # the first metadata key's length: random bytes
-        b[24:32] = (0x7A_1B_33_9C_00_4F_12_A4).to_bytes(8, "little")
-    elif kind == "tensor-count":
-        b[8:16] = (1 << 40).to_bytes(8, "little")
-    elif kind == "value-type":  # the first metadata value's type (after the 8 + len(key) key)
-        key_len = int.from_bytes(b[24:32], "little")
-        b[32 + key_len : 36 + key_len] = (77).to_bytes(4, "little")
-    elif kind == "not-gguf":
-        b[:4] = b"\x00ELF"
-    return bytes(b)
 
 
 @pytest.mark.parametrize("kind", ["key-length", "empty"])

@@ -2,25 +2,9 @@
 
 import subprocess
 
-import pytest
-
-from models.gguf import default_model_path
-from tests.support import STEPSERVE, ServerProcess
-
-SMALL_BUCKETS = "batch_buckets = [1, 2]\nprompt_buckets = [32, 64]\ncapacity_buckets = [256, 512]\n"
+from tests.support import STEPSERVE, ServerProcess, write_config
 
 
-def write_config(tmp_path, converted, extra: str = "") -> str:
-    config = tmp_path / "stepserve.toml"
-    config.write_text(
-        f"warmup_prompt_tokens = 64\n{extra}\n"
-        f'[[models]]\nname = "smol-gguf"\npath = "{default_model_path()}"\n{SMALL_BUCKETS}\n'
-        f'[[models]]\nname = "smol-mlx"\npath = "{converted}"\ncompile = "off"\nmax_sequences = 1\n{SMALL_BUCKETS}'
-    )
-    return str(config)
-
-
-@pytest.mark.parametrize("setting", ["memory_budget_bytes", "mlx_memory_limit_bytes"])
 def test_over_the_memory_budget_refuses_to_start(tmp_path, converted, setting):
     config = write_config(tmp_path, converted, f"{setting} = 100000000")
     result = subprocess.run(

@@ -15,27 +15,12 @@ from models.loader import LoadedModel
 from service.engine.buckets import BucketTable
 from service.engine.scheduler import Scheduler
 from service.process.memory import load_bytes as engine_bytes
-from tests.support import TINY, random_params
+from tests.support import TINY, damaged, random_params
 
 
 @pytest.fixture(scope="module")
 def gguf_bytes() -> bytes:
     return default_model_path().read_bytes()
-
-
-def damaged(data: bytes, kind: str) -> bytes:
-    """``data`` with its GGUF header or metadata broken in one of the ways MLX segfaults on."""
-    b = bytearray(data)
-    if kind == "key-length":  # the first metadata key's length: random bytes
-        b[24:32] = (0x7A_1B_33_9C_00_4F_12_A4).to_bytes(8, "little")
-    elif kind == "tensor-count":
-        b[8:16] = (1 << 40).to_bytes(8, "little")
-    elif kind == "value-type":  # the first metadata value's type (after the 8 + len(key) key)
-        key_len = int.from_bytes(b[24:32], "little")
-        b[32 + key_len : 36 + key_len] = (77).to_bytes(4, "little")
-    elif kind == "not-gguf":
-        b[:4] = b"\x00ELF"
-    return bytes(b)
 
 
 @pytest.mark.parametrize("kind", ["key-length", "tensor-count", "value-type", "not-gguf"])
@@ -74,6 +59,6 @@ def test_memory_estimate_follows_the_load():
     assert engine_bytes(engine, []) == weights
     alone = engine_bytes(engine, [(10, 20)])  # batch 1, capacity 64, prompt bucket 16
     assert alone == weights + 2 * 64 * per_position + 16 * (per_position + 16 * scores)
-    three = engine_bytes(engine, [(10, 20), (30, 20), (10, 90)])  # batch 4, capacity 128, prefill 2 x 32
-    assert three == weights + 2 * 4 * 128 * per_position + 2 * 32 * (per_position + 32 * scores)
+    three = engine_bytes(engine, [(10, 20), (30, 20), (10, 90)])  # batch 4, capacity 128, prefill 1 x 32
+    assert three == weights + 2 * 4 * 128 * per_position + 1 * 32 * (per_position + 32 * scores)  # a call: one chunk
     assert engine_bytes(engine, [(10, 20)] * 9) == engine_bytes(engine, [(10, 20)] * 4)  # waiting rows add no slots

@@ -5,24 +5,11 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from models.gguf import default_model_path
 from models.loader import LoadedModel
 from service.config import ConfigError, load_settings
 from service.engine.buckets import BucketTable
 from service.process.memory import worst_case
-from tests.support import TINY, random_params
-
-SMALL_BUCKETS = "batch_buckets = [1, 2]\nprompt_buckets = [32, 64]\ncapacity_buckets = [256, 512]\n"
-
-
-def write_config(tmp_path, converted, extra: str = "") -> str:
-    config = tmp_path / "stepserve.toml"
-    config.write_text(
-        f"warmup_prompt_tokens = 64\n{extra}\n"
-        f'[[models]]\nname = "smol-gguf"\npath = "{default_model_path()}"\n{SMALL_BUCKETS}\n'
-        f'[[models]]\nname = "smol-mlx"\npath = "{converted}"\ncompile = "off"\nmax_sequences = 1\n{SMALL_BUCKETS}'
-    )
-    return str(config)
+from tests.support import TINY, random_params, write_config
 
 
 def test_models_inherit_top_level_settings(tmp_path, converted):
