@@ -182,9 +182,6 @@ def prefill_one(params, ids, args=TINY):
     return logits[0], kv
 
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
 def readme_command(marker: str) -> str:
     text = (ROOT / "README.md").read_text()
     match = re.search(rf"<!-- {marker} -->\s*```sh\n(.+?)\n```", text, re.S)

@@ -28,7 +28,7 @@ from tests.support import ServerProcess
 
 EXAMPLES = int(os.environ.get("STEPSERVE_FUZZ_EXAMPLES", "10"))
 SCHEMATHESIS = str(Path(sys.executable).parent / "schemathesis")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # the repository root (tests/e2e/ is two levels down)
 # Small buckets keep every generation short: a prompt + max_tokens beyond 64 positions gets
 # 400, and requests without max_tokens generate 8 tokens.
 FUZZ_ENV = {
