@@ -3,5 +3,5 @@ bucket table.
 
 Only this package and :mod:`models` touch MLX; :mod:`service.engine.scheduler`,
 :mod:`service.engine.sequence` and :mod:`service.engine.buckets` are plain Python. Only
-:mod:`service.engine.compile_cache` calls ``mx.compile``. Nothing here knows HTTP.
+:mod:`service.engine.compile_cache` compiles (MLX's compile function). Nothing here knows HTTP.
 """
