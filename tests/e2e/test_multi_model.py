@@ -2,9 +2,12 @@
 
 import subprocess
 
+import pytest
+
 from tests.support import STEPSERVE, ServerProcess, write_config
 
 
+@pytest.mark.parametrize("setting", ["memory_budget_bytes", "mlx_memory_limit_bytes"])
 def test_over_the_memory_budget_refuses_to_start(tmp_path, converted, setting):
     config = write_config(tmp_path, converted, f"{setting} = 100000000")
     result = subprocess.run(
