@@ -39,6 +39,7 @@ class _Pending:
     keys: list[mx.array | None]
     kv: KVCache
     stat: tuple
+    logprobs: tuple | None = None
 
 
 class Prefiller:
@@ -137,9 +138,9 @@ class Prefiller:
         (row i is ``group[i]``)."""
         rows: list[Sequence | None] = [*group, *[None] * (logits.shape[0] - len(group))]
         keys = [mx.random.key(s.params.seed) if s and s.params.seed is not None else None for s in rows]
-        tokens, keys = self.runner.select(logits, rows, keys)
-        mx.async_eval(tokens, *(k for k in keys if k is not None))
-        self._pending.append(_Pending(group, tokens, keys, kv, stat))
+        tokens, keys, lp = self.runner.select(logits, rows, keys)
+        mx.async_eval(tokens, *(k for k in keys if k is not None), *(lp or ()))
+        self._pending.append(_Pending(group, tokens, keys, kv, stat, lp))
 
     def _read_back(self, out: RunnerOutput) -> None:
         """Wait once for every queued call; then, for each prefilled request: its first
@@ -158,6 +159,7 @@ class Prefiller:
             if p.tokens is None:
                 continue
             token_list = [int(t) for t in p.tokens.tolist()]  # type: ignore[union-attr]  # 1-D: a list
+            self.runner.observe(list(p.group), token_list, p.logprobs)
             for i, seq in enumerate(p.group):
                 seq.position = len(seq.prompt_ids)
                 seq.prefilled, seq.staging = (p.kv, i), None

@@ -5,12 +5,14 @@ from the engine thread."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 
 import mlx.core as mx
+import numpy as np
 
 from models import llama, sampling
 from models.kv_cache import KVCache
@@ -20,8 +22,10 @@ from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache, StepKey, StepSpec
 from service.engine.prefill import Prefiller
 from service.engine.prefix_cache import PrefixCache
-from service.engine.sequence import Sequence
+from service.engine.sequence import Sequence, TokenLogprob
 from service.metrics import StepStat
+
+log = logging.getLogger("stepserve.engine")
 
 
 @dataclass
@@ -57,6 +61,8 @@ class _DecodeStep:
     tokens: mx.array
     queued: float
     bucket: tuple[int, int]
+    logprobs: tuple[mx.array, mx.array, mx.array] | None = None  # see models.sampling.logprobs
+    observed: list[int] | None = None  # its tokens, once read back early for stateful rows
 
 
 class ModelRunner:
@@ -84,6 +90,8 @@ class ModelRunner:
             "decode": StepSpec(partial(llama.decode, args=a)),
             "sample": StepSpec(sampling.sample, random_state=True),
             "greedy": StepSpec(sampling.greedy, shapeless=True),
+            "process": StepSpec(sampling.process),
+            "logprobs": StepSpec(sampling.logprobs),
         }
         self.kv: KVCache | None = None
         self.vocab = a.vocab_size
@@ -144,6 +152,11 @@ class ModelRunner:
         """
         out = RunnerOutput()
         previous = self._inflight
+        if previous is not None and any(s is not None and s.params.stateful for s in previous.rows):
+            # A grammar or a penalty needs step t's token before step t+1's logits are processed:
+            # read it back now (the sync the overlap otherwise saves, paid only by such batches).
+            previous.observed = _ints(previous.tokens)
+            self._observe(previous, previous.observed)
         self._inflight = self._queue_decode(out) if any(s is not None for s in self.slots) else None
         if previous is not None:
             self._read_back(previous, out)
@@ -178,18 +191,41 @@ class ModelRunner:
         rows = list(self.slots)  # a snapshot: slots change before this step is read back
         logits = self.decode(rows, _input_tokens(rows, prev, pending))
         keys = [self._keys.get(s.request_id) if s else None for s in rows]
-        tokens, next_keys = self.select(logits, rows, keys)
+        tokens, next_keys, lp = self.select(logits, rows, keys)
         for i, seq in enumerate(rows):
             if seq is not None:
                 seq.position += 1
                 if (key := next_keys[i]) is not None:
                     self._keys[seq.request_id] = key
-        mx.async_eval(tokens, *(k for k in next_keys if k is not None))
+        mx.async_eval(tokens, *(k for k in next_keys if k is not None), *(lp or ()))
         kv = self._cache()
-        return _DecodeStep(rows, tokens, time.perf_counter(), (kv.batch, kv.capacity))
+        return _DecodeStep(rows, tokens, time.perf_counter(), (kv.batch, kv.capacity), lp)
+
+    def observe(self, rows: list[Sequence | None], tokens: list[int], lp: tuple | None = None) -> None:
+        """Host-side state of each row after its newest token: the generated ids that the
+        penalties count, the grammar's matcher, and the token's logprobs (kept on the
+        sequence until its text is emitted). ``lp``: :func:`models.sampling.logprobs`'s
+        arrays for these rows, or None."""
+        lp_lists = [a.tolist() for a in lp] if lp is not None else None
+        for i, (seq, token) in enumerate(zip(rows, tokens, strict=False)):
+            if seq is None or seq.finish_reason is not None:
+                continue
+            seq.sampled_ids.append(token)
+            if seq.matcher is not None and not seq.matcher.advance(token):
+                log.warning("request %s: token %d is outside its grammar", seq.request_id, token)
+            k = seq.params.logprobs
+            if k is not None and lp_lists is not None:
+                chosen, top_ids, top_lp = lp_lists
+                top = tuple(zip(top_ids[i][:k], top_lp[i][:k], strict=True))  # type: ignore[index]
+                seq.logprob_entries.append(TokenLogprob(token, chosen[i], top))  # type: ignore[index]
+
+    def _observe(self, step: _DecodeStep, tokens: list[int]) -> None:
+        self.observe(step.rows, tokens, step.logprobs)
 
     def _read_back(self, step: _DecodeStep, out: RunnerOutput) -> None:
-        token_list = _ints(step.tokens)
+        token_list = step.observed if step.observed is not None else _ints(step.tokens)
+        if step.observed is None:
+            self._observe(step, token_list)
         now = time.perf_counter()
         B, C = step.bucket
         live = sum(s is not None for s in step.rows)
@@ -237,27 +273,66 @@ class ModelRunner:
 
     def select(
         self, logits: mx.array, rows: list[Sequence | None], keys: list[mx.array | None]
-    ) -> tuple[mx.array, list[mx.array | None]]:
+    ) -> tuple[mx.array, list[mx.array | None], tuple[mx.array, mx.array, mx.array] | None]:
         """Pick one token per row of ``logits`` [B, V] with each row's parameters.
 
         ``keys[i]`` is row i's PRNG key (uint32 [2]) or None (unseeded or empty row).
-        Returns (tokens int32 [B], the rows' next keys), both lazy: the caller evaluates them
-        (the engine with ``mx.async_eval``), so keys never chain unevaluated for long. An
-        all-greedy batch uses the
-        shapeless greedy step; otherwise the sampler of batch bucket B.
+        Returns (tokens int32 [B], the rows' next keys, logprobs or None), all lazy: the caller
+        evaluates them (the engine with ``mx.async_eval``), so keys never chain unevaluated for
+        long. Each part runs only when some row needs it: the logits processors (penalties, a
+        logit bias, a grammar's mask; inputs built here on the host), the sampler of batch
+        bucket B (else the shapeless greedy step), the logprobs
+        (:func:`models.sampling.logprobs`, of the unprocessed logits).
         """
         B = logits.shape[0]
         live = [s for s in rows if s is not None]
+        raw = logits
+        if any(s.params.processed for s in live):
+            logits = self.step_fn("process", B)(logits, *self._processor_inputs(rows, B))
+        lp = None
         if all(s.params.temperature == 0 for s in live):
-            return self.step_fn("greedy")(logits), keys
-        zero_key = mx.zeros((2,), mx.uint32)
-        temperature = mx.array([s.params.temperature if s else 0.0 for s in rows], mx.float32)
-        top_p = mx.array([s.params.top_p if s else 1.0 for s in rows], mx.float32)
-        top_k = mx.array([min(s.params.top_k or self.vocab, self.vocab) if s else self.vocab for s in rows], mx.int32)
-        seeded = mx.array([k is not None for k in keys])
-        key_rows = mx.stack([k if k is not None else zero_key for k in keys])
-        tokens, next_keys = self.step_fn("sample", B)(logits, temperature, top_p, top_k, key_rows, seeded)
-        return tokens, [next_keys[i] if k is not None else None for i, k in enumerate(keys)]
+            tokens, next_keys = self.step_fn("greedy")(logits), keys
+        else:
+            zero_key = mx.zeros((2,), mx.uint32)
+            temperature = mx.array([s.params.temperature if s else 0.0 for s in rows], mx.float32)
+            top_p = mx.array([s.params.top_p if s else 1.0 for s in rows], mx.float32)
+            top_k = [min(s.params.top_k or self.vocab, self.vocab) if s else self.vocab for s in rows]
+            min_p = mx.array([s.params.min_p if s else 0.0 for s in rows], mx.float32)
+            seeded = mx.array([k is not None for k in keys])
+            key_rows = mx.stack([k if k is not None else zero_key for k in keys])
+            tokens, nk = self.step_fn("sample", B)(
+                logits, temperature, top_p, mx.array(top_k, mx.int32), min_p, key_rows, seeded
+            )
+            next_keys = [nk[i] if k is not None else None for i, k in enumerate(keys)]
+        if any(s.params.logprobs is not None for s in live):
+            lp = self.step_fn("logprobs", B)(raw, tokens)
+        return tokens, next_keys, lp
+
+    def _processor_inputs(self, rows: list[Sequence | None], B: int) -> tuple[mx.array, ...]:
+        """The host-built inputs of :func:`models.sampling.process` for these rows: bias
+        float32 [B, V], allowed-token bitmask int32 [B, W], repetition penalty float32 [B],
+        seen tokens bool [B, V]. Rows that need no processing get neutral values."""
+        V = self.vocab
+        bias = np.zeros((B, V), np.float32)
+        allowed = np.full((B, (V + 31) // 32), -1, np.int32)
+        repetition = np.ones((B,), np.float32)
+        seen = np.zeros((B, V), np.bool_)
+        for i, seq in enumerate(rows):
+            if seq is None or not seq.params.processed:
+                continue
+            p = seq.params
+            for token, value in p.logit_bias:
+                if 0 <= token < V:
+                    bias[i, token] += value
+            if (p.presence_penalty or p.frequency_penalty) and seq.sampled_ids:
+                counts = np.bincount(np.asarray(seq.sampled_ids, np.int64), minlength=V)[:V]
+                bias[i] -= p.presence_penalty * (counts > 0) + p.frequency_penalty * counts
+            if p.repetition_penalty != 1:
+                repetition[i] = p.repetition_penalty
+                seen[i, np.asarray(seq.prompt_ids + seq.sampled_ids, np.int64) % V] = True
+            if seq.matcher is not None:
+                seq.matcher.fill_mask(allowed, i)
+        return mx.array(bias), mx.array(allowed), mx.array(repetition), mx.array(seen)  # type: ignore[arg-type]
 
     # -- prefill -------------------------------------------------------------------------
 

@@ -32,6 +32,18 @@ class SamplingParams:
         top_k: keep the k most likely tokens; 0 = off.
         seed: PRNG seed; the same seed gives the same output. None = fresh randomness.
         stop: strings that end the generation (not included in the text).
+        min_p: keep tokens at least this fraction as likely as the most likely one; 0 = off.
+        presence_penalty / frequency_penalty: OpenAI's, in [-2, 2], over generated tokens.
+        repetition_penalty: CTRL's (Hugging Face's ``repetition_penalty``) over prompt and
+            generated tokens, > 0; 1 = off.
+        logit_bias: (token id, bias added to its logit) pairs (OpenAI's ``logit_bias``).
+        stop_token_ids: token ids that end the generation besides the model's own stop tokens.
+        ignore_eos: do not stop at the model's stop tokens (``stop_token_ids`` still stop).
+        logprobs: return this many most likely tokens' logprobs per token (0-20) besides the
+            sampled token's own; None = no logprobs.
+        grammar: a :class:`service.engine.grammar.Grammar` the output must follow, or None.
+        echo_ids: prompt tokens to prepend to the text (``/v1/completions``' ``echo``); not
+            used by the engine.
     """
 
     max_tokens: int = 256
@@ -40,6 +52,40 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    grammar: Any = None
+
+    @property
+    def stateful(self) -> bool:
+        """The row's logits processing depends on its previous token (a grammar, a penalty):
+        its next step cannot be queued before that token is read back."""
+        return (
+            self.grammar is not None
+            or self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+    @property
+    def processed(self) -> bool:
+        """The row needs the logits processors (:func:`models.sampling.process`)."""
+        return self.stateful or bool(self.logit_bias)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's logprob and the most likely alternatives (ids, logprobs)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -48,6 +94,7 @@ class TokenEvent:
 
     text: str
     token_id: int
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens this text covers, when logprobs were asked
 
 
 @dataclass(frozen=True)
@@ -101,7 +148,14 @@ class Sequence:
     deadline: float | None = None  # perf_counter() time after which the request times out
     warmup: bool = False  # a dummy request of the warm-up rehearsal: no metrics
     cancel_reason: FinishReason | None = None  # set by Engine.cancel (any thread); acted on at the next schedule
+    matcher: Any = None  # the grammar's state (runner only): advanced by each token read back
+    sampled_ids: list[int] = field(default_factory=list)  # generated tokens the runner has read back
+    logprob_entries: list[TokenLogprob] = field(default_factory=list)  # read back, not emitted yet
     _sent: int = 0  # characters of ``text`` already emitted
+
+    def __post_init__(self) -> None:
+        if self.params.grammar is not None and self.matcher is None:
+            self.matcher = self.params.grammar.matcher()
 
     @property
     def prompt_done(self) -> bool:
@@ -121,8 +175,11 @@ class Sequence:
             self.inter_token_s.append(now - self.last_token_at)
         self.last_token_at = now
         self.output_ids.append(token_id)
-        if token_id in stop_ids:
+        p = self.params
+        if (token_id in stop_ids and not p.ignore_eos) or token_id in p.stop_token_ids:
             self.finish_reason = FinishReason.STOP
+            if self.logprob_entries and self.logprob_entries[-1].token_id == token_id:
+                self.logprob_entries.pop()  # the stop token is not part of the text
         else:
             self.text += self.detokenizer.step(token_id)
             self._check_stop_strings()
@@ -155,7 +212,8 @@ class Sequence:
                         break
         ready = len(self.text) - hold
         if ready > self._sent:
-            self.emit(TokenEvent(self.text[self._sent : ready], token_id))
+            self.emit(TokenEvent(self.text[self._sent : ready], token_id, tuple(self.logprob_entries)))
+            self.logprob_entries.clear()
             self._sent = ready
 
     def final_event(self, error: str | None = None) -> FinalEvent:

@@ -59,7 +59,8 @@ def plan(buckets: BucketTable, spec: WarmupSpec) -> list[Step]:
       (:meth:`BucketTable.staging_for`);
     * ``decode`` (B, C): batch 1 at every capacity bucket, larger batches up to ``batch`` at the
       capacities of ``batched_positions``;
-    * the sampler of every batch bucket above, and the shapeless greedy step.
+    * the sampler, the logits processors and the logprobs of every batch bucket above, and the
+      shapeless greedy step.
     """
     if spec.prompt_tokens <= 0:
         return []
@@ -82,7 +83,8 @@ def plan(buckets: BucketTable, spec: WarmupSpec) -> list[Step]:
         ("decode", b, c, 0) for b in buckets.batch if b <= rows for c in buckets.capacity if b == 1 or c <= batched_top
     ]
     batches = sorted({b for _, b, _, _ in prefill + chunks + decode})
-    return prefill + chunks + decode + [("sample", b, 0, 0) for b in batches] + [("greedy", 0, 0, 0)]
+    samplers = [(phase, b, 0, 0) for phase in ("sample", "process", "logprobs") for b in batches]
+    return prefill + chunks + decode + samplers + [("greedy", 0, 0, 0)]
 
 
 def dummy_inputs(runner: ModelRunner, phase: str, batch: int, size: int, capacity: int = 0) -> tuple:
@@ -98,9 +100,14 @@ def dummy_inputs(runner: ModelRunner, phase: str, batch: int, size: int, capacit
         return params, mx.zeros((batch,), mx.int32), mx.zeros((batch,), mx.int32), runner.new_kv(batch, size)
     if phase == "greedy":
         return (mx.zeros((1, vocab), mx.float32),)
-    ones = mx.ones((batch,), mx.float32)
-    logits, keys = mx.zeros((batch, vocab), mx.float32), mx.zeros((batch, 2), mx.uint32)
-    return logits, ones, ones, mx.full((batch,), vocab, mx.int32), keys, mx.zeros((batch,), mx.bool_)
+    ones, logits = mx.ones((batch,), mx.float32), mx.zeros((batch, vocab), mx.float32)
+    if phase == "process":
+        allowed = mx.full((batch, (vocab + 31) // 32), -1, mx.int32)
+        return logits, logits, allowed, ones, mx.zeros((batch, vocab), mx.bool_)
+    if phase == "logprobs":
+        return logits, mx.zeros((batch,), mx.int32)
+    keys, no_min_p = mx.zeros((batch, 2), mx.uint32), mx.zeros((batch,), mx.float32)
+    return logits, ones, ones, mx.full((batch,), vocab, mx.int32), no_min_p, keys, mx.zeros((batch,), mx.bool_)
 
 
 def run(runner: ModelRunner, steps: list[Step], progress: Callable[[int, str], None] | None = None) -> float:
@@ -143,6 +150,10 @@ def rehearse(engine: Engine, spec: WarmupSpec) -> list[str]:
             request(5 + 3 * i, 2 + i, i, temperature=0.7 * (i % 2), seed=i if i % 2 else None) for i in range(rows)
         ],
         f"a {long}-token prompt (prefill in chunks of {spec.chunk_tokens})": [request(long, 3, 100)],
+        "penalties, a logit bias and logprobs (the logits processors; steps read back before the next)": [
+            request(6, 3, 300, temperature=0.5, presence_penalty=0.5, repetition_penalty=1.1, logprobs=2),
+            request(7, 3, 301, logit_bias=((1, 1.0),), logprobs=0),
+        ],
         f"the same {long}-token prompt again (a prefix-cache hit, when the cache is on)": [request(long, 2, 100)],
         f"a {near_edge}-token prompt that grows past its capacity bucket (a capacity move)": [
             request(near_edge, 4, 200)

@@ -1,6 +1,7 @@
 """The compile cache: keyed entries, hit/miss counting, compiled == eager, and the
 shapeless greedy step proven equal to eager on several shapes."""
 
+import math
 from functools import partial
 
 import mlx.core as mx
@@ -64,11 +65,12 @@ def test_shapeless_greedy_equals_eager_on_several_shapes():
     assert len(rec.compiles) == 1
 
 
-def _sample_args(batch, vocab, temperature=0.8, top_p=0.9, top_k=20):
+def _sample_args(batch, vocab, temperature=0.8, top_p=0.9, top_k=20, min_p=0.0):
     return (
         mx.full((batch,), temperature),
         mx.full((batch,), top_p),
         mx.full((batch,), top_k, mx.int32),
+        mx.full((batch,), min_p),
     )
 
 
@@ -86,12 +88,12 @@ def test_compiled_sampler_equals_eager_for_seeded_rows():
 def test_seeded_row_does_not_depend_on_batchmates():
     mx.random.seed(7)
     logits = mx.random.normal((4, 500)) * 2
-    t, p, k = _sample_args(4, 500, temperature=1.0, top_p=1.0, top_k=500)
+    t, p, k, m = _sample_args(4, 500, temperature=1.0, top_p=1.0, top_k=500)
     keys = mx.stack([mx.random.key(s) for s in (11, 0, 0, 0)])
     seeded = mx.array([True, False, False, False])
-    tokens, _ = sampling.sample(logits, t, p, k, keys, seeded)
-    alone, _ = sampling.sample(logits[:1], t[:1], p[:1], k[:1], keys[:1], seeded[:1])
-    again, _ = sampling.sample(logits, t, p, k, keys, seeded)
+    tokens, _ = sampling.sample(logits, t, p, k, m, keys, seeded)
+    alone, _ = sampling.sample(logits[:1], t[:1], p[:1], k[:1], m[:1], keys[:1], seeded[:1])
+    again, _ = sampling.sample(logits, t, p, k, m, keys, seeded)
     assert tokens[0].item() == alone[0].item() == again[0].item()
 
 
@@ -120,3 +122,34 @@ def test_auto_policy_keeps_the_faster_form(monkeypatch, compiled_s, eager_s, kee
     assert entry.compiled is keeps_compiled and entry.timings == (compiled_s, eager_s)
     assert mx.allclose(entry(x), spec.fn(x))
     assert cache.choices() == {StepKey("m", "decode", 1, 16, "float32"): keeps_compiled}
+
+
+def test_min_p_keeps_only_tokens_near_the_most_likely():
+    # Row logits: token 0 at 0, token 1 at log(0.5), the rest far below. min_p 0.4 keeps 0 and 1.
+    logits = mx.concatenate([mx.array([[0.0, math.log(0.5)]]), mx.full((1, 98), -20.0)], axis=1)
+    logits = mx.repeat(logits, 64, axis=0)
+    keys, seeded = mx.stack([mx.random.key(i) for i in range(64)]), mx.ones((64,), mx.bool_)
+    kept, _ = sampling.sample(logits, *_sample_args(64, 100, 1.0, 1.0, 100, 0.4), keys, seeded)
+    assert set(kept.tolist()) == {0, 1}
+    only_top, _ = sampling.sample(logits, *_sample_args(64, 100, 1.0, 1.0, 100, 0.6), keys, seeded)
+    assert set(only_top.tolist()) == {0}
+
+
+def test_processors_apply_bias_mask_and_repetition_penalty():
+    logits = mx.array([[2.0, -2.0, 1.0, 0.5], [2.0, -2.0, 1.0, 0.5]])
+    bias = mx.array([[0.0, 0.0, 5.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    allowed = mx.array([[-1], [0b1010]], mx.int32)  # row 1: tokens 1 and 3 only
+    seen = mx.array([[True, True, False, False], [False, False, False, False]])
+    out = sampling.process(logits, bias, allowed, mx.array([2.0, 1.0]), seen)
+    assert out[0].tolist() == [1.0, -4.0, 6.0, 0.5]  # 2/2, -2*2, 1+5, untouched
+    assert out[1].tolist() == [-math.inf, -2.0, -math.inf, 0.5]
+
+
+def test_logprobs_are_sorted_and_normalised():
+    logits = mx.random.normal((3, 200)) * 3
+    greedy = sampling.greedy(logits)
+    chosen, top_ids, top_lp = sampling.logprobs(logits, greedy)
+    assert mx.array_equal(top_ids[:, 0], greedy)
+    assert mx.allclose(chosen, top_lp[:, 0])
+    assert (top_lp[:, :-1] >= top_lp[:, 1:]).all().item()
+    assert (mx.exp(top_lp).sum(axis=-1) <= 1.0 + 1e-5).all().item()

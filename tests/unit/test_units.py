@@ -33,7 +33,7 @@ def test_warmup_covers_every_step_a_single_request_can_reach():
     ]
     # chunks (a prefix-cache hit's remainder) at every chunk bucket in the staging capacity of 40 tokens
     assert [s for s in steps if s[0] == "chunk"] == [("chunk", 1, 32, 256), ("chunk", 1, 64, 256)]
-    assert steps[-2:] == [("sample", 1, 0, 0), ("greedy", 0, 0, 0)]
+    assert steps[-4:] == [("sample", 1, 0, 0), ("process", 1, 0, 0), ("logprobs", 1, 0, 0), ("greedy", 0, 0, 0)]
     assert warmup.plan(TABLE, WarmupSpec(prompt_tokens=0)) == []
 
 
