@@ -40,6 +40,7 @@ class _Pending:
     kv: KVCache
     stat: tuple
     logprobs: tuple | None = None
+    kv_rows: list[int] | None = None  # the cache row of each request of ``group``
 
 
 class Prefiller:
@@ -126,21 +127,31 @@ class Prefiller:
             self._pending.append(_Pending([], None, [], kv, stat))
 
     def _whole(self, group: list[Sequence]) -> None:
+        """Prefill ``group`` together; requests with the same prompt (the ``n`` choices of one
+        request) share one row: one prefill, then each samples its own first token."""
         start = time.perf_counter()
-        logits, prompt_kv = self.runner.prefill([s.prompt_ids for s in group])
+        unique: dict[tuple[int, ...], int] = {}
+        kv_rows = [unique.setdefault(tuple(s.prompt_ids), len(unique)) for s in group]
+        logits, prompt_kv = self.runner.prefill([list(p) for p in unique])
+        if len(unique) < len(group):  # one logits row per request, padded to a batch bucket
+            B = self.runner.buckets.batch_for(len(group))
+            logits = logits[mx.array(kv_rows + [0] * (B - len(group)), mx.int32)]
         for seq in group:
             seq.num_computed = len(seq.prompt_ids)
         B, T = prompt_kv.batch, prompt_kv.capacity
-        self._queue_first_tokens(group, logits, prompt_kv, ("prefill", f"b{B}x{T}", len(group), B, start))
+        stat = ("prefill", f"b{B}x{T}", len(unique), B, start)
+        self._queue_first_tokens(group, logits, prompt_kv, stat, kv_rows)
 
-    def _queue_first_tokens(self, group: list[Sequence], logits: mx.array, kv: KVCache, stat: tuple) -> None:
+    def _queue_first_tokens(
+        self, group: list[Sequence], logits: mx.array, kv: KVCache, stat: tuple, kv_rows: list[int] | None = None
+    ) -> None:
         """Queue the sampling of each prefilled request's first token from ``logits`` [B, V]
-        (row i is ``group[i]``)."""
+        (row i is ``group[i]``, whose keys and values are row ``kv_rows[i]`` of ``kv``; default i)."""
         rows: list[Sequence | None] = [*group, *[None] * (logits.shape[0] - len(group))]
         keys = [mx.random.key(s.params.seed) if s and s.params.seed is not None else None for s in rows]
         tokens, keys, lp = self.runner.select(logits, rows, keys)
         mx.async_eval(tokens, *(k for k in keys if k is not None), *(lp or ()))
-        self._pending.append(_Pending(group, tokens, keys, kv, stat, lp))
+        self._pending.append(_Pending(group, tokens, keys, kv, stat, lp, kv_rows or list(range(len(group)))))
 
     def _read_back(self, out: RunnerOutput) -> None:
         """Wait once for every queued call; then, for each prefilled request: its first
@@ -161,8 +172,9 @@ class Prefiller:
             token_list = [int(t) for t in p.tokens.tolist()]  # type: ignore[union-attr]  # 1-D: a list
             self.runner.observe(list(p.group), token_list, p.logprobs)
             for i, seq in enumerate(p.group):
+                row = p.kv_rows[i] if p.kv_rows else i
                 seq.position = len(seq.prompt_ids)
-                seq.prefilled, seq.staging = (p.kv, i), None
-                self.prefix.insert(seq.prompt_ids, p.kv, i)
+                seq.prefilled, seq.staging = (p.kv, row), None
+                self.prefix.insert(seq.prompt_ids, p.kv, row)
                 self.runner.keep_key(seq, p.keys[i])
                 out.tokens.append((seq, token_list[i]))
