@@ -9,7 +9,9 @@ are the ones llama.cpp (llama-vocab.cpp) and the models' own ``tokenizer.json`` 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -131,10 +133,20 @@ class ChatTokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        """Render ``messages`` with the model's chat template and a generation prompt.
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> str:
+        """Render ``messages`` (and ``tools``) with the model's chat template and a generation
+        prompt, as Hugging Face transformers does.
 
-        Rendered in Jinja2's immutable sandbox, as Hugging Face transformers does.
+        Messages are dicts: ``role``; ``content`` a string, None (an assistant turn with
+        ``tool_calls``) or a list of ``{"type": "text", "text"}`` parts (joined); ``tool_calls``
+        in OpenAI's shape, whose ``function.arguments`` JSON string is passed to the template
+        parsed to a dict (as transformers' docs ask); ``tool_call_id`` for ``tool`` turns.
+        ``tools`` (OpenAI's ``[{"type": "function", "function": {...}}]``) become the template's
+        ``tools`` variable; a template that does not use it ignores them (see
+        ``service.api.tools.render_messages`` for the fallback).
+
+        Rendered in Jinja2's immutable sandbox with transformers' extras: ``tojson`` without
+        HTML escaping, ``raise_exception``, ``strftime_now`` and the ``loopcontrols`` extension.
 
         Raises:
             TokenizerError: the model has no chat template, or rendering it failed
@@ -143,22 +155,17 @@ class ChatTokenizer:
         if not self.chat_template:
             raise TokenizerError("this model has no chat template; send 'prompt' instead of 'messages'")
         if self._template is None:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-            def raise_exception(message):
-                raise TokenizerError(message)
-
-            env.globals["raise_exception"] = raise_exception
-            self._template = env.from_string(self.chat_template)
+            self._template = _environment().from_string(self.chat_template)
         tokens = self.tokenizer
         try:
             return self._template.render(
-                messages=messages,
+                messages=[_template_message(m) for m in messages],
+                tools=tools or None,
                 add_generation_prompt=True,
                 bos_token=tokens.id_to_token(self.bos_token_id) if self.bos_token_id is not None else "",
                 eos_token=tokens.id_to_token(self.eos_token_id),
             )
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, TypeError) as exc:  # TypeError: e.g. '\n' + None content
             raise TokenizerError(f"chat template failed: {exc}") from exc
 
     def decode(self, ids: list[int]) -> str:
@@ -180,6 +187,50 @@ class ChatTokenizer:
         added = [t.content for t in self.tokenizer.get_added_tokens_decoder().values()]
         base = max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=False))
         return max([base, *(len(t.encode()) for t in added)])
+
+
+def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    """Jinja2 as transformers' ``_compile_jinja_template`` sets it up for chat templates."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+
+    def raise_exception(message):
+        raise TokenizerError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as templates take it: list content joined, tool call arguments as dicts,
+    no ``tool_calls`` key unless there are calls (Llama 3.1 tests ``'tool_calls' in message``)."""
+    out = dict(message)
+    if isinstance(content := out.get("content"), list):
+        out["content"] = "".join(p.get("text") or "" for p in content)
+    if calls := out.pop("tool_calls", None):
+        out["tool_calls"] = [
+            {**c, "function": {**c["function"], "arguments": tool_arguments(c["function"].get("arguments"))}}
+            for c in calls
+        ]
+    return out
+
+
+def tool_arguments(value: Any) -> Any:
+    """A tool call's ``function.arguments``: a JSON object string parsed to a dict, anything
+    else (a dict, invalid JSON, JSON that is not an object) as it is."""
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return value
+        return parsed if isinstance(parsed, dict) else value
+    return value
 
 
 class Detokenizer:

@@ -167,6 +167,20 @@ class Metrics:
         self.bucket_moves = Counter(
             "bucket_moves_total", "Decode-cache copies to another bucket", ["model", "kind"], namespace=ns, registry=reg
         )
+        self.grammar_masks = Counter(
+            "grammar_masks_total",
+            "Token masks computed for structured-output rows (one per row and step)",
+            ["model"],
+            namespace=ns,
+            registry=reg,
+        )
+        self.grammar_mask_seconds = Counter(
+            "grammar_mask_seconds_total",
+            "Host seconds spent computing structured-output token masks",
+            ["model"],
+            namespace=ns,
+            registry=reg,
+        )
         self.queue_rejections = Counter(
             "queue_rejections_total",
             "Requests refused before queueing",

@@ -23,6 +23,7 @@ from models.tokenizer import TokenizerError
 from service.api import security
 from service.api.errors import ApiError, client_closed
 from service.api.state import AppState
+from service.api.tools import render_messages
 from service.engine.core import Engine
 from service.engine.scheduler import DrainingError, QueueFullError
 from service.engine.sequence import Event, FinalEvent, FinishReason, SamplingParams, Sequence
@@ -41,7 +42,8 @@ class ResponseFormat(Protocol):
     # error, 504 or 503 (OpenAI, whose finish_reason is only stop or length).
     partial_ends: bool
 
-    def chunks(self, text: str) -> list[dict]: ...
+    def chunks(self, text: str, logprobs: tuple = ()) -> list[dict]: ...
+    def add(self, logprobs: tuple) -> None: ...
     def final_chunks(self, final: FinalEvent) -> list[dict]: ...
     def body(self, text: str, final: FinalEvent) -> dict: ...
 
@@ -63,26 +65,52 @@ def resolve_engine(state: AppState, name: str | None) -> Engine:
     return engine
 
 
-def prompt_ids(engine: Engine, prompt: str | None, messages: list[dict] | None) -> list[int]:
-    """Token ids of a raw prompt or of chat messages rendered by the chat template.
+def check_messages(messages: list) -> None:
+    """400 naming the first content part that is not text (``messages.i.content.j.type``)."""
+    for i, message in enumerate(messages):
+        if (bad := message.unsupported_part()) is not None:
+            j, kind = bad
+            raise ApiError(
+                400,
+                f"content parts of type '{kind}' are not supported; only text",
+                param=f"messages.{i}.content.{j}.type",
+            )
 
-    Raises ApiError 400 when the template fails or the prompt exceeds the largest capacity bucket.
+
+def prompt_ids(
+    engine: Engine,
+    prompt: str | list[int] | None,
+    messages: list[dict] | None,
+    tools: list[dict] | None = None,
+    param: str = "prompt",
+) -> list[int]:
+    """Token ids of a raw prompt (text or token ids) or of chat messages rendered by the chat
+    template (with ``tools`` passed to it).
+
+    Raises ApiError 400 when the template fails, a token id is outside the vocabulary, or the
+    prompt exceeds the largest capacity bucket.
     """
     tokenizer = engine.model.tokenizer
-    try:
-        text = tokenizer.apply_chat_template(messages) if messages is not None else prompt
-    except TokenizerError as exc:
-        raise ApiError(400, str(exc), param="messages") from exc
-    assert text is not None  # the schemas require a prompt or messages
-    security.check_prompt_chars(tokenizer, text, engine.capacity_limit)
-    ids = tokenizer.encode(text)
+    if isinstance(prompt, list):
+        vocab = engine.model.args.vocab_size
+        if bad := [t for t in prompt if not 0 <= t < vocab]:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param=param)
+        ids = list(prompt)
+    else:
+        try:
+            text = render_messages(tokenizer, messages, tools) if messages is not None else prompt
+        except TokenizerError as exc:
+            raise ApiError(400, str(exc), param="messages") from exc
+        assert text is not None  # the schemas require a prompt or messages
+        security.check_prompt_chars(tokenizer, text, engine.capacity_limit)
+        ids = tokenizer.encode(text)
     if not ids:
-        raise ApiError(400, "prompt encodes to no tokens", param="prompt")
+        raise ApiError(400, "prompt encodes to no tokens", param=param)
     if len(ids) > engine.capacity_limit:
         raise ApiError(
             400,
             f"prompt is {len(ids)} tokens, over the largest KV capacity bucket ({engine.capacity_limit})",
-            param="prompt",
+            param=param,
         )
     return ids
 
@@ -98,6 +126,32 @@ def sampling_params(engine: Engine, n_prompt: int, max_tokens: int, **sampling) 
             param="max_tokens",
         )
     return SamplingParams(max_tokens=max_tokens, **sampling)
+
+
+def grammar(engine: Engine, response_format, lark: str | None = None, param: str = "response_format"):
+    """The compiled grammar of a ``response_format`` (:class:`service.api.schemas.ResponseFormat`)
+    or of a Lark grammar (tool calls), for this engine's tokenizer; None for free text.
+
+    Raises ApiError 400 naming ``param`` when the grammar engine cannot compile it.
+    """
+    kind = None if response_format is None else response_format.type
+    if lark is None and kind in (None, "text"):
+        return None
+    from service.engine.grammar import GrammarError, TokenGrammar  # llguidance loads on first use
+    compiler = engine.__dict__.get("_token_grammar")
+    if compiler is None:
+        compiler = engine.__dict__["_token_grammar"] = TokenGrammar(
+            engine.model.tokenizer, engine.model.args.vocab_size
+        )
+    try:
+        if lark is not None:
+            return compiler.lark(lark)
+        if kind == "json_object":
+            return compiler.json_object()
+        spec = response_format.json_schema  # type: ignore[union-attr]  # kind is json_schema here
+        return compiler.json_schema(spec.schema_, strict=bool(spec.strict))
+    except GrammarError as exc:
+        raise ApiError(400, f"{param}: {exc}", param=param) from exc
 
 
 @dataclass
@@ -196,7 +250,7 @@ def _admit_memory(state: AppState, engine: Engine, prompt_tokens: int, max_token
         raise ApiError(503, exc.message, type="unavailable", param="max_tokens", headers=retry) from exc
 
 
-def _failure(final: FinalEvent, partial_ends: bool) -> ApiError | None:
+def failure(final: FinalEvent, partial_ends: bool) -> ApiError | None:
     """The error a request's end answers as, else None (see :attr:`ResponseFormat.partial_ends`):
     500 for an engine failure; 504 for a timeout and 503 for a shutdown, when nothing was
     generated or the route has no partial ends."""
@@ -215,13 +269,13 @@ def _failure(final: FinalEvent, partial_ends: bool) -> ApiError | None:
 async def respond(request: Request, gen: Generation, fmt: ResponseFormat, stream: bool):
     """Answer with the whole text (JSON) or a server-sent event stream in ``fmt``'s shape.
 
-    An error before the first event is the HTTP status (:func:`_failure`); once a stream has
+    An error before the first event is the HTTP status (:func:`failure`); once a stream has
     started, an error is its last ``data:`` event (then ``[DONE]`` where ``fmt`` uses it).
     """
     first = await gen.next_or_gone(request)
     if first is None:
         return client_closed()
-    if isinstance(first, FinalEvent) and (error := _failure(first, fmt.partial_ends)):
+    if isinstance(first, FinalEvent) and (error := failure(first, fmt.partial_ends)):
         raise error
     if stream:
         return StreamingResponse(_sse(gen, fmt, first), media_type="text/event-stream", headers=_SSE_HEADERS)
@@ -232,10 +286,11 @@ async def _collect(request: Request, gen: Generation, fmt: ResponseFormat, first
     pieces, event = [], first
     while not isinstance(event, FinalEvent):
         pieces.append(event.text)
+        fmt.add(event.logprobs)
         event = await gen.next_or_gone(request)
         if event is None:
             return client_closed()
-    if error := _failure(event, fmt.partial_ends):
+    if error := failure(event, fmt.partial_ends):
         raise error
     return fmt.body("".join(pieces), event)
 
@@ -250,11 +305,11 @@ async def _sse(gen: Generation, fmt: ResponseFormat, first: Event) -> AsyncItera
     try:
         event = first
         while not isinstance(event, FinalEvent):
-            for chunk in fmt.chunks(event.text):
+            for chunk in fmt.chunks(event.text, event.logprobs):
                 yield _data(chunk)
             event = await gen.next()  # a disconnect ends this generator (Starlette cancels it)
         finished = True
-        error = _failure(event, fmt.partial_ends)
+        error = failure(event, fmt.partial_ends)
         for chunk in [error.body()] if error else fmt.final_chunks(event):
             yield _data(chunk)
         if fmt.done_marker:

@@ -41,19 +41,45 @@ class InferFormat:
     done_marker = False
     partial_ends = True
 
-    def __init__(self, request_id: str, model: str):
-        self.id, self.model = request_id, model
+    def __init__(self, request_id: str, model: str, tokenizer=None, logprobs: bool = False):
+        self.id, self.model, self._tokenizer, self._logprobs = request_id, model, tokenizer, logprobs
+        self._entries: list[dict] = []
 
-    def chunks(self, text: str) -> list[dict]:
-        return [InferChunk(id=self.id, model=self.model, text=text).model_dump(exclude_none=True)]
+    def _lp(self, entries) -> list[dict]:
+        decode = self._tokenizer.tokenizer.decode if self._tokenizer is not None else None
+
+        def text(i: int) -> str:
+            return decode([i], skip_special_tokens=False) if decode else str(i)
+
+        return [
+            {
+                "token_id": e.token_id,
+                "token": text(e.token_id),
+                "logprob": e.logprob,
+                "top_logprobs": [{"token_id": i, "token": text(i), "logprob": lp} for i, lp in e.top],
+            }
+            for e in entries
+        ]
+
+    def chunks(self, text: str, logprobs=()) -> list[dict]:
+        chunk = InferChunk(id=self.id, model=self.model, text=text).model_dump(exclude_none=True)
+        if self._logprobs:
+            chunk["logprobs"] = self._lp(logprobs)
+        return [chunk]
+
+    def add(self, logprobs) -> None:
+        """Keep a non-streamed answer's logprobs (``body`` returns them)."""
+        self._entries += self._lp(logprobs) if self._logprobs else []
 
     def final_chunks(self, final: FinalEvent) -> list[dict]:
         return [InferChunk.model_validate({"id": self.id, "model": self.model, "text": "", **_end(final)}).model_dump()]
 
     def body(self, text: str, final: FinalEvent) -> dict:
-        return InferResponse.model_validate(
-            {"id": self.id, "model": self.model, "text": text, **_end(final)}
-        ).model_dump()
+        body = InferResponse.model_validate({"id": self.id, "model": self.model, "text": text, **_end(final)})
+        out = body.model_dump()
+        if self._logprobs:
+            out["logprobs"] = self._entries
+        return out
 
 
 @router.post("/infer", response_model=InferResponse, responses={**ERRORS, 200: {"content": {"text/event-stream": {}}}})
@@ -63,7 +89,8 @@ async def infer(body: InferRequest, request: Request, state: State):
     ``cancelled`` (with ``error``) for a request ended early after its first token; ended
     before it, the request answers 504 or 503."""
     engine = pipeline.resolve_engine(state, body.model)
-    messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
+    pipeline.check_messages(body.messages or [])
+    messages = [m.for_template() for m in body.messages] if body.messages is not None else None
     ids = pipeline.prompt_ids(engine, body.prompt, messages)
     params = pipeline.sampling_params(
         engine,
@@ -74,9 +101,13 @@ async def infer(body: InferRequest, request: Request, state: State):
         top_k=body.top_k,
         seed=body.seed,
         stop=tuple(body.stop or ()),
+        logprobs=body.logprobs,
+        grammar=pipeline.grammar(engine, body.response_format),
+        **body.processors(),
     )
     gen = pipeline.start(state, engine, ids, params)
-    return await pipeline.respond(request, gen, InferFormat(gen.seq.request_id, engine.model.name), body.stream)
+    fmt = InferFormat(gen.seq.request_id, engine.model.name, engine.model.tokenizer, body.logprobs is not None)
+    return await pipeline.respond(request, gen, fmt, body.stream)
 
 
 @router.get("/v1/models", response_model=ModelList)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -11,15 +11,144 @@ MAX_STOP_CHARS = 512
 MAX_TOP_K = 2**31 - 1  # top_k is an int32 in the sampler; the runner clamps it to the vocabulary
 
 
+class ContentPart(BaseModel):
+    """A part of a message's ``content`` list: only ``{"type": "text", "text": ...}`` is
+    served; any other type (images, audio, files) answers 400 naming it."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ToolCallFunction(BaseModel):
+    name: str = Field(..., min_length=1)
+    arguments: str = Field(..., description="the arguments as a JSON object, serialized")
+
+
+class ToolCall(BaseModel):
+    """A tool call of an earlier assistant turn (OpenAI's ``tool_calls`` item)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
-    """One chat turn, rendered by the model's chat template."""
+    """One chat turn, rendered by the model's chat template. ``content`` may be a string or a
+    list of text parts; ``tool`` turns answer an assistant's ``tool_calls``."""
 
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = Field(None, description="accepted; not shown to the model")
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant turns only")
+    tool_call_id: str | None = Field(None, description="tool turns: the call this answers")
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only for an assistant turn with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant turns carry tool_calls")
+        return self
+
+    def unsupported_part(self) -> tuple[int, str] | None:
+        """(index, type) of the first content part that is not text, or None."""
+        parts = self.content if isinstance(self.content, list) else []
+        return next(((i, p.type) for i, p in enumerate(parts) if p.type != "text" or p.text is None), None)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it: text content, ``developer`` as ``system``,
+        tool calls as OpenAI sends them (the tokenizer parses their arguments for templates)."""
+        text = (
+            self.content
+            if isinstance(self.content, str) or self.content is None
+            else "".join(p.text or "" for p in self.content)
+        )
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
-class InferRequest(BaseModel):
+class JsonSchemaFormat(BaseModel):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema", description="a JSON Schema object")
+    strict: bool | None = None
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON valid against a schema
+    (enforced token by token by a grammar; see docs/STRUCTURED_OUTPUTS.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a 'json_schema' object")
+        return self
+
+
+class Processors(BaseModel):
+    """Sampling controls shared by every generation route, each applied per row inside the
+    compiled sampler (extensions to OpenAI's API as in vLLM: ``min_p``, ``repetition_penalty``,
+    ``stop_token_ids``, ``ignore_eos``)."""
+
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="OpenAI's: minus this for each generated token seen"
+    )
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's: minus this times each token's count")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="CTRL's, over prompt and output; 1 = off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="keep tokens at least this fraction of the top one; 0 = off")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100] added to its logit"
+    )
+    stop_token_ids: list[int] | None = Field(None, max_length=64, description="token ids that also end the text")
+    ignore_eos: bool = Field(False, description="generate past the model's end-of-sequence tokens")
+    response_format: ResponseFormat | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, bias):
+        for key, value in (bias or {}).items():
+            if not key.lstrip("-").isdigit() or int(key) < 0:
+                raise ValueError(f"logit_bias keys are token ids, got '{key}'")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias values are in [-100, 100], got {value} for token {key}")
+        if bias is not None and len(bias) > 300:
+            raise ValueError("logit_bias takes at most 300 tokens")
+        return bias
+
+    def processors(self) -> dict:
+        """Arguments for :class:`service.engine.sequence.SamplingParams` (the grammar is added
+        by the route, which compiles ``response_format``)."""
+        return {
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_p": self.min_p,
+            "logit_bias": tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "ignore_eos": self.ignore_eos,
+        }
+
+
+class InferRequest(Processors):
     """``POST /infer``: exactly one of ``prompt`` (raw text) or ``messages`` (chat)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -39,6 +168,9 @@ class InferRequest(BaseModel):
         description=f"up to {MAX_STOP_STRINGS} strings of up to {MAX_STOP_CHARS} characters that end the text",
     )
     stream: bool = Field(False, description="answer text/event-stream: one event per text chunk, then a final event")
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="return each token's logprob and this many most likely alternatives"
+    )
 
     @field_validator("stop")
     @classmethod
@@ -84,6 +216,22 @@ FinishReasonName = Literal["stop", "length", "timeout", "cancelled"]
 ENDED_EARLY = "why the request ended early ('timeout' or 'cancelled', e.g. 'server shutting down'); else null"
 
 
+class TopLogprob(BaseModel):
+    token_id: int
+    token: str
+    logprob: float
+
+
+class InferLogprob(BaseModel):
+    """A generated token's logprob (log-softmax of the model's logits, before penalties, bias,
+    grammar, temperature and filters) and the most likely alternatives, most likely first."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob]
+
+
 class InferResponse(BaseModel):
     """``POST /infer``'s answer: the whole text, why it ended, token counts and timings."""
 
@@ -94,6 +242,7 @@ class InferResponse(BaseModel):
     error: str | None = Field(default=None, description=ENDED_EARLY)
     usage: Usage
     timings: Timings
+    logprobs: list[InferLogprob] | None = Field(None, description="when the request asked for logprobs")
 
 
 class InferChunk(BaseModel):
@@ -143,55 +292,114 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class OpenAISampling(BaseModel):
-    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``. Unknown OpenAI
-    fields are ignored; ``n`` must be 1."""
+# Fields that do not change the output: accepted and not used. Any other field stepserve does
+# not implement answers 400 naming it (nothing is silently ignored).
+NO_OP_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "modalities"})
+MAX_N = 16
 
-    model_config = ConfigDict(extra="ignore")
+
+class OpenAISampling(Processors):
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``. Fields of OpenAI's API
+    that do not change the output (``user``, ``metadata``, ``store``, ``service_tier``, …) are
+    accepted; any other unknown field answers 400 naming it."""
+
+    model_config = ConfigDict(extra="allow")
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="as max_tokens; wins when both are set")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="not in OpenAI's API; as in vLLM")
-    n: Literal[1] = 1
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    n: int = Field(1, ge=1, le=MAX_N, description="choices per prompt; they share the prompt's prefill")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="choice i samples with seed + i")
     stop: str | list[str] | None = Field(default_factory=list, validate_default=True)
     stream: bool = False
     stream_options: StreamOptions | None = None
 
     _stop_list = field_validator("stop")(InferRequest._stop_list.__func__)
 
+    def unsupported(self) -> str | None:
+        """The first field of the body that stepserve does not implement, or None."""
+        return next((k for k in (self.model_extra or {}) if k not in NO_OP_FIELDS), None)
+
     def sampling(self) -> dict:
-        """Arguments for :class:`service.sequence.SamplingParams` (max_tokens resolved later)."""
+        """Arguments for :class:`service.engine.sequence.SamplingParams` (max_tokens resolved later)."""
         return {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
             "seed": self.seed,
             "stop": tuple(self.stop or ()),
+            **self.processors(),
         }
 
 
 class CompletionRequest(OpenAISampling):
-    prompt: str | list[str] = Field(..., description="one prompt (a list of exactly one is accepted)")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="a prompt, a list of prompts, token ids, or a list of token-id lists"
+    )
+    logprobs: int | None = Field(None, ge=0, le=5, description="logprobs of each token and of this many alternatives")
+    echo: bool = Field(False, description="prepend the prompt to the text")
+    suffix: str | None = Field(None, description="not supported: a non-empty suffix answers 400")
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt):
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise ValueError("exactly one prompt is supported")
-            prompt = prompt[0]
-        if not prompt:
+    def _prompts(cls, prompt):
+        if isinstance(prompt, list) and not prompt:
             raise ValueError("prompt must not be empty")
+        if prompt == "" or (isinstance(prompt, list) and any(p in ("", []) for p in prompt)):
+            raise ValueError("prompt must not be empty")
+        if isinstance(prompt, list) and len(prompt) > MAX_N and not isinstance(prompt[0], int):
+            raise ValueError(f"at most {MAX_N} prompts per request")
         return prompt
 
     @property
-    def prompt_text(self) -> str:
-        """The one prompt (the validator has unwrapped a list of one)."""
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class FunctionDef(BaseModel):
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(OpenAISampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    logprobs: bool = Field(False, description="return each token's logprob")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="and this many most likely alternatives")
+    tools: list[Tool] | None = Field(None, max_length=64)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    @model_validator(mode="after")
+    def _tools(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names '{self.tool_choice.function.name}', not one of the tools {names}")
+        return self

@@ -72,6 +72,16 @@ def system_prompt(tokens: int) -> str:
     return " ".join(parts)
 
 
+MASKS, MASK_SECONDS = "stepserve_grammar_masks_total", "stepserve_grammar_mask_seconds_total"
+
+# The schema of the constrained streams (--constrained): JSON notes, long enough to fill max_tokens.
+NOTES = {
+    "type": "object",
+    "properties": {"title": {"type": "string"}, "notes": {"type": "array", "items": {"type": "string"}}},
+    "required": ["title", "notes"],
+}
+
+
 @dataclass
 class Workload:
     """What the requests of a load run send: greedy and streamed, ``max_tokens`` each, with
@@ -82,6 +92,8 @@ class Workload:
     max_tokens: int = 64
     model: str | None = None
     system_tokens: int = 400  # chat-shared-prefix: the system prompt's size, estimated
+    constrained: int = 0  # essays on openai: this many streams of each level ask for JSON (response_format)
+    streams: int = 1  # the level's streams (set by run)
     system: str = field(init=False, default="")
     _turns: Iterator[int] = field(init=False, default_factory=count, repr=False)
 
@@ -101,17 +113,17 @@ class Workload:
             return "/v1/chat/completions", body
         prompt = PROMPTS[slot % len(PROMPTS)]
         if self.api == "openai":
-            return "/v1/completions", {
-                "prompt": prompt,
-                "model": self.model,
-                **stream,
-                "stream_options": {"include_usage": True},
-            }
+            body = {"prompt": prompt, "model": self.model, **stream, "stream_options": {"include_usage": True}}
+            if slot % self.streams < self.constrained:
+                body["response_format"] = {"type": "json_schema", "json_schema": {"name": "notes", "schema": NOTES}}
+            return "/v1/completions", body
         return "/infer", {"prompt": prompt, **stream, **({"model": self.model} if self.model else {})}
 
     def describe(self) -> dict:
         """The workload's settings for the JSON result."""
         info = {"workload": self.name, "api": "openai" if self.system else self.api, "max_tokens": self.max_tokens}
+        if self.constrained:
+            info["constrained_streams"] = self.constrained
         if self.system:
             info |= {
                 "system_tokens_requested": self.system_tokens,
@@ -164,7 +176,7 @@ def run(url: str, levels: list[int], requests_per_stream: int, workload: Workloa
     Raises httpx.HTTPError when the server does not answer.
     """
     with httpx.Client(base_url=url, timeout=60) as client:
-        read = stepserve_counters(client, [MISSES])
+        read = stepserve_counters(client, [MISSES, MASKS, MASK_SECONDS])
         stepserve = read is not None
         build = metric_labels(client, "stepserve_build_info") if stepserve else {}
 
@@ -175,10 +187,18 @@ def run(url: str, levels: list[int], requests_per_stream: int, workload: Workloa
         for level in levels:
             before = misses()
             if warmup_requests:
+                workload.streams = level
                 asyncio.run(run_level(url, level, warmup_requests, workload))
             timed = misses()
+            masks_before = read() if read else {}
+            workload.streams = level
             result = asyncio.run(run_level(url, level, requests_per_stream, workload))
             result["compile_misses"] = misses() - timed if stepserve else None
+            if read and workload.constrained:
+                after = read()
+                n = after[MASKS] - masks_before[MASKS]
+                result["grammar_masks"] = n
+                result["mask_host_s_per_token"] = (after[MASK_SECONDS] - masks_before[MASK_SECONDS]) / n if n else None
             result["warmup_compile_misses"] = timed - before if stepserve and warmup_requests else None
             results.append(result)
     return {
@@ -255,6 +275,12 @@ def _parser() -> argparse.ArgumentParser:
         "--api", choices=["infer", "openai"], default="infer", help="essays: POST /infer or /v1/completions"
     )
     parser.add_argument("--warmup-requests", type=int, default=0, help="untimed requests per stream before each level")
+    parser.add_argument(
+        "--constrained",
+        type=int,
+        default=0,
+        help="essays with --api openai: this many streams of each level send response_format (a JSON schema)",
+    )
     parser.add_argument("--model", help="model name to send (required by some OpenAI servers)")
     parser.add_argument("--out", type=Path, help="write the JSON result here, and the plot next to it (.png)")
     return parser
@@ -264,7 +290,7 @@ def main(argv: list[str]) -> int:
     """``stepserve bench [options]``: run the load, print the table to stderr and the JSON
     to stdout; with ``--out`` write the JSON and a PNG plot beside it. Returns 0."""
     args = _parser().parse_args(argv)
-    workload = Workload(args.workload, args.api, args.max_tokens, args.model, args.system_tokens)
+    workload = Workload(args.workload, args.api, args.max_tokens, args.model, args.system_tokens, args.constrained)
     result = run(args.url, args.concurrency, args.requests, workload, args.warmup_requests)
     if args.out:
         plot = plot_levels({result["url"]: result}, args.out.with_suffix(".png"), f"stepserve bench: {result['url']}")

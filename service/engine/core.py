@@ -197,6 +197,10 @@ class Engine:
             self._record_moves(self.runner.join([s for s in plan.prefill if s.finish_reason is None]))
         busy = self.runner.busy
         self._apply(self.runner.decode_requests())
+        if self.runner.masks and self.ready.is_set():
+            self.metrics.grammar_masks.labels(self.model.name).inc(self.runner.masks)
+            self.metrics.grammar_mask_seconds.labels(self.model.name).inc(self.runner.mask_seconds)
+        self.runner.masks, self.runner.mask_seconds = 0, 0.0
         return bool(plan.prefill or plan.aborted or busy)
 
     def _apply(self, out: RunnerOutput) -> None:

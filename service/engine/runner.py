@@ -38,12 +38,15 @@ class RunnerOutput:
         failed: (request, error message) for requests whose step raised.
         steps: one stat per step that ran (seconds from queueing to tokens read back).
         moves: decode-cache bucket moves made ("batch", "capacity").
+        masks / mask_seconds: grammar masks computed and the host seconds they took.
     """
 
     tokens: list[tuple[Sequence, int]] = field(default_factory=list)
     failed: list[tuple[Sequence, str]] = field(default_factory=list)
     steps: list[StepStat] = field(default_factory=list)
     moves: list[str] = field(default_factory=list)
+    masks: int = 0  # grammar masks computed (rows x steps)
+    mask_seconds: float = 0.0  # host seconds spent computing them
 
 
 @dataclass
@@ -100,6 +103,7 @@ class ModelRunner:
         self._keys: dict[str, mx.array] = {}  # request id -> its PRNG key (seeded rows only)
         self._inflight: _DecodeStep | None = None
         self._last_read_back = 0.0
+        self.masks, self.mask_seconds = 0, 0.0  # grammar masks computed so far, and their host seconds
         self.prefix = prefix if prefix is not None else PrefixCache(block_tokens=buckets.prompt[0], budget_bytes=0)
         self.prefiller = Prefiller(self, chunk_tokens, self.prefix)
 
@@ -331,7 +335,10 @@ class ModelRunner:
                 repetition[i] = p.repetition_penalty
                 seen[i, np.asarray(seq.prompt_ids + seq.sampled_ids, np.int64) % V] = True
             if seq.matcher is not None:
+                start = time.perf_counter()
                 seq.matcher.fill_mask(allowed, i)
+                self.masks += 1
+                self.mask_seconds += time.perf_counter() - start
         return mx.array(bias), mx.array(allowed), mx.array(repetition), mx.array(seen)  # type: ignore[arg-type]
 
     # -- prefill -------------------------------------------------------------------------

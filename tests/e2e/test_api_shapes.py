@@ -99,7 +99,8 @@ def finish_reasons(payloads: list[str]) -> set:
 
 BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 422, "messages.0.role"),
-    ("/v1/chat/completions", {**CHAT, "n": 2}, 422, "n"),
+    ("/v1/chat/completions", {**CHAT, "n": 17}, 422, "n"),
+    ("/v1/chat/completions", {**CHAT, "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404, "model"),
     ("/v1/completions", {"prompt": "hi", "model": "no-such-model", "stream": True}, 404, "model"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),

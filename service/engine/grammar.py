@@ -1,0 +1,135 @@
+"""Structured outputs: per-request token masks from a grammar engine (llguidance).
+
+A request with ``response_format`` (a JSON schema, or any JSON object) or a forced tool call
+(a Lark grammar, :func:`service.api.tools.tool_grammar`) carries a :class:`Grammar`; its
+sequence holds a :class:`Matcher`. Before each of the row's steps the runner asks the matcher
+for the allowed tokens as a bitmask (int32 words, bit ``j % 32`` of word ``j // 32`` set when
+token ``j`` is allowed, llguidance's layout), which enters the compiled sampler as an input of
+static shape [B, ceil(V / 32)] (:func:`models.sampling.process`); after the step the sampled
+token advances the matcher. Once the grammar is complete only the end-of-sequence tokens are
+allowed, so the row stops.
+
+llguidance (https://github.com/guidance-ai/llguidance) compiles JSON schemas and Lark grammars
+lazily against the tokenizer's token trie; why it and not xgrammar or outlines-core:
+docs/STRUCTURED_OUTPUTS.md.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import llguidance
+import llguidance.numpy as llnp
+import numpy as np
+
+from models.tokenizer import ChatTokenizer
+
+# JSON output as OpenAI's and vLLM's JSON modes write it: no whitespace freedom (a small model
+# would otherwise spend tokens on newlines), the usual separators.
+_JSON_OPTIONS = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+
+class GrammarError(ValueError):
+    """A grammar or schema the engine cannot compile; the message names the problem."""
+
+
+class TokenGrammar:
+    """Compiles grammars for one model's tokenizer (build once per model; thread-safe).
+
+    Args:
+        tokenizer: the model's tokenizer; its stop tokens are the grammar's end of sequence.
+        vocab_size: the model's logits width (may exceed the tokenizer's vocabulary: the
+            extra ids are never allowed).
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer, vocab_size: int):
+        stops = sorted(tokenizer.stop_token_ids)
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self._tokenizer = llguidance.LLTokenizer(
+            tokenizer.tokenizer.to_str(), n_vocab=vocab_size, eos_token=stops if len(stops) > 1 else stops[0]
+        )
+        self._lock = threading.Lock()
+
+    def json_object(self) -> Grammar:
+        """Any JSON object."""
+        return self.json_schema({"type": "object"})
+
+    def json_schema(self, schema: dict[str, Any], strict: bool = True) -> Grammar:
+        """JSON valid against ``schema`` (a JSON Schema object).
+
+        With ``strict`` False, keywords the engine does not implement are skipped (llguidance's
+        ``lenient`` mode); with True they are an error.
+
+        Raises:
+            GrammarError: ``schema`` is not an object or the engine cannot compile it.
+        """
+        if not isinstance(schema, dict):
+            raise GrammarError("the schema must be a JSON object")
+        options = {**_JSON_OPTIONS, **({} if strict else {"lenient": True})}
+        try:
+            text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise GrammarError(f"invalid JSON schema: {exc}") from exc
+        return self._compile(text)
+
+    def lark(self, text: str) -> Grammar:
+        """A Lark grammar in llguidance's dialect (``%json {...}`` embeds a JSON schema).
+
+        Raises:
+            GrammarError: the grammar does not compile.
+        """
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(text)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise GrammarError(f"invalid grammar: {exc}") from exc
+        return self._compile(grammar)
+
+    def _compile(self, grammar: str) -> Grammar:
+        with self._lock:
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
+        if is_error:
+            raise GrammarError(f"cannot compile: {'; '.join(messages) or 'invalid grammar'}")
+        probe = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if probe.is_error():
+            raise GrammarError(f"cannot compile: {probe.get_error()}")
+        return Grammar(self, grammar)
+
+
+class Grammar:
+    """A compiled grammar; :meth:`matcher` gives each request its own state."""
+
+    def __init__(self, owner: TokenGrammar, grammar: str):
+        self._owner, self._grammar = owner, grammar
+
+    def matcher(self) -> Matcher:
+        """A fresh matcher at the grammar's start."""
+        return Matcher(llguidance.LLMatcher(self._owner._tokenizer, self._grammar, log_level=0), self._owner.words)
+
+
+class Matcher:
+    """One request's position in its grammar (used by the engine thread only)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, words: int):
+        self._m, self._words = matcher, words
+
+    def fill_mask(self, out: np.ndarray, row: int) -> None:
+        """Write the allowed tokens into ``out[row]`` (int32 [B, W] bitmask, C-contiguous).
+
+        After an error (a token outside the grammar was forced on it) every token is allowed
+        except that the row can still stop: the output is then unconstrained, and logged."""
+        if self._m.is_error():
+            out[row] = -1
+            return
+        llnp.fill_next_token_bitmask(self._m, out, row)
+
+    def advance(self, token: int) -> bool:
+        """Accept a sampled token; False (no exception) when the grammar did not allow it."""
+        return bool(self._m.consume_token(token))
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: only an end-of-sequence token may follow."""
+        return self._m.is_stopped() or (self._m.is_accepting() and not self._m.is_error())

@@ -1,0 +1,102 @@
+"""The grammar engine's token masks on the real default tokenizer: a walk that only ever takes
+allowed tokens produces JSON valid against the schema; bad schemas are refused by name."""
+
+import json
+
+import jsonschema
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from models.gguf import default_model_path, read_gguf
+from models.sampling import unpack_bits
+from models.tokenizer import ChatTokenizer
+from service.engine.grammar import GrammarError, TokenGrammar
+
+VOCAB = 49152  # SmolLM2-135M's logits width
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 18, "maximum": 99},
+        "role": {"enum": ["admin", "user"]},
+        "home": {
+            "type": "object",
+            "properties": {"zip": {"type": "integer", "minimum": 1000, "maximum": 99999}},
+            "required": ["zip"],
+        },
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["name", "age", "role", "home", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tok() -> ChatTokenizer:
+    _, metadata = read_gguf(default_model_path())
+    return ChatTokenizer.from_gguf_metadata(metadata)
+
+
+@pytest.fixture(scope="module")
+def grammars(tok) -> TokenGrammar:
+    return TokenGrammar(tok, VOCAB)
+
+
+def walk(grammar, tok: ChatTokenizer, seed: int, limit: int = 400) -> str:
+    """Take allowed tokens until a stop token: a stop once allowed, else often a token that closes
+    something (a quote, a brace, a bracket, a digit), else a random allowed one."""
+    rng, matcher = np.random.default_rng(seed), grammar.matcher()
+    mask = np.zeros((1, (VOCAB + 31) // 32), np.int32)
+    out: list[int] = []
+    closing = [tok.encode(c)[0] for c in ('"', "}", "]", "1")]
+    for _ in range(limit):
+        matcher.fill_mask(mask, 0)
+        allowed = np.flatnonzero(np.array(unpack_bits(mx.array(mask), VOCAB))[0])
+        assert allowed.size and allowed.max() < len(tok.tokenizer.get_vocab())
+        stops = [t for t in allowed if t in tok.stop_token_ids]
+        if stops and out:
+            token = int(stops[0])
+        else:
+            preferred = [t for t in closing if t in set(allowed.tolist())]
+            token = int(preferred[0] if preferred and rng.random() < 0.7 else rng.choice(allowed))
+        assert matcher.advance(token)
+        if token in tok.stop_token_ids:
+            assert matcher.done
+            return tok.decode(out)
+        out.append(token)
+    raise AssertionError("the grammar never let the walk stop")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_walks_of_allowed_tokens_give_schema_valid_json(grammars, tok, seed):
+    text = walk(grammars.json_schema(SCHEMA), tok, seed)
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_json_object_walk_is_an_object(grammars, tok):
+    assert isinstance(json.loads(walk(grammars.json_object(), tok, 5)), dict)
+
+
+def test_a_token_outside_the_grammar_is_refused_without_raising(grammars, tok):
+    matcher = grammars.json_object().matcher()
+    assert not matcher.advance(tok.encode("hello")[0])
+
+
+@pytest.mark.parametrize(
+    "schema", [{"type": "object", "properties": 5}, {"type": "nonsense"}, {"pattern": "("}, ["not", "an", "object"]]
+)
+def test_schemas_the_engine_cannot_compile_raise_grammar_error(grammars, schema):
+    with pytest.raises(GrammarError):
+        grammars.json_schema(schema)  # type: ignore[arg-type]
+
+
+def test_an_invalid_lark_grammar_raises_grammar_error(grammars):
+    with pytest.raises(GrammarError):
+        grammars.lark("start: undefined_rule")
+
+
+def test_unpack_bits_matches_numpy():
+    words = np.random.default_rng(0).integers(-(2**31), 2**31 - 1, (3, 5), dtype=np.int64).astype(np.int32)
+    expected = np.unpackbits(words.view(np.uint8), bitorder="little").reshape(3, 160)[:, :150].astype(bool)
+    assert (np.array(unpack_bits(mx.array(words), 150)) == expected).all()
