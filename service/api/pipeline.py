@@ -138,6 +138,7 @@ def grammar(engine: Engine, response_format, lark: str | None = None, param: str
     if lark is None and kind in (None, "text"):
         return None
     from service.engine.grammar import GrammarError, TokenGrammar  # llguidance loads on first use
+
     compiler = engine.__dict__.get("_token_grammar")
     if compiler is None:
         compiler = engine.__dict__["_token_grammar"] = TokenGrammar(

@@ -70,7 +70,7 @@ class TokenGrammar:
             raise GrammarError("the schema must be a JSON object")
         options = {**_JSON_OPTIONS, **({} if strict else {"lenient": True})}
         try:
-            text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
+            text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)  # type: ignore[arg-type]  # a TypedDict
         except (ValueError, TypeError, RuntimeError) as exc:
             raise GrammarError(f"invalid JSON schema: {exc}") from exc
         return self._compile(text)
