@@ -79,8 +79,17 @@ async def send_error(
     await send({"type": "http.response.body", "body": body})
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "dict", "list", "literal"}
+
+
 def _field_path(loc) -> str:
-    return ".".join(str(p) for p in loc if p != "body") or "body"
+    """The field's dotted path; pydantic's union-member tags (``str``, ``list[ContentPart]``,
+    ``function-after[...]``) are not fields and are left out."""
+
+    def tag(p) -> bool:
+        return isinstance(p, str) and (p in _UNION_TAGS or "[" in p or p.startswith("function-"))
+
+    return ".".join(str(p) for p in loc if p != "body" and not tag(p)) or "body"
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:

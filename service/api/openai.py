@@ -311,6 +311,7 @@ async def _events(route: _Route, choices: list[_Choice], firsts: list) -> AsyncI
                     yield _data(
                         route.chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}])
                     )
+                c.calls = list(c.tools.calls)
             end = {"delta": {}} if route.chat else {"text": ""}
             yield _data(route.chunk([{"index": c.index, **end, "logprobs": None, "finish_reason": _reason(c)}]))
         if route.include_usage:

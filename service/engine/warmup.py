@@ -151,8 +151,16 @@ def rehearse(engine: Engine, spec: WarmupSpec) -> list[str]:
         ],
         f"a {long}-token prompt (prefill in chunks of {spec.chunk_tokens})": [request(long, 3, 100)],
         "penalties, a logit bias and logprobs (the logits processors; steps read back before the next)": [
-            request(6, 3, 300, temperature=0.5, presence_penalty=0.5, repetition_penalty=1.1, logprobs=2),
-            request(7, 3, 301, logit_bias=((1, 1.0),), logprobs=0),
+            request(
+                6,
+                3,
+                300,
+                temperature=0.5,
+                presence_penalty=0.5,
+                repetition_penalty=1.1,
+                logit_bias=((1, 1.0),),
+                logprobs=2,
+            ),
         ],
         f"the same {long}-token prompt again (a prefix-cache hit, when the cache is on)": [request(long, 2, 100)],
         f"a {near_edge}-token prompt that grows past its capacity bucket (a capacity move)": [
