@@ -74,7 +74,7 @@ class Prefiller:
                 out.failed.append((seq, f"prefill failed: {type(exc).__name__}"))
         for T, group in whole.items():
             rows = self.runner.buckets.prefill_rows(T, self.chunk_tokens)
-            for part in (group[i : i + rows] for i in range(0, len(group), rows)):
+            for part in _parts(group, rows):
                 try:
                     self._whole(part)
                 except Exception as exc:
@@ -178,3 +178,18 @@ class Prefiller:
                 self.prefix.insert(seq.prompt_ids, p.kv, row)
                 self.runner.keep_key(seq, p.keys[i])
                 out.tokens.append((seq, token_list[i]))
+
+
+def _parts(group: list[Sequence], rows: int) -> list[list[Sequence]]:
+    """``group`` cut into consecutive parts of at most ``rows`` distinct prompts each (requests
+    with the same prompt share a row, :meth:`Prefiller._whole`)."""
+    parts: list[list[Sequence]] = []
+    seen: set[tuple[int, ...]] = set()
+    for seq in group:
+        key = tuple(seq.prompt_ids)
+        if not parts or (key not in seen and len(seen) == rows):
+            parts.append([])
+            seen = set()
+        parts[-1].append(seq)
+        seen.add(key)
+    return parts

@@ -1,0 +1,85 @@
+"""Per-row sampling features inside the engine's batched steps, on a tiny random model: the n
+choices of one prompt share its prefill, a logit bias and the penalties act on their rows only,
+and logprobs describe the model's own distribution."""
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from models.loader import LoadedModel
+from service.engine.buckets import BucketTable
+from service.engine.compile_cache import CompileCache
+from service.engine.core import Engine
+from service.engine.sequence import FinalEvent, SamplingParams, Sequence, TokenEvent
+from service.metrics import Metrics
+from tests.support import TINY, WordTokenizer, random_params
+
+BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(8, 16), capacity=(32,))
+PROMPT = [5, 9, 2, 7, 3]
+
+
+@pytest.fixture
+def engine() -> Engine:
+    model = LoadedModel(
+        "tiny", Path("-"), TINY, random_params(), WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0
+    )
+    return Engine(
+        model,
+        BUCKETS,
+        CompileCache(True, lambda *a: None, lambda s: None),
+        Metrics(CollectorRegistry(), version="test", device="cpu"),
+    )
+
+
+def run(engine: Engine, params: list[SamplingParams]) -> list[list]:
+    """Submit one request per params (same prompt), step until all end; each one's events."""
+    events: list[list] = [[] for _ in params]
+    seqs = [
+        Sequence(list(PROMPT), p, engine.model.tokenizer.detokenizer(), events[i].append) for i, p in enumerate(params)
+    ]
+    for seq in seqs:
+        engine.submit(seq)
+    while not all(any(isinstance(e, FinalEvent) for e in ev) for ev in events):
+        engine.step()
+    while engine.runner.busy:
+        engine.step()
+    return [[s.output_ids for s in seqs][i] for i in range(len(seqs))], events  # type: ignore[return-value]
+
+
+def test_choices_of_one_prompt_share_one_prefill_row(engine):
+    stats = []
+    original = engine.runner.prefill_requests
+
+    def spy(seqs):
+        out = original(seqs)
+        stats.extend(out.steps)
+        return out
+
+    engine.runner.prefill_requests = spy  # type: ignore[method-assign]
+    outputs, _ = run(engine, [SamplingParams(max_tokens=4, temperature=0.0)] * 3)
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert [(s.phase, s.rows) for s in stats] == [("prefill", 1)]  # three requests, one prompt row
+
+
+def test_logit_bias_and_penalties_act_on_their_rows_only(engine):
+    free = SamplingParams(max_tokens=6)
+    (alone,), _ = run(engine, [free])
+    forced = SamplingParams(max_tokens=6, logit_bias=((11, 100.0),))
+    penalised = SamplingParams(max_tokens=6, frequency_penalty=2.0, presence_penalty=2.0, repetition_penalty=5.0)
+    (a, b, c), _ = run(engine, [free, forced, penalised])
+    assert a == alone  # a free row beside processed rows is unchanged
+    assert b == [11] * 6
+    assert c != alone
+
+
+def test_logprobs_are_the_models_distribution_sorted(engine):
+    (out,), (events,) = run(engine, [SamplingParams(max_tokens=5, logprobs=3)])
+    entries = [e for ev in events if isinstance(ev, TokenEvent) for e in ev.logprobs]
+    assert [e.token_id for e in entries] == out[: len(entries)] and entries
+    for e in entries:
+        lps = [lp for _, lp in e.top]
+        assert len(lps) == 3 and lps == sorted(lps, reverse=True)
+        assert e.top[0][0] == e.token_id and np.isclose(e.logprob, lps[0], atol=1e-5)  # greedy: the top token
