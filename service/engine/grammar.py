@@ -17,6 +17,7 @@ docs/STRUCTURED_OUTPUTS.md.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from typing import Any
 
@@ -45,12 +46,12 @@ class TokenGrammar:
     """
 
     def __init__(self, tokenizer: ChatTokenizer, vocab_size: int):
-        stops = sorted(tokenizer.stop_token_ids)
+        stops = sorted(tokenizer.stop_token_ids | {tokenizer.eos_token_id})
         self.vocab_size = vocab_size
-        self.words = (vocab_size + 31) // 32
-        self._tokenizer = llguidance.LLTokenizer(
-            tokenizer.tokenizer.to_str(), n_vocab=vocab_size, eos_token=stops if len(stops) > 1 else stops[0]
-        )
+        self.words = (vocab_size + 31) // 32  # int32 words per mask row
+        # llguidance reads the tokenizer's own JSON (no `transformers`); with n_vocab it sizes
+        # its masks to the logits width and never allows the ids past the tokenizer's vocabulary.
+        self._tokenizer = llguidance.LLTokenizer(tokenizer.tokenizer.to_str(), n_vocab=vocab_size, eos_token=stops)
         self._lock = threading.Lock()
 
     def json_object(self) -> Grammar:
@@ -67,13 +68,13 @@ class TokenGrammar:
             GrammarError: ``schema`` is not an object or the engine cannot compile it.
         """
         if not isinstance(schema, dict):
-            raise GrammarError("the schema must be a JSON object")
+            raise GrammarError("schema: must be a JSON object")
         options = {**_JSON_OPTIONS, **({} if strict else {"lenient": True})}
         try:
             text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)  # type: ignore[arg-type]  # a TypedDict
         except (ValueError, TypeError, RuntimeError) as exc:
-            raise GrammarError(f"invalid JSON schema: {exc}") from exc
-        return self._compile(text)
+            raise GrammarError(f"schema: {exc}") from exc
+        return self._compile(text, "schema")
 
     def lark(self, text: str) -> Grammar:
         """A Lark grammar in llguidance's dialect (``%json {...}`` embeds a JSON schema).
@@ -84,18 +85,28 @@ class TokenGrammar:
         try:
             grammar = llguidance.LLMatcher.grammar_from_lark(text)
         except (ValueError, TypeError, RuntimeError) as exc:
-            raise GrammarError(f"invalid grammar: {exc}") from exc
-        return self._compile(grammar)
+            raise GrammarError(f"grammar: {exc}") from exc
+        return self._compile(grammar, "grammar")
 
-    def _compile(self, grammar: str) -> Grammar:
+    def _compile(self, grammar: str, what: str) -> Grammar:
         with self._lock:
             is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
         if is_error:
-            raise GrammarError(f"cannot compile: {'; '.join(messages) or 'invalid grammar'}")
+            raise GrammarError(f"{what}: {_problem('; '.join(messages) or 'does not compile')}")
         probe = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if probe.is_error():
-            raise GrammarError(f"cannot compile: {probe.get_error()}")
+            raise GrammarError(f"{what}: {_problem(probe.get_error())}")
         return Grammar(self, grammar)
+
+
+def _problem(message: str) -> str:
+    """llguidance's message, with its list of JSON Schema keywords it does not implement
+    (``Unimplemented keys: ["not"]``) said the way the API reports it."""
+    found = re.search(r"Unimplemented keys: \[(.*?)\]", message)
+    if found is None:
+        return message
+    keys = ", ".join(f"'{k.strip().strip(chr(34))}'" for k in found.group(1).split(","))
+    return f"unsupported keyword {keys} (with strict false such keywords are skipped)"
 
 
 class Grammar:
@@ -107,6 +118,29 @@ class Grammar:
     def matcher(self) -> Matcher:
         """A fresh matcher at the grammar's start."""
         return Matcher(llguidance.LLMatcher(self._owner._tokenizer, self._grammar, log_level=0), self._owner.words)
+
+
+_EXECUTOR: llguidance.LLExecutor | None = None
+
+
+def fill_masks(rows: list[tuple[Matcher, int]], out: np.ndarray) -> None:
+    """Fill the allowed-token bitmask of several rows at once (``out`` int32 [B, W],
+    C-contiguous; ``rows`` pairs a matcher with its row of ``out``).
+
+    One call into llguidance's thread pool, which computes the rows in parallel with the GIL
+    released (the engine's event loop runs meanwhile). A matcher in an error state gets an
+    all-ones row, as :meth:`Matcher.fill_mask` gives it.
+    """
+    global _EXECUTOR
+    healthy = [(m._m, row) for m, row in rows if not m._m.is_error()]
+    for m, row in rows:
+        if m._m.is_error():
+            out[row] = -1
+    if not healthy:
+        return
+    if _EXECUTOR is None:
+        _EXECUTOR = llguidance.LLExecutor()
+    llnp.fill_next_token_bitmask_par(_EXECUTOR, healthy, out)
 
 
 class Matcher:
@@ -131,5 +165,7 @@ class Matcher:
 
     @property
     def done(self) -> bool:
-        """The grammar is complete: only an end-of-sequence token may follow."""
-        return self._m.is_stopped() or (self._m.is_accepting() and not self._m.is_error())
+        """The grammar is complete and nothing may extend it: only a stop token may follow (or
+        one has been taken). False while the grammar accepts but could go on (``"a"+`` after
+        ``a``), and False in the error state."""
+        return self._m.is_stopped() and not self._m.is_error()

@@ -20,6 +20,7 @@ from models.loader import LoadedModel
 from service.engine import warmup
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache, StepKey, StepSpec
+from service.engine.grammar import fill_masks
 from service.engine.prefill import Prefiller
 from service.engine.prefix_cache import PrefixCache
 from service.engine.sequence import Sequence, TokenLogprob
@@ -292,6 +293,7 @@ class ModelRunner:
         live = [s for s in rows if s is not None]
         raw = logits
         if any(s.params.processed for s in live):
+            mx.async_eval(logits)  # the forward pass runs while the host builds the processors' inputs
             logits = self.step_fn("process", B)(logits, *self._processor_inputs(rows, B))
         lp = None
         if all(s.params.temperature == 0 for s in live):
@@ -321,6 +323,7 @@ class ModelRunner:
         allowed = np.full((B, (V + 31) // 32), -1, np.int32)
         repetition = np.ones((B,), np.float32)
         seen = np.zeros((B, V), np.bool_)
+        grammar_rows = []
         for i, seq in enumerate(rows):
             if seq is None or not seq.params.processed:
                 continue
@@ -335,10 +338,12 @@ class ModelRunner:
                 repetition[i] = p.repetition_penalty
                 seen[i, np.asarray(seq.prompt_ids + seq.sampled_ids, np.int64) % V] = True
             if seq.matcher is not None:
-                start = time.perf_counter()
-                seq.matcher.fill_mask(allowed, i)
-                self.masks += 1
-                self.mask_seconds += time.perf_counter() - start
+                grammar_rows.append((seq.matcher, i))
+        if grammar_rows:
+            start = time.perf_counter()
+            fill_masks(grammar_rows, allowed)
+            self.masks += len(grammar_rows)
+            self.mask_seconds += time.perf_counter() - start
         return mx.array(bias), mx.array(allowed), mx.array(repetition), mx.array(seen)  # type: ignore[arg-type]
 
     # -- prefill -------------------------------------------------------------------------

@@ -100,3 +100,16 @@ def test_unpack_bits_matches_numpy():
     words = np.random.default_rng(0).integers(-(2**31), 2**31 - 1, (3, 5), dtype=np.int64).astype(np.int32)
     expected = np.unpackbits(words.view(np.uint8), bitorder="little").reshape(3, 160)[:, :150].astype(bool)
     assert (np.array(unpack_bits(mx.array(words), 150)) == expected).all()
+
+
+def test_masks_filled_together_equal_masks_filled_one_by_one(grammars, tok):
+    from service.engine.grammar import fill_masks
+
+    a, b = grammars.json_schema(SCHEMA).matcher(), grammars.json_object().matcher()
+    assert a.advance(tok.encode("{")[0])
+    one = np.zeros((3, (VOCAB + 31) // 32), np.int32)
+    a.fill_mask(one, 0)
+    b.fill_mask(one, 2)
+    together = np.zeros_like(one)
+    fill_masks([(a, 0), (b, 2)], together)
+    assert (together == one).all() and not together[1].any()
