@@ -105,8 +105,9 @@ def _problem(message: str) -> str:
     found = re.search(r"Unimplemented keys: \[(.*?)\]", message)
     if found is None:
         return message
-    keys = ", ".join(f"'{k.strip().strip(chr(34))}'" for k in found.group(1).split(","))
-    return f"unsupported keyword {keys} (with strict false such keywords are skipped)"
+    keys = [f"'{k.strip().strip(chr(34))}'" for k in found.group(1).split(",")]
+    noun = "keyword" if len(keys) == 1 else "keywords"
+    return f"unsupported {noun} {', '.join(keys)} (with strict false such keywords are skipped)"
 
 
 class Grammar:

@@ -91,15 +91,52 @@ def test_schemas_the_engine_cannot_compile_raise_grammar_error(grammars, schema)
         grammars.json_schema(schema)  # type: ignore[arg-type]
 
 
+def test_an_unimplemented_keyword_is_named_and_skipped_when_not_strict(grammars, tok):
+    schema = {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True}
+    with pytest.raises(GrammarError, match="schema: unsupported keyword 'uniqueItems'"):
+        grammars.json_schema(schema)
+    json.loads(walk(grammars.json_schema(schema, strict=False), tok, 3))
+
+
 def test_an_invalid_lark_grammar_raises_grammar_error(grammars):
-    with pytest.raises(GrammarError):
+    with pytest.raises(GrammarError, match='grammar: .*unknown name: "undefined_rule"'):
         grammars.lark("start: undefined_rule")
 
 
-def test_unpack_bits_matches_numpy():
+def test_a_lark_grammar_embeds_a_json_schema(grammars, tok):
+    lark = 'start: "<tool_call>" %json {"type": "object", "required": ["x"]} "</tool_call>"'
+    text = walk(grammars.lark(lark), tok, 4)
+    assert text.startswith("<tool_call>") and text.endswith("</tool_call>")
+    assert "x" in json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))
+
+
+def test_done_only_once_nothing_may_follow(grammars, tok):
+    a, stop = tok.encode("a")[0], min(tok.stop_token_ids)
+    matcher = grammars.lark('start: "a"+').matcher()
+    assert matcher.advance(a) and not matcher.done  # accepting, but more a's may follow
+    assert matcher.advance(stop) and matcher.done
+    closed = grammars.json_object().matcher()
+    assert all(closed.advance(t) for t in tok.encode('{"a": 1}')) and closed.done  # only a stop may follow
+    mask = np.zeros((1, grammars.words), np.int32)
+    closed.fill_mask(mask, 0)
+    assert set(np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))) == set(tok.stop_token_ids)
+
+
+def test_ids_past_the_tokenizer_vocabulary_are_never_allowed(tok):
+    wide = TokenGrammar(tok, VOCAB + 100)  # a logits width rounded up past the tokenizer's ids
+    mask = np.zeros((1, wide.words), np.int32)
+    wide.lark(r"start: /[\x00-\xff]*/").matcher().fill_mask(mask, 0)
+    bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
+    assert wide.words == (VOCAB + 100 + 31) // 32 and bits[:VOCAB].sum() > 40000 and not bits[VOCAB:].any()
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint32])
+def test_unpack_bits_matches_numpy_also_compiled(dtype):
     words = np.random.default_rng(0).integers(-(2**31), 2**31 - 1, (3, 5), dtype=np.int64).astype(np.int32)
     expected = np.unpackbits(words.view(np.uint8), bitorder="little").reshape(3, 160)[:, :150].astype(bool)
-    assert (np.array(unpack_bits(mx.array(words), 150)) == expected).all()
+    words = mx.array(words.view(dtype))
+    assert (np.array(unpack_bits(words, 150)) == expected).all()
+    assert (np.array(mx.compile(lambda w: unpack_bits(w, 150))(words)) == expected).all()
 
 
 def test_masks_filled_together_equal_masks_filled_one_by_one(grammars, tok):
