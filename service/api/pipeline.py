@@ -25,6 +25,7 @@ from service.api.errors import ApiError, client_closed
 from service.api.state import AppState
 from service.api.tools import render_messages
 from service.engine.core import Engine
+from service.engine.grammar import Grammar, GrammarError
 from service.engine.scheduler import DrainingError, QueueFullError
 from service.engine.sequence import Event, FinalEvent, FinishReason, SamplingParams, Sequence
 from service.process import memory
@@ -128,7 +129,7 @@ def sampling_params(engine: Engine, n_prompt: int, max_tokens: int, **sampling) 
     return SamplingParams(max_tokens=max_tokens, **sampling)
 
 
-def grammar(engine: Engine, response_format, lark: str | None = None, param: str = "response_format"):
+def grammar(engine: Engine, response_format, lark: str | None = None, param: str = "response_format") -> Grammar | None:
     """The compiled grammar of a ``response_format`` (:class:`service.api.schemas.ResponseFormat`)
     or of a Lark grammar (tool calls), for this engine's tokenizer; None for free text.
 
@@ -137,13 +138,7 @@ def grammar(engine: Engine, response_format, lark: str | None = None, param: str
     kind = None if response_format is None else response_format.type
     if lark is None and kind in (None, "text"):
         return None
-    from service.engine.grammar import GrammarError, TokenGrammar  # llguidance loads on first use
-
-    compiler = engine.__dict__.get("_token_grammar")
-    if compiler is None:
-        compiler = engine.__dict__["_token_grammar"] = TokenGrammar(
-            engine.model.tokenizer, engine.model.args.vocab_size
-        )
+    compiler = engine.grammars
     try:
         if lark is not None:
             return compiler.lark(lark)

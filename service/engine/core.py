@@ -12,11 +12,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from functools import cached_property
 
 from models.loader import LoadedModel
+from models.tokenizer import ChatTokenizer
 from service.engine import warmup
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
+from service.engine.grammar import TokenGrammar
 from service.engine.prefix_cache import PrefixCache
 from service.engine.runner import ModelRunner, RunnerOutput
 from service.engine.scheduler import Scheduler
@@ -141,6 +144,12 @@ class Engine:
         choices = self.runner.compiled.choices().items()
         return {f"{k.phase} {k.bucket}": "compiled" if c else "eager" for k, c in choices}
 
+    @cached_property
+    def grammars(self) -> TokenGrammar:
+        """The grammar compiler for this model's tokenizer (built during warm-up, off the event
+        loop: reading the vocabulary into llguidance takes a fraction of a second)."""
+        return TokenGrammar(self.model.tokenizer, self.model.args.vocab_size)
+
     @property
     def compile_policy(self) -> str:
         """The compile policy: "on", "off" or "auto"."""
@@ -258,6 +267,8 @@ class Engine:
         warmup.run(self.runner, steps, progress)
         if spec.rehearse and steps:
             self.rehearsed = warmup.rehearse(self, spec)
+        if isinstance(self.model.tokenizer, ChatTokenizer):  # (tests' toy tokenizers have none)
+            self.grammars  # noqa: B018  # built now, not under the first structured request
         self.warmup_seconds, self.warmup_buckets = time.perf_counter() - start, len(steps)
         for key, compiled in self.runner.compiled.choices().items():
             self.metrics.compiled_step.labels(key.model, key.phase, key.bucket).set(int(compiled))
