@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import mlx.core as mx
-import numpy as np
 
 from models import llama, sampling
 from models.kv_cache import KVCache
@@ -20,9 +19,9 @@ from models.loader import LoadedModel
 from service.engine import warmup
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache, StepKey, StepSpec
-from service.engine.grammar import fill_masks
 from service.engine.prefill import Prefiller
 from service.engine.prefix_cache import PrefixCache
+from service.engine.processors import processor_inputs
 from service.engine.sequence import Sequence, TokenLogprob
 from service.metrics import StepStat
 
@@ -294,7 +293,9 @@ class ModelRunner:
         raw = logits
         if any(s.params.processed for s in live):
             mx.async_eval(logits)  # the forward pass runs while the host builds the processors' inputs
-            logits = self.step_fn("process", B)(logits, *self._processor_inputs(rows, B))
+            inputs, masks, seconds = processor_inputs(rows, B, self.vocab)
+            self.masks, self.mask_seconds = self.masks + masks, self.mask_seconds + seconds
+            logits = self.step_fn("process", B)(logits, *inputs)
         lp = None
         if all(s.params.temperature == 0 for s in live):
             tokens, next_keys = self.step_fn("greedy")(logits), keys
@@ -313,38 +314,6 @@ class ModelRunner:
         if any(s.params.logprobs is not None for s in live):
             lp = self.step_fn("logprobs", B)(raw, tokens)
         return tokens, next_keys, lp
-
-    def _processor_inputs(self, rows: list[Sequence | None], B: int) -> tuple[mx.array, ...]:
-        """The host-built inputs of :func:`models.sampling.process` for these rows: bias
-        float32 [B, V], allowed-token bitmask int32 [B, W], repetition penalty float32 [B],
-        seen tokens bool [B, V]. Rows that need no processing get neutral values."""
-        V = self.vocab
-        bias = np.zeros((B, V), np.float32)
-        allowed = np.full((B, (V + 31) // 32), -1, np.int32)
-        repetition = np.ones((B,), np.float32)
-        seen = np.zeros((B, V), np.bool_)
-        grammar_rows = []
-        for i, seq in enumerate(rows):
-            if seq is None or not seq.params.processed:
-                continue
-            p = seq.params
-            for token, value in p.logit_bias:
-                if 0 <= token < V:
-                    bias[i, token] += value
-            if (p.presence_penalty or p.frequency_penalty) and seq.sampled_ids:
-                counts = np.bincount(np.asarray(seq.sampled_ids, np.int64), minlength=V)[:V]
-                bias[i] -= p.presence_penalty * (counts > 0) + p.frequency_penalty * counts
-            if p.repetition_penalty != 1:
-                repetition[i] = p.repetition_penalty
-                seen[i, np.asarray(seq.prompt_ids + seq.sampled_ids, np.int64) % V] = True
-            if seq.matcher is not None:
-                grammar_rows.append((seq.matcher, i))
-        if grammar_rows:
-            start = time.perf_counter()
-            fill_masks(grammar_rows, allowed)
-            self.masks += len(grammar_rows)
-            self.mask_seconds += time.perf_counter() - start
-        return mx.array(bias), mx.array(allowed), mx.array(repetition), mx.array(seen)  # type: ignore[arg-type]
 
     # -- prefill -------------------------------------------------------------------------
 
