@@ -47,10 +47,10 @@ class BucketTable:
         """Smallest capacity bucket >= positions. Raises BucketLimitError."""
         return self._fit(self.capacity, positions, "KV capacity")
 
-    def prefill_rows(self, prompt_bucket: int, chunk_tokens: int) -> int:
+    def prefill_rows(self, prompt_bucket: int, tokens: int) -> int:
         """The most prompts of one prompt bucket a whole prefill runs together: the largest
-        batch bucket whose padded tokens stay within one chunk (at least 1)."""
-        fitting = [b for b in self.batch if b * prompt_bucket <= chunk_tokens]
+        batch bucket whose padded tokens stay within ``tokens`` (at least 1)."""
+        fitting = [b for b in self.batch if b * prompt_bucket <= tokens]
         return fitting[-1] if fitting else 1
 
     def staging_for(self, positions: int) -> int:

@@ -62,7 +62,7 @@ class Engine:
     ):
         self.model, self.buckets, self.metrics = model, buckets, metrics
         chunk_tokens = min(chunk_tokens, buckets.prompt[-1])  # a chunk pads up to a prompt bucket
-        self.runner = ModelRunner(model, buckets, cache, chunk_tokens, prefix)
+        self.runner = ModelRunner(model, buckets, cache, chunk_tokens, prefix, max_batched_tokens)
         running = min(max_running or buckets.batch[-1], buckets.batch[-1])
         peek = self.runner.prefix.peek
         self.scheduler = Scheduler(running, max_waiting, chunk_tokens, max_batched_tokens, peek)

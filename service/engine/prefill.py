@@ -3,7 +3,7 @@ prefix-cache hits in chunks on a per-request staging cache, and the first token 
 
 A prompt of at most ``chunk_tokens`` tokens with no cached prefix is prefilled whole, together
 with the other such prompts of its prompt bucket (``prefill`` at (B, T), a cache of capacity
-T; at most a chunk's worth of padded tokens per call). Any other prompt is prefilled one chunk
+T; at most the step's token budget of padded tokens per call). Any other prompt is prefilled one chunk
 per engine step (``chunk`` at (1, T, C)): its staging cache [1, Hkv, C, D] starts with the prefix
 cache's blocks, if any, grows (by staging capacity bucket) as the prompt does, and each chunk
 attends to what the cache holds so far, at offsets passed as arrays. Either way, once the
@@ -50,10 +50,14 @@ class Prefiller:
         runner: the model runner whose step functions, sampler and keys it uses.
         chunk_tokens: prompt tokens one request prefills per step at most.
         prefix: the prefix cache (a budget of 0 disables it).
+        whole_tokens: padded tokens one whole-prompt prefill call runs at most (the engine's
+            per-step token budget): short prompts of one prompt bucket go together in as few
+            calls as that allows.
     """
 
-    def __init__(self, runner: ModelRunner, chunk_tokens: int, prefix: PrefixCache):
+    def __init__(self, runner: ModelRunner, chunk_tokens: int, prefix: PrefixCache, whole_tokens: int = 2048):
         self.runner, self.chunk_tokens, self.prefix = runner, chunk_tokens, prefix
+        self.whole_tokens = max(whole_tokens, chunk_tokens)
 
     def run(self, seqs: list[Sequence], out: RunnerOutput) -> None:
         """Advance each request's prompt by one chunk (or whole), appending first tokens,
@@ -73,7 +77,7 @@ class Prefiller:
             except Exception as exc:  # one failed request must not take the others down
                 out.failed.append((seq, f"prefill failed: {type(exc).__name__}"))
         for T, group in whole.items():
-            rows = self.runner.buckets.prefill_rows(T, self.chunk_tokens)
+            rows = self.runner.buckets.prefill_rows(T, self.whole_tokens)
             for part in _parts(group, rows):
                 try:
                     self._whole(part)

@@ -21,7 +21,7 @@ from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache, StepKey, StepSpec
 from service.engine.prefill import Prefiller
 from service.engine.prefix_cache import PrefixCache
-from service.engine.processors import processor_inputs
+from service.engine.processors import ProcessorInputs
 from service.engine.sequence import Sequence, TokenLogprob
 from service.metrics import StepStat
 
@@ -83,6 +83,7 @@ class ModelRunner:
         cache: CompileCache,
         chunk_tokens: int = 512,
         prefix: PrefixCache | None = None,
+        prefill_tokens: int = 2048,
     ):
         self.model, self.buckets, self.compiled = model, buckets, cache
         a = model.args
@@ -98,6 +99,7 @@ class ModelRunner:
         }
         self.kv: KVCache | None = None
         self.vocab = a.vocab_size
+        self.processor_inputs = ProcessorInputs(a.vocab_size)
         self.capacity_limit = buckets.capacity[-1]
         self.slots: list[Sequence | None] = []  # slot s holds the request with seq.slot == s
         self._keys: dict[str, mx.array] = {}  # request id -> its PRNG key (seeded rows only)
@@ -105,7 +107,7 @@ class ModelRunner:
         self._last_read_back = 0.0
         self.masks, self.mask_seconds = 0, 0.0  # grammar masks computed so far, and their host seconds
         self.prefix = prefix if prefix is not None else PrefixCache(block_tokens=buckets.prompt[0], budget_bytes=0)
-        self.prefiller = Prefiller(self, chunk_tokens, self.prefix)
+        self.prefiller = Prefiller(self, chunk_tokens, self.prefix, max(prefill_tokens, chunk_tokens))
 
     # -- executing the scheduler's plan --------------------------------------------------
 
@@ -136,12 +138,18 @@ class ModelRunner:
         live = [s for s in self.slots if s is not None]
         moves = self._fit(live, seqs)
         free = iter(i for i, s in enumerate(self.slots) if s is None)
+        groups: dict[int, tuple[KVCache, list[Sequence], list[int], list[int]]] = {}  # by source cache
         for seq in seqs:
             prompt_kv, row = seq.prefilled  # type: ignore[misc]
-            slot = next(free)
-            self.insert(seq, slot, prompt_kv, row)
-            self.slots[slot] = seq
-            seq.prefilled = None
+            _, members, slots, rows = groups.setdefault(id(prompt_kv), (prompt_kv, [], [], []))
+            members.append(seq)
+            slots.append(next(free))
+            rows.append(row)
+        for prompt_kv, members, slots, rows in groups.values():
+            self.insert_rows(members, slots, prompt_kv, rows)
+            for seq, slot in zip(members, slots, strict=True):
+                self.slots[slot] = seq
+                seq.prefilled = None
         return moves
 
     def decode_requests(self) -> RunnerOutput:
@@ -156,12 +164,14 @@ class ModelRunner:
         """
         out = RunnerOutput()
         previous = self._inflight
+        early = None
         if previous is not None and any(s is not None and s.params.stateful for s in previous.rows):
             # A grammar or a penalty needs step t's token before step t+1's logits are processed:
-            # read it back now (the sync the overlap otherwise saves, paid only by such batches).
-            previous.observed = _ints(previous.tokens)
-            self._observe(previous, previous.observed)
-        self._inflight = self._queue_decode(out) if any(s is not None for s in self.slots) else None
+            # step t+1's forward pass is queued first, then t's tokens are read back and
+            # observed (grammar matchers advanced) while it runs on the device, then t+1's
+            # processors and sampler are queued. The device stays busy; only the sampler waits.
+            early = partial(self._observe_early, previous)
+        self._inflight = self._queue_decode(out, early) if any(s is not None for s in self.slots) else None
         if previous is not None:
             self._read_back(previous, out)
         return out
@@ -179,7 +189,9 @@ class ModelRunner:
         self._keys.clear()
         self.reset()
 
-    def _queue_decode(self, out: RunnerOutput) -> _DecodeStep | None:
+    def _queue_decode(self, out: RunnerOutput, before_select: Callable[[], None] | None = None) -> _DecodeStep | None:
+        """Queue one decode step of every live slot (forward pass, then token selection);
+        ``before_select`` runs between the two, once the forward pass is on the device."""
         prev = self._inflight
         pending = {id(s): i for i, s in enumerate(prev.rows) if s is not None} if prev else {}
         for seq in [s for s in self.slots if s is not None]:
@@ -194,6 +206,9 @@ class ModelRunner:
         out.moves += self._fit(live)
         rows = list(self.slots)  # a snapshot: slots change before this step is read back
         logits = self.decode(rows, _input_tokens(rows, prev, pending))
+        if before_select is not None:
+            mx.async_eval(logits)
+            before_select()
         keys = [self._keys.get(s.request_id) if s else None for s in rows]
         tokens, next_keys, lp = self.select(logits, rows, keys)
         for i, seq in enumerate(rows):
@@ -225,6 +240,11 @@ class ModelRunner:
 
     def _observe(self, step: _DecodeStep, tokens: list[int]) -> None:
         self.observe(step.rows, tokens, step.logprobs)
+
+    def _observe_early(self, step: _DecodeStep) -> None:
+        """Read ``step``'s tokens back before it is applied, and observe them (stateful rows)."""
+        step.observed = _ints(step.tokens)
+        self._observe(step, step.observed)
 
     def _read_back(self, step: _DecodeStep, out: RunnerOutput) -> None:
         token_list = step.observed if step.observed is not None else _ints(step.tokens)
@@ -293,7 +313,7 @@ class ModelRunner:
         raw = logits
         if any(s.params.processed for s in live):
             mx.async_eval(logits)  # the forward pass runs while the host builds the processors' inputs
-            inputs, masks, seconds = processor_inputs(rows, B, self.vocab)
+            inputs, masks, seconds = self.processor_inputs.build(rows, B)
             self.masks, self.mask_seconds = self.masks + masks, self.mask_seconds + seconds
             logits = self.step_fn("process", B)(logits, *inputs)
         lp = None
@@ -367,19 +387,29 @@ class ModelRunner:
         return moves
 
     def insert(self, seq: Sequence, slot: int, prompt_kv: KVCache, row: int) -> None:
-        """Copy row ``row`` of a prefill cache into decode slot ``slot``.
+        """Copy row ``row`` of a prefill cache into decode slot ``slot`` (see :meth:`insert_rows`)."""
+        self.insert_rows([seq], [slot], prompt_kv, [row])
+
+    def insert_rows(self, seqs: list[Sequence], slots: list[int], prompt_kv: KVCache, rows: list[int]) -> None:
+        """Copy rows ``rows`` of one prefill or staging cache [B', Hkv, C', D] into decode
+        slots ``slots``: one indexed copy per layer and keys/values for the whole group (on a
+        GPU each copy is a kernel launch). Only the first ``min(C', C)`` positions are copied:
+        a slot's positions past its sequence hold garbage that attention masks away.
 
         Raises:
-            ValueError: the slot's capacity cannot hold the sequence (call :meth:`fit` first).
+            ValueError: the decode cache's capacity cannot hold a sequence (call :meth:`fit` first).
         """
         kv = self._cache()
-        if seq.position >= kv.capacity:
-            raise ValueError(f"sequence at position {seq.position} does not fit capacity {kv.capacity}")
-        src = prompt_kv.resized(kv.capacity)
+        for seq in seqs:
+            if seq.position >= kv.capacity:
+                raise ValueError(f"sequence at position {seq.position} does not fit capacity {kv.capacity}")
+        n = min(prompt_kv.capacity, kv.capacity)
+        dst, src = _index(slots), _index(rows)
         for layer in range(len(kv.keys)):
-            kv.keys[layer][slot] = src.keys[layer][row]
-            kv.values[layer][slot] = src.values[layer][row]
-        seq.slot = slot
+            kv.keys[layer][dst, :, :n] = prompt_kv.keys[layer][src, :, :n]
+            kv.values[layer][dst, :, :n] = prompt_kv.values[layer][src, :, :n]
+        for seq, slot in zip(seqs, slots, strict=True):
+            seq.slot = slot
 
     def decode(self, slots: list[Sequence | None], tokens: mx.array | None = None) -> mx.array:
         """One decode step over all slots; returns logits float32 [B, V] (lazy).
@@ -438,6 +468,13 @@ def _input_tokens(rows: list[Sequence | None], prev: _DecodeStep | None, pending
     from_prev = mx.array([j >= 0 for j in src])
     gathered = prev.tokens[mx.array([max(j, 0) for j in src], mx.int32)]
     return mx.where(from_prev, gathered, mx.array(known, mx.int32))
+
+
+def _index(rows: list[int]) -> slice | mx.array:
+    """Rows as an index: a slice when they are consecutive (a plain copy), else an int32 array."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return mx.array(rows, mx.int32)
 
 
 def _resize_batch(kv: KVCache, batch: int) -> KVCache:

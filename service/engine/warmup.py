@@ -52,8 +52,8 @@ def plan(buckets: BucketTable, spec: WarmupSpec) -> list[Step]:
     """Every step function a request within ``spec`` can reach, so none compiles after ready:
 
     * ``prefill`` (B, T): prompts of up to ``chunk_tokens`` tokens prefilled whole, B the rows
-      of one prompt bucket one call runs (at most a chunk of padded tokens; ``batch`` and the
-      token budget bound them too);
+      of one prompt bucket one call runs (at most the step's token budget of padded tokens;
+      ``batch`` bounds them too);
     * ``chunk`` (1, T, C): a longer prompt's chunks, and what follows a prefix-cache hit, at
       every chunk bucket T and every staging capacity C >= T the prompts reach
       (:meth:`BucketTable.staging_for`);
@@ -69,11 +69,12 @@ def plan(buckets: BucketTable, spec: WarmupSpec) -> list[Step]:
     chunk_ts = [t for t in buckets.prompt if t <= chunk_top]
     whole_ts = [t for t in chunk_ts if t <= buckets.prompt_for(min(spec.prompt_tokens, chunk_top))]
     rows = buckets.batch_for(min(spec.batch, buckets.batch[-1]))
+    whole_tokens = max(spec.max_batched_tokens, spec.chunk_tokens)  # padded tokens of one whole prefill
     prefill = []
     for i, t in enumerate(whole_ts):
         shortest = (chunk_ts[i - 1] + 1) if i else 1  # a prompt in bucket t has at least this many tokens
         admitted = max(1, min(rows, spec.max_batched_tokens // shortest))
-        most = min(buckets.batch_for(admitted), buckets.prefill_rows(t, spec.chunk_tokens))
+        most = min(buckets.batch_for(admitted), buckets.prefill_rows(t, whole_tokens))
         prefill += [("prefill", b, t, 0) for b in buckets.batch if b <= most]
     staging_top = buckets.staging_for(min(spec.prompt_tokens + 1, limit))
     stagings = sorted({buckets.staging_for(c) for c in buckets.capacity if c <= staging_top})
@@ -134,9 +135,10 @@ def rehearse(engine: Engine, spec: WarmupSpec) -> list[str]:
     """
     buckets, runner = engine.buckets, engine.runner
     vocab, limit = engine.model.args.vocab_size, buckets.capacity[-1]
-    rows = max(1, min(spec.batch, engine.scheduler.max_running, 4))
+    rows = max(1, min(spec.batch, engine.scheduler.max_running))
     long = max(2, min(spec.chunk_tokens + 40, spec.prompt_tokens, limit - 8))
     near_edge = max(2, min(buckets.capacity[0] - 2, spec.prompt_tokens))
+    short_top = max(2, min(spec.prompt_tokens, spec.chunk_tokens, limit - 8))  # the burst's longest prompt
 
     def request(length: int, max_tokens: int, base: int, **sampling) -> Sequence:
         ids = [1 + (base + 7 * i) % (vocab - 1) for i in range(length)]
@@ -147,7 +149,8 @@ def rehearse(engine: Engine, spec: WarmupSpec) -> list[str]:
 
     scenarios = {
         f"a burst of {rows} short requests, greedy, sampled and seeded (batch moves up and down)": [
-            request(5 + 3 * i, 2 + i, i, temperature=0.7 * (i % 2), seed=i if i % 2 else None) for i in range(rows)
+            request(min(5 + 3 * i, short_top), 2 + i % 5, i, temperature=0.7 * (i % 2), seed=i if i % 2 else None)
+            for i in range(rows)
         ],
         f"a {long}-token prompt (prefill in chunks of {spec.chunk_tokens})": [request(long, 3, 100)],
         "penalties, a logit bias and logprobs (the logits processors; steps read back before the next)": [

@@ -1,6 +1,7 @@
 """Per-row sampling features inside the engine's batched steps, on a tiny random model: the n
-choices of one prompt share its prefill, a logit bias and the penalties act on their rows only,
-and logprobs describe the model's own distribution."""
+choices of one prompt share its prefill, a logit bias and the penalties act on their rows only
+(and see each token before the next is chosen), and logprobs describe the model's own
+distribution."""
 
 from pathlib import Path
 
@@ -13,9 +14,10 @@ from models.loader import LoadedModel
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
 from service.engine.core import Engine
+from service.engine.processors import ProcessorInputs
 from service.engine.sequence import FinalEvent, SamplingParams, Sequence, TokenEvent
 from service.metrics import Metrics
-from tests.support import TINY, WordTokenizer, random_params
+from tests.support import TINY, WordTokenizer, prefill_one, random_params
 
 BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(8, 16), capacity=(32,))
 PROMPT = [5, 9, 2, 7, 3]
@@ -83,3 +85,44 @@ def test_logprobs_are_the_models_distribution_sorted(engine):
         lps = [lp for _, lp in e.top]
         assert len(lps) == 3 and lps == sorted(lps, reverse=True)
         assert e.top[0][0] == e.token_id and np.isclose(e.logprob, lps[0], atol=1e-5)  # greedy: the top token
+
+
+def penalised_reference(params, n: int, presence: float, frequency: float) -> list[int]:
+    """Greedy tokens of PROMPT alone with OpenAI's presence and frequency penalties over the
+    tokens generated so far, one full forward pass per token (no pipelining)."""
+    out: list[int] = []
+    for _ in range(n):
+        logits, _ = prefill_one(params, PROMPT + out)
+        counts = np.bincount(np.asarray(out, np.int64), minlength=TINY.vocab_size)
+        adjusted = np.array(logits) - presence * (counts > 0) - frequency * counts
+        out.append(int(np.argmax(adjusted)))
+    return out
+
+
+def test_penalties_see_every_token_before_the_next_is_chosen(engine):
+    # The engine queues a penalised row's forward pass before reading its previous token back;
+    # the penalty must still count that token (a one-step lag would change these tokens).
+    penalised = SamplingParams(max_tokens=16, presence_penalty=2.0, frequency_penalty=2.0)
+    (free_out, out), _ = run(engine, [SamplingParams(max_tokens=16), penalised])
+    expected = penalised_reference(engine.model.params, 16, 2.0, 2.0)
+    assert len(set(expected)) > 1  # the penalties change the greedy token part way through
+    assert out == expected
+    (alone,), _ = run(engine, [SamplingParams(max_tokens=16)])
+    assert free_out == alone
+
+
+def test_processor_inputs_send_only_what_rows_use():
+    inputs = ProcessorInputs(TINY.vocab_size)
+    bias_row = Sequence([1, 2], SamplingParams(logit_bias=((3, 2.0),), presence_penalty=1.0), None, lambda e: None)
+    bias_row.sampled_ids = [4, 4]
+    repeat_row = Sequence([5], SamplingParams(repetition_penalty=1.2), None, lambda e: None)
+    (bias, allowed, repetition, seen), masks, _ = inputs.build([None, bias_row], 2)
+    neutral = inputs.neutral(2)
+    assert masks == 0 and allowed is neutral[1] and repetition is neutral[2] and seen is neutral[3]
+    expected = np.zeros((2, TINY.vocab_size), np.float32)
+    expected[1, 3], expected[1, 4] = 2.0, -1.0
+    assert np.array_equal(np.array(bias), expected)
+    (bias, _, repetition, seen), _, _ = inputs.build([repeat_row, None], 2)
+    assert bias is neutral[0]
+    assert np.allclose(np.array(repetition), [1.2, 1.0])
+    assert np.flatnonzero(np.array(seen)).tolist() == [5]
