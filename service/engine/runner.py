@@ -106,6 +106,7 @@ class ModelRunner:
         self._inflight: _DecodeStep | None = None
         self._last_read_back = 0.0
         self.masks, self.mask_seconds = 0, 0.0  # grammar masks computed so far, and their host seconds
+        self.wait_seconds = 0.0  # seconds the engine thread has waited for the device's results (monotonic)
         self.prefix = prefix if prefix is not None else PrefixCache(block_tokens=buckets.prompt[0], budget_bytes=0)
         self.prefiller = Prefiller(self, chunk_tokens, self.prefix, max(prefill_tokens, chunk_tokens))
 
@@ -241,13 +242,26 @@ class ModelRunner:
     def _observe(self, step: _DecodeStep, tokens: list[int]) -> None:
         self.observe(step.rows, tokens, step.logprobs)
 
+    def read_tokens(self, tokens: mx.array) -> list[int]:
+        """Read int32 [B] tokens back to the host (waiting for the device: counted in ``wait_seconds``)."""
+        start = time.perf_counter()
+        out = [int(t) for t in tokens.tolist()]  # type: ignore[union-attr]  # tolist of a 1-D array is a list
+        self.wait_seconds += time.perf_counter() - start
+        return out
+
+    def wait_for(self, *arrays) -> None:
+        """``mx.eval`` the arrays, counting the wait in ``wait_seconds``."""
+        start = time.perf_counter()
+        mx.eval(*arrays)
+        self.wait_seconds += time.perf_counter() - start
+
     def _observe_early(self, step: _DecodeStep) -> None:
         """Read ``step``'s tokens back before it is applied, and observe them (stateful rows)."""
-        step.observed = _ints(step.tokens)
+        step.observed = self.read_tokens(step.tokens)
         self._observe(step, step.observed)
 
     def _read_back(self, step: _DecodeStep, out: RunnerOutput) -> None:
-        token_list = step.observed if step.observed is not None else _ints(step.tokens)
+        token_list = step.observed if step.observed is not None else self.read_tokens(step.tokens)
         if step.observed is None:
             self._observe(step, token_list)
         now = time.perf_counter()
@@ -448,11 +462,6 @@ class ModelRunner:
             return fn.calibrate(args, repeats)
         mx.eval(fn(*args))
         return fn.compiled
-
-
-def _ints(tokens: mx.array) -> list[int]:
-    """Read int32 [B] tokens back to the host (the step's one sync)."""
-    return [int(t) for t in tokens.tolist()]  # type: ignore[union-attr]  # tolist of a 1-D array is a list
 
 
 def _input_tokens(rows: list[Sequence | None], prev: _DecodeStep | None, pending: dict[int, int]) -> mx.array:
