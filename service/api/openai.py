@@ -173,7 +173,7 @@ async def _generate(body: OpenAISampling, request: Request, state: AppState, cha
     try:
         for p, prompt in enumerate(prompts):
             param = f"prompt.{p}" if len(prompts) > 1 else "prompt"
-            ids = pipeline.prompt_ids(engine, prompt, messages, rendered_tools, param=param)
+            ids = await pipeline.prompt_ids(engine, prompt, messages, rendered_tools, param=param)
             echo_text = (prompt if isinstance(prompt, str) else engine.model.tokenizer.decode(ids)) if echo else ""
             for i in range(body.n):
                 seed = None if body.seed is None else (body.seed + i) % 2**63

@@ -76,7 +76,10 @@ def check_messages(messages: list) -> None:
             )
 
 
-def prompt_ids(
+TOKENIZE_IN_THREAD_CHARS = 4096  # longer texts are tokenized on a worker thread (see prompt_ids)
+
+
+async def prompt_ids(
     engine: Engine,
     prompt: str | list[int] | None,
     messages: list[dict] | None,
@@ -85,6 +88,10 @@ def prompt_ids(
 ) -> list[int]:
     """Token ids of a raw prompt (text or token ids) or of chat messages rendered by the chat
     template (with ``tools`` passed to it).
+
+    A text of more than ``TOKENIZE_IN_THREAD_CHARS`` characters is tokenized on a worker
+    thread (``tokenizers`` releases the GIL while it encodes), so a long retrieval-augmented
+    prompt does not hold every stream's events on the event loop while it is tokenized.
 
     Raises ApiError 400 when the template fails, a token id is outside the vocabulary, or the
     prompt exceeds the largest capacity bucket.
@@ -102,7 +109,11 @@ def prompt_ids(
             raise ApiError(400, str(exc), param="messages") from exc
         assert text is not None  # the schemas require a prompt or messages
         security.check_prompt_chars(tokenizer, text, engine.capacity_limit)
-        ids = tokenizer.encode(text)
+        ids = (
+            await asyncio.to_thread(tokenizer.encode, text)
+            if len(text) > TOKENIZE_IN_THREAD_CHARS
+            else tokenizer.encode(text)
+        )
     if not ids:
         raise ApiError(400, "prompt encodes to no tokens", param=param)
     if len(ids) > engine.capacity_limit:
