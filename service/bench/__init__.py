@@ -17,6 +17,7 @@ def main(argv: list[str]) -> int:
     * ``steps …``: one prefill and decode step per dtype, weight format and compile mode
       (:mod:`service.bench.steps`);
     * ``profile …``: where a decode step's time goes (:mod:`service.bench.profile`);
+    * ``pipeline …``: one process against pipeline ranks per decode step (:mod:`service.bench.pipeline`);
     * ``… --micro …``: plain against compiled, in-process (:mod:`service.bench.micro`);
     * ``… --side-by-side …``: stepserve against its peers (:mod:`service.bench.compare`);
     * ``… --workload long-arrival …``: stalls while a long prompt prefills
@@ -33,6 +34,10 @@ def main(argv: list[str]) -> int:
         from service.bench.profile import main as profile
 
         return profile(argv[1:])
+    if argv[:1] == ["pipeline"]:
+        from service.bench.pipeline import main as pipeline
+
+        return pipeline(argv[1:])
     if "--micro" in argv:
         from service.bench.micro import main as micro
 
