@@ -14,6 +14,7 @@ from models.gguf import ModelLoadError, args_from_metadata, params_from_tensors,
 from models.hf import load_dir
 from models.layers import Params, quantized_bits
 from models.llama import ModelArgs, fuse_projections
+from models.pipeline import Stage
 from models.tokenizer import ChatTokenizer
 
 WeightsMode = Literal["quantized", "dequantized"]
@@ -37,6 +38,9 @@ class LoadedModel:
         dtype: compute dtype (activations, KV cache, scales).
         weights: "quantized" (quantized matmuls) or "dequantized" (dense matmuls).
         load_seconds: wall time to read and prepare the weights.
+        stage: the pipeline stage this process serves (its layers only in ``params``,
+            :func:`models.stage_loader.load_stage`); None: the whole model.
+        group: the ``mx.distributed`` group of the stages (None for the whole model).
     """
 
     name: str
@@ -47,6 +51,13 @@ class LoadedModel:
     dtype: mx.Dtype
     weights: WeightsMode
     load_seconds: float
+    stage: Stage | None = None
+    group: mx.distributed.Group | None = None
+
+    @property
+    def layers(self) -> int:
+        """Decoder layers this process holds (and keeps a KV cache for): all of them, or its stage's."""
+        return self.args.num_hidden_layers if self.stage is None else self.stage.stop - self.stage.start
 
     @property
     def nbytes(self) -> int:

@@ -116,12 +116,11 @@ class Prefiller:
         offset, n, T = self.chunk_plan(len(seq.prompt_ids), seq.num_computed)[0]
         # The staging cache grows with the prompt (a chunk's attention costs its whole capacity).
         capacity = runner.buckets.staging_for(offset + T)
-        kv: KVCache = runner.new_kv(1, capacity) if seq.staging is None else seq.staging
+        executor = runner.executor
+        kv: KVCache = executor.alloc(1, capacity) if seq.staging is None else seq.staging
         if kv.capacity < capacity:
-            kv = kv.resized(capacity)
-        tokens = mx.array([seq.prompt_ids[offset : offset + n] + [0] * (T - n)], mx.int32)
-        fn = runner.step_fn("chunk", 1, T, kv.capacity)
-        logits, kv = fn(runner.model.params, tokens, mx.array([offset], mx.int32), mx.array([n], mx.int32), kv)
+            kv = executor.resize(kv, capacity)
+        logits, kv = executor.chunk(kv, seq.prompt_ids[offset : offset + n] + [0] * (T - n), offset, n)
         seq.staging, seq.num_computed = kv, offset + n
         stat = ("chunk", f"b1x{T}c{kv.capacity}", 1, 1, start)
         if seq.prompt_done:

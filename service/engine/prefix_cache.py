@@ -30,6 +30,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import mlx.core as mx
 
@@ -106,6 +107,9 @@ class PrefixCache:
             (``match`` hits nothing and counts nothing, ``insert`` stores nothing).
         hash_fn: ``(parent digest, block tokens) -> digest``; the default is
             :func:`sha256_block_hash` (tests inject colliding ones).
+        ops: where blocks are copied and gathered (:class:`BlockOps`); the default is this
+            process's arrays, and the engine's runner sets its executor (a pipeline group's
+            ranks then each hold their own layers' blocks, rank 0's LRU deciding for all).
 
     Raises:
         ValueError: ``block_tokens`` < 1 or ``budget_bytes`` < 0.
@@ -114,7 +118,9 @@ class PrefixCache:
     ``hit_tokens`` (of those, tokens found cached), ``evicted_blocks``.
     """
 
-    def __init__(self, block_tokens: int, budget_bytes: int, hash_fn: HashFn = sha256_block_hash):
+    def __init__(
+        self, block_tokens: int, budget_bytes: int, hash_fn: HashFn = sha256_block_hash, ops: BlockOps | None = None
+    ):
         if block_tokens < 1:
             raise ValueError(f"prefix cache block_tokens must be >= 1, got {block_tokens}")
         if budget_bytes < 0:
@@ -122,6 +128,7 @@ class PrefixCache:
         self.block_tokens = block_tokens
         self.budget_bytes = budget_bytes
         self._hash = hash_fn
+        self.ops: BlockOps = ops or LOCAL_BLOCKS
         self._blocks: OrderedDict[bytes, Block] = OrderedDict()  # least recently used first
         self._nbytes = 0
         self._layout: tuple[int, int, int, mx.Dtype] | None = None  # layers, Hkv, D, dtype
@@ -191,11 +198,7 @@ class PrefixCache:
         """
         if not hit.blocks:
             raise ValueError("an empty prefix hit has nothing to gather")
-        full = mx.concatenate([b.kv for b in hit.blocks], axis=3)  # [layers, 2, Hkv, hit, D]
-        if capacity is not None and capacity > hit.num_tokens:
-            full = mx.pad(full, [(0, 0), (0, 0), (0, 0), (0, capacity - hit.num_tokens), (0, 0)])
-        layers = range(full.shape[0])
-        return KVCache([full[layer, 0][None] for layer in layers], [full[layer, 1][None] for layer in layers])
+        return self.ops.gather_blocks([b.kv for b in hit.blocks], capacity or hit.num_tokens)
 
     def insert(self, tokens: Sequence[int], kv: KVCache, row: int = 0) -> int:
         """Store every full block of ``tokens`` not cached yet, then evict down to the budget.
@@ -282,21 +285,64 @@ class PrefixCache:
             self.evicted_blocks += 1
 
     def _copy(self, blocks: list[Block], at: list[int], kv: KVCache, row: int) -> None:
-        """Fill ``blocks[j].kv`` with block ``at[j]`` of row ``row``, [layers, 2, Hkv, block_tokens, D]
-        each, and queue their evaluation (``mx.async_eval``: no host sync; once computed they
-        no longer reference the source cache).
-
-        The span from the first to the last new block is gathered once (one copy per layer
-        and one stack), then each block is one contiguous copy of its part: on a GPU every
-        copy is a kernel launch, and slicing each block from each layer's cache would be
-        ``2 * layers`` launches per block (over 11,000 for a 6,000-token prompt).
-        """
+        """Fill ``blocks[j].kv`` with block ``at[j]`` of row ``row`` (:meth:`BlockOps.save_blocks`,
+        evaluated asynchronously: no host sync)."""
         T = self.block_tokens
-        lo, hi = at[0] * T, (at[-1] + 1) * T
-        span = mx.stack(
-            [mx.stack([k[row, :, lo:hi], v[row, :, lo:hi]]) for k, v in zip(kv.keys, kv.values, strict=True)]
-        )
-        for block, i in zip(blocks, at, strict=True):
-            start = i * T - lo
-            block.kv = mx.contiguous(span[:, :, :, start : start + T])
-        mx.async_eval([b.kv for b in blocks])
+        for block, kv_block in zip(blocks, self.ops.save_blocks(kv, row, [i * T for i in at], T), strict=True):
+            block.kv = kv_block
+
+
+class BlockOps(Protocol):
+    """Where a block's keys and values are copied and gathered: this process's arrays
+    (:data:`LOCAL_BLOCKS`), or every rank of a pipeline group, each on its own layers (the
+    engine's executor, :mod:`service.engine.executor`)."""
+
+    def save_blocks(self, kv: KVCache, row: int, starts: list[int], block_tokens: int) -> list[mx.array]:
+        """Blocks of ``block_tokens`` positions at ``starts`` of row ``row`` of ``kv``, as
+        :func:`copy_blocks`, their evaluation queued."""
+        ...
+
+    def gather_blocks(self, blocks: list[mx.array], capacity: int) -> KVCache:
+        """:func:`join_blocks`."""
+        ...
+
+
+class _LocalBlocks:
+    """:class:`BlockOps` on this process's arrays."""
+
+    def save_blocks(self, kv: KVCache, row: int, starts: list[int], block_tokens: int) -> list[mx.array]:
+        blocks = copy_blocks(kv, row, starts, block_tokens)
+        mx.async_eval(blocks)
+        return blocks
+
+    def gather_blocks(self, blocks: list[mx.array], capacity: int) -> KVCache:
+        return join_blocks(blocks, capacity)
+
+
+LOCAL_BLOCKS: BlockOps = _LocalBlocks()
+
+
+def copy_blocks(kv: KVCache, row: int, starts: list[int], block_tokens: int) -> list[mx.array]:
+    """For each start s (ascending), positions [s, s + block_tokens) of row ``row`` of the
+    per-layer cache ``kv`` [B, Hkv, C, D], as one array [layers, 2 (keys, values), Hkv,
+    block_tokens, D] that shares no buffer with ``kv`` once evaluated (lazy).
+
+    The span from the first to the last block is gathered once (one copy per layer and one
+    stack), then each block is one contiguous copy of its part: on a GPU every copy is a
+    kernel launch, and slicing each block from each layer's cache would be ``2 * layers``
+    launches per block (over 11,000 for a 6,000-token prompt).
+    """
+    lo, hi = starts[0], starts[-1] + block_tokens
+    span = mx.stack([mx.stack([k[row, :, lo:hi], v[row, :, lo:hi]]) for k, v in zip(kv.keys, kv.values, strict=True)])
+    return [mx.contiguous(span[:, :, :, s - lo : s - lo + block_tokens]) for s in starts]
+
+
+def join_blocks(blocks: list[mx.array], capacity: int | None = None) -> KVCache:
+    """Blocks [layers, 2, Hkv, block_tokens, D] (in prompt order) as a batch-1 cache: per layer
+    [1, Hkv, capacity or their total positions, D] (lazy; zero-padded up to ``capacity``)."""
+    full = mx.concatenate(blocks, axis=3)  # [layers, 2, Hkv, positions, D]
+    positions = full.shape[3]
+    if capacity is not None and capacity > positions:
+        full = mx.pad(full, [(0, 0), (0, 0), (0, 0), (0, capacity - positions), (0, 0)])
+    layers = range(full.shape[0])
+    return KVCache([full[layer, 0][None] for layer in layers], [full[layer, 1][None] for layer in layers])

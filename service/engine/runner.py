@@ -1,7 +1,8 @@
 """The model runner: executes what the scheduler planned as compiled prefill, decode and
 sampling steps at bucketed shapes, and owns the running batch: its KV cache, which request
 sits in which slot, each seeded row's PRNG key and the decode step in flight. Called only
-from the engine thread."""
+from the engine thread. The model's steps and KV-cache operations run through its executor
+(:mod:`service.engine.executor`: this process, or every rank of a pipeline group)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,11 @@ from functools import partial
 
 import mlx.core as mx
 
-from models import llama, sampling
 from models.kv_cache import KVCache
 from models.loader import LoadedModel
-from service.engine import warmup
 from service.engine.buckets import BucketTable
-from service.engine.compile_cache import CompileCache, StepKey, StepSpec
+from service.engine.compile_cache import CompileCache
+from service.engine.executor import Executor
 from service.engine.prefill import Prefiller
 from service.engine.prefix_cache import PrefixCache
 from service.engine.processors import ProcessorInputs
@@ -84,30 +84,21 @@ class ModelRunner:
         chunk_tokens: int = 512,
         prefix: PrefixCache | None = None,
         prefill_tokens: int = 2048,
+        executor: Executor | None = None,
     ):
         self.model, self.buckets, self.compiled = model, buckets, cache
-        a = model.args
-        self._dtype_name = str(model.dtype).rsplit(".", 1)[-1]
-        self._specs = {
-            "prefill": StepSpec(partial(llama.prefill, args=a)),
-            "chunk": StepSpec(partial(llama.prefill_chunk, args=a)),
-            "decode": StepSpec(partial(llama.decode, args=a)),
-            "sample": StepSpec(sampling.sample, random_state=True),
-            "greedy": StepSpec(sampling.greedy, shapeless=True),
-            "process": StepSpec(sampling.process),
-            "logprobs": StepSpec(sampling.logprobs),
-        }
+        self.executor = executor if executor is not None else Executor(model, cache)
         self.kv: KVCache | None = None
-        self.vocab = a.vocab_size
-        self.processor_inputs = ProcessorInputs(a.vocab_size)
+        self.vocab = model.args.vocab_size
+        self.processor_inputs = ProcessorInputs(model.args.vocab_size)
         self.capacity_limit = buckets.capacity[-1]
         self.slots: list[Sequence | None] = []  # slot s holds the request with seq.slot == s
         self._keys: dict[str, mx.array] = {}  # request id -> its PRNG key (seeded rows only)
         self._inflight: _DecodeStep | None = None
         self._last_read_back = 0.0
         self.masks, self.mask_seconds = 0, 0.0  # grammar masks computed so far, and their host seconds
-        self.wait_seconds = 0.0  # seconds the engine thread has waited for the device's results (monotonic)
         self.prefix = prefix if prefix is not None else PrefixCache(block_tokens=buckets.prompt[0], budget_bytes=0)
+        self.prefix.ops = self.executor  # a group's ranks each keep their own layers' blocks
         self.prefiller = Prefiller(self, chunk_tokens, self.prefix, max(prefill_tokens, chunk_tokens))
 
     # -- executing the scheduler's plan --------------------------------------------------
@@ -242,18 +233,18 @@ class ModelRunner:
     def _observe(self, step: _DecodeStep, tokens: list[int]) -> None:
         self.observe(step.rows, tokens, step.logprobs)
 
+    @property
+    def wait_seconds(self) -> float:
+        """Seconds the engine thread has waited for the device's results (monotonic)."""
+        return self.executor.wait_seconds
+
     def read_tokens(self, tokens: mx.array) -> list[int]:
         """Read int32 [B] tokens back to the host (waiting for the device: counted in ``wait_seconds``)."""
-        start = time.perf_counter()
-        out = [int(t) for t in tokens.tolist()]  # type: ignore[union-attr]  # tolist of a 1-D array is a list
-        self.wait_seconds += time.perf_counter() - start
-        return out
+        return self.executor.read(tokens)
 
     def wait_for(self, *arrays) -> None:
         """``mx.eval`` the arrays, counting the wait in ``wait_seconds``."""
-        start = time.perf_counter()
-        mx.eval(*arrays)
-        self.wait_seconds += time.perf_counter() - start
+        self.executor.wait(*arrays)
 
     def _observe_early(self, step: _DecodeStep) -> None:
         """Read ``step``'s tokens back before it is applied, and observe them (stateful rows)."""
@@ -296,16 +287,14 @@ class ModelRunner:
     # -- compiled functions --------------------------------------------------------------
 
     def step_fn(self, phase: str, batch: int = 0, size: int = 0, capacity: int = 0) -> Callable:
-        """The compiled function of ``phase`` at bucket (batch, size[, capacity]); counts a hit or miss."""
-        key = StepKey(self.model.name, phase, batch, size, self._dtype_name, capacity)
-        return self.compiled.get(key, self._specs[phase])
+        """The compiled function of ``phase`` at bucket (batch, size[, capacity]); counts a hit or
+        miss (:meth:`Executor.step_fn`: on this process only)."""
+        return self.executor.step_fn(phase, batch, size, capacity)
 
     def new_kv(self, batch: int, capacity: int) -> KVCache:
-        """A zeroed KV cache [batch, Hkv, capacity, D] per layer in the compute dtype."""
-        a = self.model.args
-        return KVCache.allocate(
-            a.num_hidden_layers, batch, a.num_key_value_heads, capacity, a.dim_per_head, self.model.dtype
-        )
+        """A zeroed KV cache [batch, Hkv, capacity, D] per layer in the compute dtype, on this
+        process only (:meth:`Executor.new_kv`)."""
+        return self.executor.new_kv(batch, capacity)
 
     # -- sampling ------------------------------------------------------------------------
 
@@ -363,11 +352,7 @@ class ModelRunner:
         T = self.buckets.prompt_for(max(len(p) for p in prompts))
         rows = [p + [0] * (T - len(p)) for p in prompts] + [[0] * T] * (B - n)
         lengths = [len(p) for p in prompts] + [1] * (B - n)
-        tokens = mx.array(rows, mx.int32)
-        logits, kv = self.step_fn("prefill", B, T)(
-            self.model.params, tokens, mx.array(lengths, mx.int32), self.new_kv(B, T)
-        )
-        return logits, kv
+        return self.executor.prefill(rows, lengths)
 
     # -- the decode batch ----------------------------------------------------------------
 
@@ -383,19 +368,18 @@ class ModelRunner:
         B = self.buckets.batch_for(max(len(live) + len(joining), 1))
         C = self.buckets.capacity_for(max((s.position + 1 for s in live + joining), default=1))
         if self.kv is None:
-            self.kv = self.new_kv(B, C)
+            self.kv = self.executor.alloc(B, C)
             return []
-        kv, moves = self.kv, []
+        kv, moves, before = self.kv, [], self.kv.batch
         if B < kv.batch or any(s.slot >= B for s in live):
-            order = mx.array([s.slot for s in live] or [0], mx.int32)
-            kv = KVCache([k[order] for k in kv.keys], [v[order] for v in kv.values])
+            kv = self.executor.reorder(kv, [s.slot for s in live] or [0])
             for i, s in enumerate(live):
                 s.slot = i
         if kv.capacity != C:
-            kv, moves = kv.resized(C), ["capacity"]
+            kv, moves = self.executor.resize(kv, C), ["capacity"]
         if kv.batch != B:
-            kv = _resize_batch(kv, B)
-        if B != self.kv.batch:
+            kv = self.executor.resize_batch(kv, B)
+        if B != before:
             moves.append("batch")
         self.kv = kv
         return moves
@@ -417,11 +401,7 @@ class ModelRunner:
         for seq in seqs:
             if seq.position >= kv.capacity:
                 raise ValueError(f"sequence at position {seq.position} does not fit capacity {kv.capacity}")
-        n = min(prompt_kv.capacity, kv.capacity)
-        dst, src = _index(slots), _index(rows)
-        for layer in range(len(kv.keys)):
-            kv.keys[layer][dst, :, :n] = prompt_kv.keys[layer][src, :, :n]
-            kv.values[layer][dst, :, :n] = prompt_kv.values[layer][src, :, :n]
+        self.executor.insert_rows(kv, prompt_kv, slots, rows)
         for seq, slot in zip(seqs, slots, strict=True):
             seq.slot = slot
 
@@ -441,9 +421,7 @@ class ModelRunner:
             raise ValueError(f"position {max(positions_list)} is beyond the KV capacity {kv.capacity}")
         if tokens is None:
             tokens = mx.array([s.last_token if s else 0 for s in slots], mx.int32)
-        positions = mx.array(positions_list, mx.int32)
-        fn = self.step_fn("decode", kv.batch, kv.capacity)
-        logits, self.kv = fn(self.model.params, tokens, positions, kv)
+        logits, self.kv = self.executor.decode(kv, tokens, positions_list)
         return logits
 
     def reset(self) -> None:
@@ -453,15 +431,9 @@ class ModelRunner:
     # -- warm-up -------------------------------------------------------------------------
 
     def warm(self, phase: str, batch: int, size: int, capacity: int = 0, repeats: int = 3) -> bool:
-        """Compile and run one bucket's step on dummy inputs (:func:`warmup.dummy_inputs`).
-        Under the ``auto`` policy, time it compiled and eager (``repeats`` runs each) and keep
-        the faster. Returns whether the bucket runs compiled."""
-        fn = self.step_fn(phase, batch, size, capacity)
-        args = warmup.dummy_inputs(self, phase, batch, size, capacity)
-        if self.compiled.policy == "auto":
-            return fn.calibrate(args, repeats)
-        mx.eval(fn(*args))
-        return fn.compiled
+        """Compile and run one bucket's step on dummy inputs (:meth:`Executor.warm`); returns
+        whether the bucket runs compiled."""
+        return self.executor.warm(phase, batch, size, capacity, repeats)
 
 
 def _input_tokens(rows: list[Sequence | None], prev: _DecodeStep | None, pending: dict[int, int]) -> mx.array:
@@ -477,18 +449,3 @@ def _input_tokens(rows: list[Sequence | None], prev: _DecodeStep | None, pending
     from_prev = mx.array([j >= 0 for j in src])
     gathered = prev.tokens[mx.array([max(j, 0) for j in src], mx.int32)]
     return mx.where(from_prev, gathered, mx.array(known, mx.int32))
-
-
-def _index(rows: list[int]) -> slice | mx.array:
-    """Rows as an index: a slice when they are consecutive (a plain copy), else an int32 array."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return slice(rows[0], rows[0] + len(rows))
-    return mx.array(rows, mx.int32)
-
-
-def _resize_batch(kv: KVCache, batch: int) -> KVCache:
-    """Pad (with empty slots) or cut the batch axis to ``batch`` rows."""
-    if batch < kv.batch:
-        return KVCache([k[:batch] for k in kv.keys], [v[:batch] for v in kv.values])
-    pad = [(0, batch - kv.batch), (0, 0), (0, 0), (0, 0)]
-    return KVCache([mx.pad(k, pad) for k in kv.keys], [mx.pad(v, pad) for v in kv.values])

@@ -16,6 +16,7 @@ from service.engine.sequence import SamplingParams, Sequence
 
 if TYPE_CHECKING:
     from service.engine.core import Engine
+    from service.engine.executor import Executor
     from service.engine.runner import ModelRunner
 
 log = logging.getLogger("stepserve.engine")
@@ -88,17 +89,18 @@ def plan(buckets: BucketTable, spec: WarmupSpec) -> list[Step]:
     return prefill + chunks + decode + samplers + [("greedy", 0, 0, 0)]
 
 
-def dummy_inputs(runner: ModelRunner, phase: str, batch: int, size: int, capacity: int = 0) -> tuple:
+def dummy_inputs(executor: Executor, phase: str, batch: int, size: int, capacity: int = 0) -> tuple:
     """Arguments of ``phase``'s step function at bucket (batch, size[, capacity]): zero tokens,
-    positions and offsets, lengths of 1, a zeroed KV cache, zero logits and keys, no seeded rows."""
-    params, vocab = runner.model.params, runner.vocab
+    positions and offsets, lengths of 1, a zeroed KV cache (of this process's layers), zero
+    logits and keys, no seeded rows."""
+    params, vocab = executor.model.params, executor.vocab
     if phase == "chunk":
         zeros, ones = mx.zeros((batch,), mx.int32), mx.ones((batch,), mx.int32)
-        return params, mx.zeros((batch, size), mx.int32), zeros, ones, runner.new_kv(batch, capacity)
+        return params, mx.zeros((batch, size), mx.int32), zeros, ones, executor.new_kv(batch, capacity)
     if phase == "prefill":
-        return params, mx.zeros((batch, size), mx.int32), mx.ones((batch,), mx.int32), runner.new_kv(batch, size)
+        return params, mx.zeros((batch, size), mx.int32), mx.ones((batch,), mx.int32), executor.new_kv(batch, size)
     if phase == "decode":
-        return params, mx.zeros((batch,), mx.int32), mx.zeros((batch,), mx.int32), runner.new_kv(batch, size)
+        return params, mx.zeros((batch,), mx.int32), mx.zeros((batch,), mx.int32), executor.new_kv(batch, size)
     if phase == "greedy":
         return (mx.zeros((1, vocab), mx.float32),)
     ones, logits = mx.ones((batch,), mx.float32), mx.zeros((batch, vocab), mx.float32)

@@ -72,10 +72,10 @@ class MemoryAdmissionError(RuntimeError):
 
 
 def kv_bytes_per_position(model: LoadedModel) -> int:
-    """Bytes one row's KV cache takes per position: keys and values of every layer,
-    2 x layers x Hkv x D x the compute dtype's size."""
+    """Bytes one row's KV cache takes per position in this process: keys and values of every
+    layer it holds (all, or a pipeline stage's), 2 x layers x Hkv x D x the compute dtype's size."""
     a = model.args
-    return 2 * a.num_hidden_layers * a.num_key_value_heads * a.dim_per_head * model.dtype.size
+    return 2 * model.layers * a.num_key_value_heads * a.dim_per_head * model.dtype.size
 
 
 def prefill_bytes(

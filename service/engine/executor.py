@@ -1,0 +1,199 @@
+"""The executor: where the runner's model steps and KV-cache operations run.
+
+The runner decides (which rows, which bucket, which slots); the executor carries it out on
+this process's layers. Every method here is one **operation**: a compiled model step
+(``prefill``, ``chunk``, ``decode``, each at a bucketed shape), or a KV-cache operation
+(``alloc``, ``resize``, ``reorder``, ``resize_batch``, ``insert_rows``, the prefix cache's
+``save_blocks`` and ``gather_blocks``), or a warm-up step.
+
+In one process (:class:`Executor`) an operation is a direct call on the whole model. In a
+pipeline group (:mod:`service.engine.group`) rank 0's executor first tells every other rank the
+operation and its inputs, then runs it on its own stage; each other rank runs the same method
+of its own :class:`Executor` on its stage: the same compile-cache key, the same shapes, its own
+layers' caches. So the runner and the prefiller never branch on distribution: they call this
+API, whose inputs are host integers and int32 arrays.
+
+Shapes: B batch rows (a batch bucket), T prompt tokens (a prompt bucket), C capacity (a
+capacity bucket), Hkv key-value heads, D head dim, V vocabulary. A ``KVCache`` holds this
+process's layers only (:attr:`models.loader.LoadedModel.layers`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from functools import partial
+
+import mlx.core as mx
+
+from models import llama, pipeline, sampling
+from models.kv_cache import KVCache
+from models.loader import LoadedModel
+from service.engine import warmup
+from service.engine.compile_cache import CompileCache, StepKey, StepSpec
+from service.engine.prefix_cache import copy_blocks, join_blocks
+
+MODEL_PHASES = ("prefill", "chunk", "decode")  # run by every rank of a group; the rest only where the head is
+
+
+class Executor:
+    """This process's compiled steps and KV-cache operations (see the module doc).
+
+    Args:
+        model: the model, or one pipeline stage of it (``model.stage``; the stage steps of
+            :mod:`models.pipeline` then pass hidden states over ``model.group``).
+        cache: the compile cache (the only caller of ``mx.compile``).
+    """
+
+    def __init__(self, model: LoadedModel, cache: CompileCache):
+        self.model, self.compiled = model, cache
+        a = model.args
+        self._dtype_name = str(model.dtype).rsplit(".", 1)[-1]
+        if model.stage is None:
+            steps = {"prefill": llama.prefill, "chunk": llama.prefill_chunk, "decode": llama.decode}
+            bound = {phase: partial(fn, args=a) for phase, fn in steps.items()}
+        else:
+            steps = {"prefill": pipeline.prefill, "chunk": pipeline.prefill_chunk, "decode": pipeline.decode}
+            bound = {phase: partial(fn, args=a, stage=model.stage, group=model.group) for phase, fn in steps.items()}
+        self._specs = {
+            **{phase: StepSpec(fn) for phase, fn in bound.items()},
+            "sample": StepSpec(sampling.sample, random_state=True),
+            "greedy": StepSpec(sampling.greedy, shapeless=True),
+            "process": StepSpec(sampling.process),
+            "logprobs": StepSpec(sampling.logprobs),
+        }
+        self.vocab = a.vocab_size
+        self.wait_seconds = 0.0  # seconds spent waiting for the device's results (monotonic)
+
+    # -- compiled functions and buffers of this process -------------------------------------
+
+    def step_fn(self, phase: str, batch: int = 0, size: int = 0, capacity: int = 0) -> Callable:
+        """The compiled function of ``phase`` at bucket (batch, size[, capacity]); counts a hit
+        or miss. A model phase called this way runs on this process only: use the operations
+        below for anything a group's other ranks must run too."""
+        key = StepKey(self.model.name, phase, batch, size, self._dtype_name, capacity)
+        return self.compiled.get(key, self._specs[phase])
+
+    def new_kv(self, batch: int, capacity: int) -> KVCache:
+        """A zeroed KV cache [batch, Hkv, capacity, D] per layer of this process, in the compute
+        dtype, on this process only (for dummy inputs; :meth:`alloc` is the operation)."""
+        a = self.model.args
+        return KVCache.allocate(
+            self.model.layers, batch, a.num_key_value_heads, capacity, a.dim_per_head, self.model.dtype
+        )
+
+    # -- operations --------------------------------------------------------------------------
+
+    def alloc(self, batch: int, capacity: int) -> KVCache:
+        """A zeroed KV cache [batch, Hkv, capacity, D] per layer (a decode or staging cache)."""
+        return self.new_kv(batch, capacity)
+
+    def prefill(self, tokens: list[list[int]], lengths: list[int]) -> tuple[mx.array, KVCache]:
+        """Prefill B prompts right-padded to T tokens (``tokens``: B lists of T ids; ``lengths``:
+        B real lengths >= 1) on a new cache of capacity T. Returns (float32 logits [B, V] at
+        each row's last real token, lazy; the cache [B, Hkv, T, D] per layer)."""
+        B, T = len(tokens), len(tokens[0])
+        fn = self.step_fn("prefill", B, T)
+        return fn(self.model.params, mx.array(tokens, mx.int32), mx.array(lengths, mx.int32), self.new_kv(B, T))
+
+    def chunk(self, kv: KVCache, tokens: list[int], offset: int, length: int) -> tuple[mx.array, KVCache]:
+        """Prefill one chunk of one prompt: ``tokens`` (T ids, right-padded; ``length`` real)
+        at positions ``offset``.. of the batch-1 staging cache ``kv`` [1, Hkv, C, D] (offset + T
+        <= C). Returns (float32 logits [1, V] at the chunk's last real token, lazy; the cache)."""
+        fn = self.step_fn("chunk", 1, len(tokens), kv.capacity)
+        ids, at, n = mx.array([tokens], mx.int32), mx.array([offset], mx.int32), mx.array([length], mx.int32)
+        return fn(self.model.params, ids, at, n, kv)
+
+    def decode(self, kv: KVCache, tokens: mx.array, positions: list[int]) -> tuple[mx.array, KVCache]:
+        """One decode step of every row of ``kv`` [B, Hkv, C, D]: ``tokens`` int32 [B] (possibly
+        still lazy: the previous step's output), written at ``positions`` (B ints < C).
+        Returns (float32 logits [B, V], lazy; the cache)."""
+        fn = self.step_fn("decode", kv.batch, kv.capacity)
+        return fn(self.model.params, tokens, mx.array(positions, mx.int32), kv)
+
+    def resize(self, kv: KVCache, capacity: int) -> KVCache:
+        """``kv`` at another capacity (one copy; see :meth:`models.kv_cache.KVCache.resized`)."""
+        return kv.resized(capacity)
+
+    def reorder(self, kv: KVCache, rows: list[int]) -> KVCache:
+        """A cache whose row i is row ``rows[i]`` of ``kv`` (live rows moved to the front)."""
+        order = mx.array(rows, mx.int32)
+        return KVCache([k[order] for k in kv.keys], [v[order] for v in kv.values])
+
+    def resize_batch(self, kv: KVCache, batch: int) -> KVCache:
+        """``kv`` padded (with empty rows) or cut to ``batch`` rows."""
+        if batch < kv.batch:
+            return KVCache([k[:batch] for k in kv.keys], [v[:batch] for v in kv.values])
+        pad = [(0, batch - kv.batch), (0, 0), (0, 0), (0, 0)]
+        return KVCache([mx.pad(k, pad) for k in kv.keys], [mx.pad(v, pad) for v in kv.values])
+
+    def insert_rows(self, kv: KVCache, source: KVCache, slots: list[int], rows: list[int]) -> None:
+        """Copy rows ``rows`` of ``source`` [B', Hkv, C', D] into rows ``slots`` of ``kv``, in
+        place: one indexed copy per layer and keys/values for the whole group (on a GPU each
+        copy is a kernel launch). Only the first ``min(C', C)`` positions are copied: a slot's
+        positions past its sequence hold garbage that attention masks away."""
+        n = min(source.capacity, kv.capacity)
+        dst, src = _index(slots), _index(rows)
+        for layer in range(len(kv.keys)):
+            kv.keys[layer][dst, :, :n] = source.keys[layer][src, :, :n]
+            kv.values[layer][dst, :, :n] = source.values[layer][src, :, :n]
+
+    def save_blocks(self, kv: KVCache, row: int, starts: list[int], block_tokens: int) -> list[mx.array]:
+        """The prefix cache's new blocks: for each start s, positions [s, s + block_tokens) of
+        row ``row`` of ``kv``, as [layers, 2, Hkv, block_tokens, D] (see
+        :func:`service.engine.prefix_cache.copy_blocks`); their evaluation is queued."""
+        blocks = copy_blocks(kv, row, starts, block_tokens)
+        mx.async_eval(blocks)
+        return blocks
+
+    def gather_blocks(self, blocks: list[mx.array], capacity: int) -> KVCache:
+        """A batch-1 cache of ``capacity`` positions starting with ``blocks`` (prefix-cache
+        blocks, in prompt order; :func:`service.engine.prefix_cache.join_blocks`)."""
+        return join_blocks(blocks, capacity)
+
+    def warm(self, phase: str, batch: int, size: int, capacity: int = 0, repeats: int = 3) -> bool:
+        """Compile and run one bucket's step on dummy inputs (:func:`warmup.dummy_inputs`).
+        Under the ``auto`` policy, time it compiled and eager (``repeats`` runs each) and keep
+        the faster. Returns whether the bucket runs compiled."""
+        fn = self.step_fn(phase, batch, size, capacity)
+        args = warmup.dummy_inputs(self, phase, batch, size, capacity)
+        if self.compiled.policy == "auto":
+            return fn.calibrate(args, repeats)
+        mx.eval(fn(*args))
+        return fn.compiled
+
+    # -- waiting, and the group's life (nothing to do in one process) ----------------------
+
+    def wait(self, *arrays) -> None:
+        """``mx.eval`` the arrays, counting the wait in ``wait_seconds``."""
+        start = time.perf_counter()
+        mx.eval(*arrays)
+        self.wait_seconds += time.perf_counter() - start
+
+    def read(self, tokens: mx.array) -> list[int]:
+        """Read int32 [B] tokens back to the host (waiting: counted in ``wait_seconds``)."""
+        start = time.perf_counter()
+        out = [int(t) for t in tokens.tolist()]  # type: ignore[union-attr]  # tolist of a 1-D array is a list
+        self.wait_seconds += time.perf_counter() - start
+        return out
+
+    def seal(self) -> None:
+        """Warm-up is over: a compile-cache miss now runs eagerly (:meth:`CompileCache.seal`)."""
+        self.compiled.seal()
+
+    def idle(self) -> None:
+        """The engine has nothing to do for a moment (a group's rank 0 tells the others)."""
+
+    def close(self) -> None:
+        """The engine stops serving (a group's rank 0 tells the others to exit)."""
+
+    def stalled_s(self) -> float:
+        """Seconds the engine has been waiting on another process (0: none; one process never)."""
+        return 0.0
+
+
+def _index(rows: list[int]) -> slice | mx.array:
+    """Rows as an index: a slice when they are consecutive (a plain copy), else an int32 array."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return mx.array(rows, mx.int32)
