@@ -89,29 +89,27 @@ def _progress():
 def serve(settings: Settings) -> int:
     """Load the models, check their memory, build the app and serve until SIGTERM/SIGINT.
 
-    Returns 2 when a model cannot be loaded or does not fit the memory budget; otherwise exits
-    the process with the watchdog's code (non-zero when an engine thread died).
+    With ``--distributed``, this process is one rank of a pipeline group
+    (:mod:`service.process.group`): it loads its stage, rank 0 serves HTTP and the others
+    follow it until it stops them.
+
+    Returns 2 when a model cannot be loaded or does not fit the memory budget (on any rank of
+    a group); otherwise exits the process with the watchdog's code (non-zero when an engine
+    thread died or its group was lost).
     """
     import uvicorn
 
-    from models.gguf import ModelLoadError
     from service.api.app import create_app
     from service.api.middleware import header_timeout_protocol
     from service.process.shutdown import DrainingServer
-    from service.process.startup import MemoryBudgetError, check_memory, load_models
 
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if settings.mlx_memory_limit_bytes:
-        import mlx.core as mx
-
-        mx.set_memory_limit(settings.mlx_memory_limit_bytes)
-    try:
-        models = load_models(settings)
-        settings = check_memory(settings, models)
-    except (ModelLoadError, MemoryBudgetError) as exc:
-        print(f"stepserve: cannot serve: {exc}", file=sys.stderr)
-        return 2
-    app = create_app(settings, models=models, progress=_progress())
+    loaded = _load(settings)
+    if isinstance(loaded, int):
+        return loaded
+    settings, models, ranks = loaded
+    if settings.pid_file:
+        settings.pid_file.write_text(f"{os.getpid()}\n")
+    app = create_app(settings, models=models, progress=_progress(), ranks=ranks)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -123,6 +121,40 @@ def serve(settings: Settings) -> int:
     DrainingServer(config, app.state.stepserve, settings.shutdown_grace_s).run()
     _exit_now(app.state.watchdog.exit_code)  # non-zero when an engine thread died
     return 0
+
+
+def _load(settings: Settings):
+    """(settings with max_sequences resolved, the models, a group's ranks or None), after
+    logging is set up; or the exit status: 2 when this process (or any rank) cannot serve, a
+    follower's status once rank 0 stopped the group."""
+    from models.gguf import ModelLoadError
+    from service.process.group import GroupStartError, follow, init_group, start_group
+    from service.process.startup import MemoryBudgetError, check_memory, load_models
+
+    try:
+        group = init_group(settings) if settings.distributed else None
+    except GroupStartError as exc:
+        print(f"stepserve: cannot serve: {exc}", file=sys.stderr)
+        return 2
+    where = f"rank {group.rank()} " if group is not None else ""
+    logging.basicConfig(
+        level=settings.log_level.upper(), format=f"%(asctime)s %(levelname)s {where}%(name)s: %(message)s"
+    )
+    if settings.mlx_memory_limit_bytes:
+        import mlx.core as mx
+
+        mx.set_memory_limit(settings.mlx_memory_limit_bytes)
+    try:
+        if group is None:
+            models = load_models(settings)
+            return check_memory(settings, models), models, None
+        start = start_group(settings, group)
+    except (ModelLoadError, MemoryBudgetError, GroupStartError) as exc:
+        print(f"stepserve: {where}cannot serve: {exc}", file=sys.stderr)
+        return 2
+    if group.rank() != 0:
+        _exit_now(follow(start))
+    return start.settings, {start.model.name: start.model}, start.ranks
 
 
 def _exit_now(code: int) -> None:

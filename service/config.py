@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
+    CliImplicitFlag,
     CliSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
@@ -199,6 +200,24 @@ class Settings(BaseSettings):
         "to the top-level settings; empty: the one model set by model and model_name",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    distributed: CliImplicitFlag[bool] = Field(
+        False,
+        description="serve as one rank of an mx.distributed group (started by 'stepserve launch' or mlx.launch): "
+        "the model's layers are split into pipeline stages by memory, one per rank; rank 0 serves HTTP",
+    )
+    distributed_backend: Literal["any", "ring", "jaccl", "mpi"] = Field(
+        "any", description="the mx.distributed backend of a group ('any': the one mlx.launch set up)"
+    )
+    distributed_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="seconds a rank of a group waits on the others in one step (and they on rank 0 when idle) "
+        "before the group counts as hung: /readyz 503, requests end with an error, every rank exits non-zero; "
+        "10x this before ready (the ranks compile)",
+    )
+    pid_file: Path | None = Field(
+        None, description="write this process's id here (rank 0 of a group: 'stepserve launch' sends it SIGTERM)"
+    )
     read_timeout_s: float = Field(
         30.0,
         gt=0,
@@ -253,6 +272,8 @@ class Settings(BaseSettings):
                     f"model '{spec.name}': the largest prompt bucket ({spec.prompt_buckets[-1]}) exceeds the largest "
                     f"capacity bucket ({spec.capacity_buckets[-1]}); add a capacity bucket or drop the prompt bucket"
                 )
+        if self.distributed and len(self.served_models()) > 1:
+            raise ValueError("distributed serves one model per group; set model (not several [[models]])")
         if self.max_batched_tokens < self.prefill_chunk_tokens:
             raise ValueError(
                 f"max_batched_tokens ({self.max_batched_tokens}) is below prefill_chunk_tokens "

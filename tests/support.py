@@ -24,7 +24,7 @@ from mlx_lm.models import llama as lm_llama
 from mlx_lm.models import qwen2 as lm_qwen2
 from mlx_lm.models import qwen3 as lm_qwen3
 from prometheus_client.parser import text_string_to_metric_families
-from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import WordLevel
 
 from models.gguf import default_model_path
@@ -253,6 +253,18 @@ def write_dir(
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(directory / "tokenizer.json"))
     return model
+
+
+def write_served_dir(directory: Path, model_keys: dict | None = None) -> Path:
+    """A tiny random model directory ``stepserve serve`` serves whole: :func:`write_dir`'s, its
+    tokenizer given a decoder (llguidance, built at warm-up, needs one) and a chat template."""
+    write_dir(directory, model_keys=model_keys)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.decoder = decoders.ByteLevel()  # "t3", "t4" -> "t3t4"
+    tokenizer.save(str(directory / "tokenizer.json"))
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return directory
 
 
 def damaged(data: bytes, kind: str) -> bytes:

@@ -24,6 +24,7 @@ from service.engine.core import Engine
 from service.engine.prefix_cache import PrefixCache
 from service.engine.warmup import WarmupSpec
 from service.metrics import Metrics
+from service.process.group import RankInfo
 from service.process.startup import buckets_of, load_models, warmup_extent
 from service.process.watchdog import EngineWatchdog
 
@@ -34,13 +35,16 @@ def create_app(
     settings: Settings,
     models: dict[str, LoadedModel] | None = None,
     progress: Callable[[int, str], None] | None = None,
+    ranks: list[RankInfo] | None = None,
 ) -> FastAPI:
     """Build the app. Models are loaded (unless given) and warmed up in the lifespan;
-    ``/healthz`` answers at once and ``/readyz`` turns 200 when every warm-up is done."""
+    ``/healthz`` answers at once and ``/readyz`` turns 200 when every warm-up is done.
+    ``ranks``: a pipeline group's ranks, when this is its rank 0 (``models`` is then its stage)."""
     metrics = Metrics(CollectorRegistry(), version=__version__, device=device_name())
     specs = settings.served_models()
-    state = AppState(settings, metrics, specs[0].name)
-    watchdog = EngineWatchdog(state.engines, settings.shutdown_grace_s)
+    state = AppState(settings, metrics, specs[0].name, ranks=ranks)
+    stall_limit = settings.distributed_timeout_s if ranks else None
+    watchdog = EngineWatchdog(state.engines, settings.shutdown_grace_s, stall_limit_s=stall_limit)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

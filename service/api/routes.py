@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -124,7 +126,8 @@ async def healthz() -> dict:
 
 @router.get("/readyz", responses={503: {"model": ErrorBody}})
 async def readyz(state: State) -> dict:
-    """200 once every model is warmed up; 503 with the reason before, and while draining."""
+    """200 once every model is warmed up; 503 with the reason before, and while draining.
+    On a pipeline group's rank 0, ``group`` lists each rank's layers and memory."""
     if state.draining:
         raise ApiError(503, "not ready: server is shutting down", type="unavailable")
     waiting = {name: e.not_ready_reason for name, e in state.engines.items() if not e.ready.is_set()}
@@ -145,6 +148,7 @@ async def readyz(state: State) -> dict:
             for name, e in state.engines.items()
             for choices in [e.compile_choices()]
         },
+        **({"group": [asdict(rank) for rank in state.ranks]} if state.ranks else {}),
     }
 
 

@@ -12,6 +12,7 @@ from fastapi import Depends, Request
 from service.config import Settings
 from service.engine.core import Engine
 from service.metrics import Metrics
+from service.process.group import RankInfo
 
 
 @dataclass
@@ -24,6 +25,7 @@ class AppState:
     engines: dict[str, Engine] = field(default_factory=dict)
     started: int = field(default_factory=lambda: int(time.time()))  # Unix seconds, /v1/models' ``created``
     draining: bool = False  # SIGTERM received: refuse new work, finish what runs
+    ranks: list[RankInfo] | None = None  # a pipeline group's ranks, on its rank 0 (None: one process)
 
 
 def get_state(request: Request) -> AppState:

@@ -20,6 +20,7 @@ from service.engine import warmup
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
 from service.engine.grammar import TokenGrammar
+from service.engine.group import GroupLost
 from service.engine.prefix_cache import PrefixCache
 from service.engine.runner import ModelRunner, RunnerOutput
 from service.engine.scheduler import Scheduler
@@ -76,6 +77,7 @@ class Engine:
         self.warmup_buckets = 0
         self._prefix_evict = 0  # bytes of prefix-cache blocks admission asked to free
         self.rehearsed: list[str] = []  # what the warm-up rehearsal ran (see warmup.rehearse)
+        self.failure: str | None = None  # why the engine thread ended, when it had to (a lost pipeline group)
         metrics.init_model(model.name)
         metrics.running.labels(model.name).set_function(lambda: self.scheduler.num_running)
         metrics.waiting.labels(model.name).set_function(lambda: self.scheduler.num_waiting)
@@ -114,11 +116,11 @@ class Engine:
         self._abort.set()
         self.scheduler.drain()
 
-    def fail(self, message: str) -> None:
-        """The engine thread is gone: mark the model not ready, refuse new work and end every
-        request it held with ``message`` (HTTP 500). Called by the watchdog, never while the
-        engine thread runs."""
-        self.not_ready_reason = "engine thread died"
+    def fail(self, message: str, reason: str = "engine thread died") -> None:
+        """The engine thread is gone (or hung in a pipeline group's wait): mark the model not
+        ready (``reason``), refuse new work and end every request it held with ``message``
+        (HTTP 500). Called by the watchdog, never while the engine thread runs."""
+        self.not_ready_reason = reason
         self.ready.clear()
         self.scheduler.drain()
         for seq in self.scheduler.abort_all(FinishReason.ERROR):
@@ -168,24 +170,33 @@ class Engine:
 
     def _main(self, spec: WarmupSpec, progress) -> None:
         try:
+            self._serve(spec, progress)
+        except GroupLost as exc:  # another rank of the pipeline group is gone: nothing can run
+            log.critical("%s", exc)
+            self.failure = f"{exc}; the group is restarting"
+
+    def _serve(self, spec: WarmupSpec, progress) -> None:
+        try:
             self._warmup(spec, progress)
         except Exception as exc:  # a model that cannot run is not ready, and says why
             log.exception("warm-up failed")
             self.not_ready_reason = f"warm-up failed: {type(exc).__name__}"
             return
         self.not_ready_reason = ""
-        self.runner.compiled.seal()
+        self.runner.executor.seal()
         self.ready.set()
         while not self._stop.is_set():
             try:
                 if self._abort.is_set():
                     self._end_all(FinishReason.CANCELLED, SHUTDOWN)
                 if not self.step():
+                    self.runner.executor.idle()
                     self.scheduler.wait_for_work(IDLE_WAIT_S)
             except Exception as exc:
                 log.exception("engine step failed")
                 self._end_all(FinishReason.ERROR, f"internal error in the engine step: {type(exc).__name__}")
         self._end_all(FinishReason.CANCELLED, SHUTDOWN)
+        self.runner.executor.close()
 
     def step(self) -> bool:
         """One iteration: the scheduler plans, the runner executes, the engine applies.

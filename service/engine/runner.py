@@ -19,6 +19,7 @@ from models.loader import LoadedModel
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
 from service.engine.executor import Executor
+from service.engine.group import executor_for
 from service.engine.prefill import Prefiller
 from service.engine.prefix_cache import PrefixCache
 from service.engine.processors import ProcessorInputs
@@ -87,7 +88,7 @@ class ModelRunner:
         executor: Executor | None = None,
     ):
         self.model, self.buckets, self.compiled = model, buckets, cache
-        self.executor = executor if executor is not None else Executor(model, cache)
+        self.executor = executor if executor is not None else executor_for(model, cache)
         self.kv: KVCache | None = None
         self.vocab = model.args.vocab_size
         self.processor_inputs = ProcessorInputs(model.args.vocab_size)

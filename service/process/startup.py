@@ -111,6 +111,13 @@ def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> Settings
     return _with_max_sequences(settings, resolved)
 
 
+def memory_budget(settings: Settings) -> int:
+    """Bytes the models may use: ``memory_budget_bytes``, else ``mlx_memory_limit_bytes``, else
+    MLX's memory limit."""
+    budget = _budget(settings)[1]
+    return budget if budget is not None else mx.get_memory_limit()
+
+
 def _budget(settings: Settings) -> tuple[str, int | None]:
     if settings.memory_budget_bytes:
         return "memory_budget_bytes", settings.memory_budget_bytes

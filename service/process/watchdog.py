@@ -1,6 +1,6 @@
-"""When an engine thread dies (an exception escaped its loop, or warm-up failed), fail loudly
-instead of hanging: a failed ``/readyz``, every request it held answered 500, and a
-non-zero exit that launchd restarts."""
+"""When an engine thread dies (an exception escaped its loop, warm-up failed, its pipeline
+group was lost) or hangs waiting on its pipeline group, fail loudly instead of hanging: a failed
+``/readyz``, every request it held answered 500, and a non-zero exit that launchd restarts."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ log = logging.getLogger("stepserve.faults")
 ENGINE_DIED_EXIT = 70  # EX_SOFTWARE (sysexits.h): an internal error; launchd restarts a non-zero exit
 ENGINE_DIED = "the engine thread died; the server is restarting"
 DRAIN_SLACK_S = 30.0  # beyond shutdown_grace_s: cancelling what is left (10 s) and closing uvicorn (10 s), with room
+WARMUP_STALL_FACTOR = 10  # before ready, a wait on the group may last this many stall limits (ranks compile)
 
 
 class EngineWatchdog:
@@ -30,15 +31,28 @@ class EngineWatchdog:
     drain hang, the process exits anyway :data:`DRAIN_SLACK_S` seconds after
     ``shutdown_grace_s``.
 
+    An engine of a pipeline group's rank 0 whose wait on the other ranks lasts longer than
+    ``stall_limit_s`` (:data:`WARMUP_STALL_FACTOR` times that before it is ready) is failed the
+    same way, and the process exits right after ``linger_s``: its thread is stuck in the
+    backend's wait, which no drain can end (the ring backend has no timeout).
+
     Args:
         engines: the served engines by model name (the dict the app fills as they start).
         shutdown_grace_s: the SIGTERM drain's grace period (settings).
         poll_s: how often the engine threads are checked.
-        linger_s: seconds between failing the requests and the SIGTERM.
+        linger_s: seconds between failing the requests and the SIGTERM (or the exit).
+        stall_limit_s: seconds a wait on the pipeline group may last (None: no group).
     """
 
-    def __init__(self, engines: dict[str, Engine], shutdown_grace_s: float, poll_s: float = 0.2, linger_s: float = 1.0):
-        self.engines, self.poll_s, self.linger_s = engines, poll_s, linger_s
+    def __init__(
+        self,
+        engines: dict[str, Engine],
+        shutdown_grace_s: float,
+        poll_s: float = 0.2,
+        linger_s: float = 1.0,
+        stall_limit_s: float | None = None,
+    ):
+        self.engines, self.poll_s, self.linger_s, self.stall_limit_s = engines, poll_s, linger_s, stall_limit_s
         self.exit_after_s = shutdown_grace_s + DRAIN_SLACK_S
         self.exit_code = 0  # what `stepserve serve` exits with once uvicorn has stopped
         self._stop = threading.Event()
@@ -61,6 +75,36 @@ class EngineWatchdog:
             if dead:
                 self._fail(dead)
                 return
+            hung = [engine for engine in self.engines.values() if self._stalled(engine)]
+            if hung:
+                self._fail_hung(hung)
+                return
+
+    def _stalled(self, engine: Engine) -> bool:
+        if self.stall_limit_s is None:
+            return False
+        limit = self.stall_limit_s * (1 if engine.ready.is_set() else WARMUP_STALL_FACTOR)
+        return engine.runner.executor.stalled_s() > limit
+
+    def _fail_hung(self, hung: list[Engine]) -> None:
+        self.exit_code = ENGINE_DIED_EXIT
+        for engine in hung:
+            seconds = engine.runner.executor.stalled_s()
+            log.critical(
+                "model '%s': the pipeline group has not answered for %.1f s (a rank hung, or its link); "
+                "failing the requests, then exiting with %d",
+                engine.model.name,
+                seconds,
+                ENGINE_DIED_EXIT,
+            )
+            engine.fail(
+                f"the pipeline group stopped answering for {seconds:.0f} s; the group is restarting",
+                reason="pipeline group stopped answering",
+            )
+        if self._stop.wait(self.linger_s):
+            return
+        logging.shutdown()
+        os._exit(ENGINE_DIED_EXIT)  # the engine thread is stuck in the backend's wait: no drain can end it
 
     def _fail(self, dead: list[Engine]) -> None:
         self.exit_code = ENGINE_DIED_EXIT
@@ -70,7 +114,10 @@ class EngineWatchdog:
                 engine.model.name,
                 ENGINE_DIED_EXIT,
             )
-            engine.fail(ENGINE_DIED)
+            if engine.failure is not None:
+                engine.fail(engine.failure, reason="pipeline group lost")
+            else:
+                engine.fail(ENGINE_DIED)
         if self._stop.wait(self.linger_s):
             return
         backstop = threading.Timer(self.exit_after_s, os._exit, (ENGINE_DIED_EXIT,))

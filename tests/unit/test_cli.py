@@ -12,7 +12,8 @@ import pytest
 from service.cli import main, serve_settings
 from service.config import Settings
 
-# field -> (the flag's argument, the value Settings should hold); one entry per Settings field.
+# field -> (the flag's argument, or None for a flag without one, the value Settings should hold);
+# one entry per Settings field.
 SAMPLES = {
     "host": ("0.0.0.0", "0.0.0.0"),
     "port": ("0", 0),
@@ -41,6 +42,10 @@ SAMPLES = {
     "mlx_memory_limit_bytes": ("2000000", 2_000_000),
     "models": ('[{"name": "a", "path": "/m/a"}]', [{"name": "a", "path": Path("/m/a")}]),
     "log_level": ("debug", "debug"),
+    "distributed": (None, True),
+    "distributed_backend": ("ring", "ring"),
+    "distributed_timeout_s": ("5", 5.0),
+    "pid_file": ("/run/stepserve.pid", Path("/run/stepserve.pid")),
     "read_timeout_s": ("2.5", 2.5),
     "api_key": ("s3cret", "s3cret"),
     "auth_exempt_paths": ('["/healthz", "/metrics"]', ["/healthz", "/metrics"]),
@@ -71,7 +76,7 @@ def _clean_env(monkeypatch):
 
 def test_every_setting_is_a_flag_and_lands_in_settings():
     assert set(SAMPLES) == set(Settings.model_fields), "give every new Settings field a sample here"
-    argv = [arg for field, (text, _) in SAMPLES.items() for arg in (flag(field), text)]
+    argv = [arg for field, (text, _) in SAMPLES.items() for arg in (flag(field), text) if arg is not None]
     settings = serve_settings(argv)
     assert {field: value_of(settings, field) for field in SAMPLES} == {f: want for f, (_, want) in SAMPLES.items()}
 

@@ -1,0 +1,380 @@
+"""A pipeline group's executors: rank 0 tells the other ranks every operation, each rank runs
+it on its own stage (docs/DISTRIBUTED.md).
+
+Every rank holds one :class:`~service.engine.executor.Executor` on its stage. Rank 0's is a
+:class:`GroupLeader`: each operation first broadcasts a **message** (one ``mx.distributed``
+all-sum in which the other ranks add zeros, evaluated: a lazy collective deadlocks), then runs
+on rank 0's own layers. The other ranks run :class:`Follower`: receive a message, run the same
+operation of their executor on their own layers, evaluate it (the stage steps' ``send`` and
+``recv`` happen there, in the order rank 0 queued them), and wait for the next.
+
+A message is int32 ``[op, frees, ints, data, <frees ids>, <ints>, <data>]``: the operation,
+the handles rank 0 no longer holds (freed first), the operation's integers (handles, buckets,
+offsets, slots) and its int32 arrays (tokens, lengths, positions). It rides in one broadcast of
+:data:`HEADER` int32s when it fits (a decode step up to batch 64 does), else a header carrying
+its length is followed by a second broadcast of the whole message.
+
+**Handles.** Every KV cache and prefix-cache block that rank 0 keeps has a number, and each
+other rank keeps its own layers' counterpart under that number. Rank 0's counterpart is its own
+array: a handle is anchored on it (on a cache's first keys array) with :class:`weakref.finalize`,
+so when the runner, the prefiller or the prefix cache drop an object, its handle is freed on the
+other ranks with the next message; nothing tracks lifetimes by hand. An operation that replaces
+a cache (a step, a resize) keeps its handle: each rank swaps its cache under that number, so the
+old buffers are unreferenced when the step runs, as in one process.
+
+**Faults.** An evaluation that fails on rank 0 or a follower (``[ring] connection to a peer was
+lost`` when a rank died) raises :class:`GroupLost`; a wait that never ends (a rank hung: the
+ring backend has no timeout) is seen by a watchdog through :meth:`GroupLeader.stalled_s` and
+:attr:`Follower.progress` (:mod:`service.process.group`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from enum import IntEnum
+from typing import cast
+
+import mlx.core as mx
+
+from models.kv_cache import KVCache
+from models.loader import LoadedModel
+from models.pipeline import broadcast
+from service.engine.compile_cache import CompileCache
+from service.engine.executor import MODEL_PHASES, Executor
+
+log = logging.getLogger("stepserve.group")
+
+HEADER = 160  # int32s in every message's first broadcast: a decode step of up to 64 rows fits whole
+NAP_S = 0.1  # when idle, rank 0 sends a message this often and the others sleep between them
+
+
+class Op(IntEnum):
+    """A message's operation."""
+
+    IDLE = 0  # nothing to do: sleep ``ints[0]`` ms before waiting again (a heartbeat)
+    STOP = 1  # exit: the server stops
+    SEAL = 2  # warm-up is over
+    ALLOC = 3
+    PREFILL = 4
+    CHUNK = 5
+    DECODE = 6
+    RESIZE = 7
+    REORDER = 8
+    RESIZE_BATCH = 9
+    INSERT = 10
+    SAVE_BLOCKS = 11
+    GATHER = 12
+    WARM = 13
+
+
+class GroupLost(BaseException):
+    """Another rank of the pipeline group is gone (its link failed or it exited): nothing can
+    run any more, on any rank.
+
+    A ``BaseException``, like ``SystemExit``: the engine's ``except Exception`` handlers, which
+    keep one failed request from ending the others, must not swallow it; the engine thread ends,
+    and the process with it (:class:`service.process.watchdog.EngineWatchdog`).
+    """
+
+
+def executor_for(model: LoadedModel, cache: CompileCache) -> Executor:
+    """The engine's executor for ``model``: a :class:`GroupLeader` on rank 0 of a pipeline
+    group, else one process's :class:`Executor` (a follower's is one too, driven by :class:`Follower`)."""
+    if model.group is not None and model.group.size() > 1 and model.group.rank() == 0:
+        return GroupLeader(model, cache)
+    return Executor(model, cache)
+
+
+class Progress:
+    """When this process began waiting on the group (None: not waiting): a watchdog's view."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Time the block as a wait on the group; an exception in it becomes :class:`GroupLost`."""
+        self.since = time.monotonic()
+        try:
+            yield
+        except Exception as exc:
+            raise GroupLost(f"the pipeline group failed: {exc}") from exc
+        finally:
+            self.since = None
+
+    def stalled_s(self) -> float:
+        """Seconds the current wait has lasted (0 when not waiting)."""
+        since = self.since
+        return 0.0 if since is None else time.monotonic() - since
+
+
+def _ints(x: mx.array) -> list[int]:
+    """A 1-D int32 array as host ints."""
+    return cast(list[int], x.tolist())
+
+
+def _group(executor: Executor) -> mx.distributed.Group:
+    group = executor.model.group
+    if group is None:
+        raise ValueError(f"model '{executor.model.name}' is not a pipeline stage of a group")
+    return group
+
+
+def _anchor(obj: KVCache | mx.array) -> mx.array:
+    """The array a handle lives on: a cache's first keys buffer, or the array itself."""
+    return obj.keys[0] if isinstance(obj, KVCache) else obj
+
+
+class GroupLeader(Executor):
+    """Rank 0's executor: every operation is broadcast to the group, then run here (see the
+    module doc). Called from the engine thread only (finalizers may run elsewhere)."""
+
+    def __init__(self, model: LoadedModel, cache: CompileCache):
+        super().__init__(model, cache)
+        self.group = _group(self)
+        self.progress = Progress()
+        self._handles: dict[int, tuple[int, weakref.finalize]] = {}  # id(anchor) -> (handle, finalizer)
+        self._frees: deque[int] = deque()  # handles whose object died, for the next message
+        self._next = 0
+        self._last_sent = 0.0
+
+    # -- messages and handles ----------------------------------------------------------------
+
+    def _send(self, op: Op, ints: list[int], data: tuple[mx.array, ...] = ()) -> None:
+        frees = []
+        while self._frees:
+            frees.append(self._frees.popleft())
+        size = sum(a.size for a in data)
+        head = [int(op), len(frees), len(ints), size, *frees, *ints]
+        parts = [mx.array(head, mx.int32), *(a.reshape(-1).astype(mx.int32) for a in data)]
+        total = len(head) + size
+        with self.progress.waiting():
+            if total > HEADER:
+                broadcast(mx.array(head[:4] + [0] * (HEADER - 4), mx.int32), self.group)
+            else:
+                parts.append(mx.zeros((HEADER - total,), mx.int32))
+            broadcast(mx.concatenate(parts), self.group)
+        self._last_sent = time.monotonic()
+
+    def _bind(self, obj, handle: int | None = None):
+        """Give ``obj`` (a cache or a block) ``handle``, or a new one; returns ``obj``."""
+        if handle is None:
+            self._next += 1
+            handle = self._next
+        anchor = _anchor(obj)
+        key = id(anchor)
+        self._handles[key] = (handle, weakref.finalize(anchor, self._forget, key, handle))
+        return obj
+
+    def _forget(self, key: int, handle: int) -> None:
+        """The anchor of ``handle`` died (before its id can be reused): free it everywhere."""
+        self._handles.pop(key, None)
+        self._frees.append(handle)
+
+    def _handle(self, obj) -> int:
+        return self._handles[id(_anchor(obj))][0]
+
+    def _new_handle(self) -> int:
+        return self._next + 1  # what the next _bind without a handle assigns
+
+    def _rebind(self, old, new):
+        """Move ``old``'s handle to ``new`` (an operation replaced it); returns ``new``."""
+        if _anchor(new) is _anchor(old):
+            return new
+        handle, finalizer = self._handles.pop(id(_anchor(old)))
+        finalizer.detach()
+        return self._bind(new, handle)
+
+    # -- operations: broadcast, then run here ----------------------------------------------
+
+    def alloc(self, batch: int, capacity: int) -> KVCache:
+        self._send(Op.ALLOC, [self._new_handle(), batch, capacity])
+        return self._bind(super().alloc(batch, capacity))
+
+    def prefill(self, tokens: list[list[int]], lengths: list[int]) -> tuple[mx.array, KVCache]:
+        B, T = len(tokens), len(tokens[0])
+        self._send(Op.PREFILL, [self._new_handle(), B, T], (mx.array(tokens, mx.int32), mx.array(lengths, mx.int32)))
+        logits, kv = super().prefill(tokens, lengths)
+        mx.async_eval(kv)  # every rank must run each step: rank 0's recv is in its cache's graph
+        return logits, self._bind(kv)
+
+    def chunk(self, kv: KVCache, tokens: list[int], offset: int, length: int) -> tuple[mx.array, KVCache]:
+        self._send(Op.CHUNK, [self._handle(kv), offset, length], (mx.array(tokens, mx.int32),))
+        logits, new = super().chunk(kv, tokens, offset, length)
+        mx.async_eval(new)
+        return logits, self._rebind(kv, new)
+
+    def decode(self, kv: KVCache, tokens: mx.array, positions: list[int]) -> tuple[mx.array, KVCache]:
+        # The tokens may still be the previous step's lazy output: the broadcast waits for them.
+        self._send(Op.DECODE, [self._handle(kv)], (tokens, mx.array(positions, mx.int32)))
+        logits, new = super().decode(kv, tokens, positions)
+        mx.async_eval(new)
+        return logits, self._rebind(kv, new)
+
+    def resize(self, kv: KVCache, capacity: int) -> KVCache:
+        self._send(Op.RESIZE, [self._handle(kv), capacity])
+        return self._rebind(kv, super().resize(kv, capacity))
+
+    def reorder(self, kv: KVCache, rows: list[int]) -> KVCache:
+        self._send(Op.REORDER, [self._handle(kv), *rows])
+        return self._rebind(kv, super().reorder(kv, rows))
+
+    def resize_batch(self, kv: KVCache, batch: int) -> KVCache:
+        self._send(Op.RESIZE_BATCH, [self._handle(kv), batch])
+        return self._rebind(kv, super().resize_batch(kv, batch))
+
+    def insert_rows(self, kv: KVCache, source: KVCache, slots: list[int], rows: list[int]) -> None:
+        self._send(Op.INSERT, [self._handle(kv), self._handle(source), *slots, *rows])
+        super().insert_rows(kv, source, slots, rows)
+
+    def save_blocks(self, kv: KVCache, row: int, starts: list[int], block_tokens: int) -> list[mx.array]:
+        first = self._new_handle()
+        self._send(Op.SAVE_BLOCKS, [self._handle(kv), row, block_tokens, first, *starts])
+        return [self._bind(block) for block in super().save_blocks(kv, row, starts, block_tokens)]
+
+    def gather_blocks(self, blocks: list[mx.array], capacity: int) -> KVCache:
+        self._send(Op.GATHER, [self._new_handle(), capacity, *(self._handle(b) for b in blocks)])
+        return self._bind(super().gather_blocks(blocks, capacity))
+
+    def warm(self, phase: str, batch: int, size: int, capacity: int = 0, repeats: int = 3) -> bool:
+        if phase not in MODEL_PHASES:  # the sampler runs where the logits are
+            return super().warm(phase, batch, size, capacity, repeats)
+        self._send(Op.WARM, [MODEL_PHASES.index(phase), batch, size, capacity, repeats])
+        with self.progress.waiting():
+            return super().warm(phase, batch, size, capacity, repeats)
+
+    # -- waiting and the group's life ------------------------------------------------------
+
+    def wait(self, *arrays) -> None:
+        with self.progress.waiting():
+            super().wait(*arrays)
+
+    def read(self, tokens: mx.array) -> list[int]:
+        with self.progress.waiting():
+            return super().read(tokens)
+
+    def seal(self) -> None:
+        super().seal()
+        self._send(Op.SEAL, [])
+
+    def idle(self) -> None:
+        """A heartbeat at most every :data:`NAP_S`: the others sleep that long (less a margin)
+        instead of spinning in the ring backend's wait (it polls its socket); the first
+        operation after an idle spell waits up to that long for them."""
+        if time.monotonic() - self._last_sent >= NAP_S:
+            self._send(Op.IDLE, [int(NAP_S * 900)])  # 90% of the period, in ms
+
+    def close(self) -> None:
+        self._send(Op.STOP, [])
+
+    def stalled_s(self) -> float:
+        return self.progress.stalled_s()
+
+
+class Follower:
+    """A rank other than 0: runs rank 0's operations on its own stage until told to stop.
+
+    Args:
+        executor: this rank's executor (its stage, its compile cache).
+    """
+
+    def __init__(self, executor: Executor):
+        self.executor = executor
+        self.group = _group(executor)
+        self.progress = Progress()
+        self.warming = True  # until rank 0's SEAL
+        self.store: dict[int, KVCache | mx.array] = {}  # handle -> this rank's cache or block
+        self._ops: dict[Op, Callable[[list[int], mx.array], None]] = {
+            Op.ALLOC: self._alloc,
+            Op.PREFILL: self._prefill,
+            Op.CHUNK: self._chunk,
+            Op.DECODE: self._decode,
+            Op.RESIZE: lambda i, _: self._put(i[0], self.executor.resize(self._kv(i[0]), i[1])),
+            Op.REORDER: lambda i, _: self._put(i[0], self.executor.reorder(self._kv(i[0]), i[1:])),
+            Op.RESIZE_BATCH: lambda i, _: self._put(i[0], self.executor.resize_batch(self._kv(i[0]), i[1])),
+            Op.INSERT: self._insert,
+            Op.SAVE_BLOCKS: self._save_blocks,
+            Op.GATHER: self._gather,
+            Op.WARM: self._warm,
+        }
+
+    def run(self) -> None:
+        """Serve rank 0's messages until STOP. Raises :class:`GroupLost` when the group fails."""
+        while True:
+            op, ints, data = self._receive()
+            if op == Op.STOP:
+                return
+            if op == Op.IDLE:
+                time.sleep(ints[0] / 1000)
+            elif op == Op.SEAL:
+                self.executor.seal()
+                self.warming = False
+            else:
+                with self.progress.waiting():
+                    self._ops[op](ints, data)
+
+    def _receive(self) -> tuple[Op, list[int], mx.array]:
+        with self.progress.waiting():
+            first = broadcast(mx.zeros((HEADER,), mx.int32), self.group)
+            op, n_free, n_ints, size = _ints(first[:4])
+            head = 4 + n_free + n_ints
+            message = first if head + size <= HEADER else broadcast(mx.zeros((head + size,), mx.int32), self.group)
+            values = _ints(message[:head])
+        for handle in values[4 : 4 + n_free]:
+            self.store.pop(handle, None)
+        return Op(op), values[4 + n_free :], message[head : head + size]
+
+    def _kv(self, handle: int) -> KVCache:
+        kv = self.store[handle]
+        assert isinstance(kv, KVCache)
+        return kv
+
+    def _put(self, handle: int, obj: KVCache | mx.array) -> None:
+        self.store[handle] = obj
+
+    def _alloc(self, ints: list[int], _: mx.array) -> None:
+        self._put(ints[0], self.executor.alloc(ints[1], ints[2]))
+
+    def _prefill(self, ints: list[int], data: mx.array) -> None:
+        handle, B, T = ints
+        tokens = cast(list[list[int]], data[: B * T].reshape(B, T).tolist())
+        out, kv = self.executor.prefill(tokens, _ints(data[B * T :]))
+        self._put(handle, kv)
+        mx.eval(out, kv)  # the stage's send (or recv and send) runs here
+
+    def _chunk(self, ints: list[int], data: mx.array) -> None:
+        handle, offset, length = ints
+        out, kv = self.executor.chunk(self._kv(handle), _ints(data), offset, length)
+        self._put(handle, kv)
+        mx.eval(out, kv)
+
+    def _decode(self, ints: list[int], data: mx.array) -> None:
+        kv = self._kv(ints[0])
+        B = kv.batch
+        out, kv = self.executor.decode(kv, data[:B], _ints(data[B:]))
+        self._put(ints[0], kv)
+        mx.eval(out, kv)
+
+    def _insert(self, ints: list[int], _: mx.array) -> None:
+        dst, src, *rest = ints
+        n = len(rest) // 2
+        self.executor.insert_rows(self._kv(dst), self._kv(src), rest[:n], rest[n:])
+
+    def _save_blocks(self, ints: list[int], _: mx.array) -> None:
+        src, row, block_tokens, first, *starts = ints
+        for i, block in enumerate(self.executor.save_blocks(self._kv(src), row, starts, block_tokens)):
+            self._put(first + i, block)
+
+    def _gather(self, ints: list[int], _: mx.array) -> None:
+        handle, capacity, *blocks = ints
+        arrays = [cast(mx.array, self.store[b]) for b in blocks]
+        self._put(handle, self.executor.gather_blocks(arrays, capacity))
+
+    def _warm(self, ints: list[int], _: mx.array) -> None:
+        phase, batch, size, capacity, repeats = ints
+        self.executor.warm(MODEL_PHASES[phase], batch, size, capacity, repeats)
