@@ -1,4 +1,4 @@
-"""The ``stepserve`` command line: ``stepserve serve|convert|bench|soak ...``."""
+"""The ``stepserve`` command line: ``stepserve serve|launch|convert|bench|soak ...``."""
 
 from __future__ import annotations
 
@@ -34,6 +34,11 @@ def _parser() -> tuple[argparse.ArgumentParser, CliSettingsSource[argparse.Argum
     sub.add_parser("bench", help="measure a running server over HTTP (see stepserve bench --help)", add_help=False)
     sub.add_parser(
         "soak", help="bounded mixed load on loopback, reported as JSON (see stepserve soak --help)", add_help=False
+    )
+    sub.add_parser(
+        "launch",
+        help="serve one model split over the ranks of an mlx.launch group (see stepserve launch --help)",
+        add_help=False,
     )
     convert = sub.add_parser("convert", help="write an mlx-community-format directory from a GGUF file")
     convert.add_argument("gguf", help="the GGUF file")
@@ -118,7 +123,7 @@ def serve(settings: Settings) -> int:
         timeout_graceful_shutdown=10,
         http=header_timeout_protocol(settings.read_timeout_s),
     )
-    DrainingServer(config, app.state.stepserve, settings.shutdown_grace_s).run()
+    DrainingServer(config, app.state.stepserve, settings.shutdown_grace_s, app.state.watchdog.hold).run()
     _exit_now(app.state.watchdog.exit_code)  # non-zero when an engine thread died
     return 0
 
@@ -172,7 +177,7 @@ def _exit_now(code: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``stepserve serve|convert|bench|soak ...``; returns the exit status."""
+    """``stepserve serve|launch|convert|bench|soak ...``; returns the exit status."""
     load_cpu_blas()  # before anything imports MLX
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
@@ -183,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         from service.bench.soak import main as soak
 
         return soak(argv[1:])
+    if argv[:1] == ["launch"]:
+        from service.process.launch import main as launch
+
+        return launch(argv[1:])
     parser, flags = _parser()
     args = parser.parse_args(argv)
     if args.command == "serve":

@@ -194,6 +194,7 @@ class Engine:
                     self.scheduler.wait_for_work(IDLE_WAIT_S)
             except Exception as exc:
                 log.exception("engine step failed")
+                self.runner.executor.raise_if_fatal(exc)
                 self._end_all(FinishReason.ERROR, f"internal error in the engine step: {type(exc).__name__}")
         self._end_all(FinishReason.CANCELLED, SHUTDOWN)
         self.runner.executor.close()

@@ -191,6 +191,11 @@ class Executor:
         """Seconds the engine has been waiting on another process (0: none; one process never)."""
         return 0.0
 
+    def raise_if_fatal(self, exc: Exception) -> None:
+        """Called with what an engine step raised before its requests are failed: in one process
+        the engine goes on; a pipeline group's rank 0 raises ``GroupLost`` instead, since its
+        ranks may no longer be in step (and a collective after a failed one would hang)."""
+
 
 def _index(rows: list[int]) -> slice | mx.array:
     """Rows as an index: a slice when they are consecutive (a plain copy), else an int32 array."""

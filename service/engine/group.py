@@ -30,6 +30,7 @@ ring backend has no timeout) is seen by a watchdog through :meth:`GroupLeader.st
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
@@ -37,7 +38,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import IntEnum
-from typing import cast
+from typing import Any, TypeVar, cast
 
 import mlx.core as mx
 
@@ -49,6 +50,7 @@ from service.engine.executor import MODEL_PHASES, Executor
 
 log = logging.getLogger("stepserve.group")
 
+F = TypeVar("F", bound=Callable[..., Any])
 HEADER = 160  # int32s in every message's first broadcast: a decode step of up to 64 rows fits whole
 NAP_S = 0.1  # when idle, rank 0 sends a message this often and the others sleep between them
 
@@ -125,6 +127,19 @@ def _group(executor: Executor) -> mx.distributed.Group:
     return group
 
 
+def _guarded(method: F) -> F:
+    """A :class:`GroupLeader` operation: its time counts as a wait on the group (the
+    watchdog's view), and anything it raises (an evaluation, or a collective of an earlier
+    step failing here) is :class:`GroupLost`."""
+
+    @functools.wraps(method)
+    def run(self: GroupLeader, *args, **kwargs):
+        with self.progress.waiting():
+            return method(self, *args, **kwargs)
+
+    return cast(F, run)
+
+
 def _anchor(obj: KVCache | mx.array) -> mx.array:
     """The array a handle lives on: a cache's first keys buffer, or the array itself."""
     return obj.keys[0] if isinstance(obj, KVCache) else obj
@@ -153,12 +168,11 @@ class GroupLeader(Executor):
         head = [int(op), len(frees), len(ints), size, *frees, *ints]
         parts = [mx.array(head, mx.int32), *(a.reshape(-1).astype(mx.int32) for a in data)]
         total = len(head) + size
-        with self.progress.waiting():
-            if total > HEADER:
-                broadcast(mx.array(head[:4] + [0] * (HEADER - 4), mx.int32), self.group)
-            else:
-                parts.append(mx.zeros((HEADER - total,), mx.int32))
-            broadcast(mx.concatenate(parts), self.group)
+        if total > HEADER:
+            broadcast(mx.array(head[:4] + [0] * (HEADER - 4), mx.int32), self.group)
+        else:
+            parts.append(mx.zeros((HEADER - total,), mx.int32))
+        broadcast(mx.concatenate(parts), self.group)
         self._last_sent = time.monotonic()
 
     def _bind(self, obj, handle: int | None = None):
@@ -192,10 +206,12 @@ class GroupLeader(Executor):
 
     # -- operations: broadcast, then run here ----------------------------------------------
 
+    @_guarded
     def alloc(self, batch: int, capacity: int) -> KVCache:
         self._send(Op.ALLOC, [self._new_handle(), batch, capacity])
         return self._bind(super().alloc(batch, capacity))
 
+    @_guarded
     def prefill(self, tokens: list[list[int]], lengths: list[int]) -> tuple[mx.array, KVCache]:
         B, T = len(tokens), len(tokens[0])
         self._send(Op.PREFILL, [self._new_handle(), B, T], (mx.array(tokens, mx.int32), mx.array(lengths, mx.int32)))
@@ -203,12 +219,14 @@ class GroupLeader(Executor):
         mx.async_eval(kv)  # every rank must run each step: rank 0's recv is in its cache's graph
         return logits, self._bind(kv)
 
+    @_guarded
     def chunk(self, kv: KVCache, tokens: list[int], offset: int, length: int) -> tuple[mx.array, KVCache]:
         self._send(Op.CHUNK, [self._handle(kv), offset, length], (mx.array(tokens, mx.int32),))
         logits, new = super().chunk(kv, tokens, offset, length)
         mx.async_eval(new)
         return logits, self._rebind(kv, new)
 
+    @_guarded
     def decode(self, kv: KVCache, tokens: mx.array, positions: list[int]) -> tuple[mx.array, KVCache]:
         # The tokens may still be the previous step's lazy output: the broadcast waits for them.
         self._send(Op.DECODE, [self._handle(kv)], (tokens, mx.array(positions, mx.int32)))
@@ -216,52 +234,60 @@ class GroupLeader(Executor):
         mx.async_eval(new)
         return logits, self._rebind(kv, new)
 
+    @_guarded
     def resize(self, kv: KVCache, capacity: int) -> KVCache:
         self._send(Op.RESIZE, [self._handle(kv), capacity])
         return self._rebind(kv, super().resize(kv, capacity))
 
+    @_guarded
     def reorder(self, kv: KVCache, rows: list[int]) -> KVCache:
         self._send(Op.REORDER, [self._handle(kv), *rows])
         return self._rebind(kv, super().reorder(kv, rows))
 
+    @_guarded
     def resize_batch(self, kv: KVCache, batch: int) -> KVCache:
         self._send(Op.RESIZE_BATCH, [self._handle(kv), batch])
         return self._rebind(kv, super().resize_batch(kv, batch))
 
+    @_guarded
     def insert_rows(self, kv: KVCache, source: KVCache, slots: list[int], rows: list[int]) -> None:
         self._send(Op.INSERT, [self._handle(kv), self._handle(source), *slots, *rows])
         super().insert_rows(kv, source, slots, rows)
 
+    @_guarded
     def save_blocks(self, kv: KVCache, row: int, starts: list[int], block_tokens: int) -> list[mx.array]:
         first = self._new_handle()
         self._send(Op.SAVE_BLOCKS, [self._handle(kv), row, block_tokens, first, *starts])
         return [self._bind(block) for block in super().save_blocks(kv, row, starts, block_tokens)]
 
+    @_guarded
     def gather_blocks(self, blocks: list[mx.array], capacity: int) -> KVCache:
         self._send(Op.GATHER, [self._new_handle(), capacity, *(self._handle(b) for b in blocks)])
         return self._bind(super().gather_blocks(blocks, capacity))
 
+    @_guarded
     def warm(self, phase: str, batch: int, size: int, capacity: int = 0, repeats: int = 3) -> bool:
         if phase not in MODEL_PHASES:  # the sampler runs where the logits are
             return super().warm(phase, batch, size, capacity, repeats)
         self._send(Op.WARM, [MODEL_PHASES.index(phase), batch, size, capacity, repeats])
-        with self.progress.waiting():
-            return super().warm(phase, batch, size, capacity, repeats)
+        return super().warm(phase, batch, size, capacity, repeats)
 
     # -- waiting and the group's life ------------------------------------------------------
 
+    @_guarded
     def wait(self, *arrays) -> None:
-        with self.progress.waiting():
-            super().wait(*arrays)
+        super().wait(*arrays)
 
+    @_guarded
     def read(self, tokens: mx.array) -> list[int]:
-        with self.progress.waiting():
-            return super().read(tokens)
+        return super().read(tokens)
 
+    @_guarded
     def seal(self) -> None:
         super().seal()
         self._send(Op.SEAL, [])
 
+    @_guarded
     def idle(self) -> None:
         """A heartbeat at most every :data:`NAP_S`: the others sleep that long (less a margin)
         instead of spinning in the ring backend's wait (it polls its socket); the first
@@ -269,11 +295,15 @@ class GroupLeader(Executor):
         if time.monotonic() - self._last_sent >= NAP_S:
             self._send(Op.IDLE, [int(NAP_S * 900)])  # 90% of the period, in ms
 
+    @_guarded
     def close(self) -> None:
         self._send(Op.STOP, [])
 
     def stalled_s(self) -> float:
         return self.progress.stalled_s()
+
+    def raise_if_fatal(self, exc: Exception) -> None:
+        raise GroupLost(f"the pipeline group failed: {exc}") from exc
 
 
 class Follower:

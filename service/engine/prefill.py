@@ -75,6 +75,7 @@ class Prefiller:
                 else:
                     self._chunk(seq)
             except Exception as exc:  # one failed request must not take the others down
+                self.runner.executor.raise_if_fatal(exc)
                 out.failed.append((seq, f"prefill failed: {type(exc).__name__}"))
         for T, group in whole.items():
             rows = self.runner.buckets.prefill_rows(T, self.whole_tokens)
@@ -82,6 +83,7 @@ class Prefiller:
                 try:
                     self._whole(part)
                 except Exception as exc:
+                    self.runner.executor.raise_if_fatal(exc)
                     out.failed += [(seq, f"prefill failed: {type(exc).__name__}") for seq in part]
         self._read_back(out)
 
@@ -164,6 +166,7 @@ class Prefiller:
         try:
             self.runner.wait_for([p.tokens for p in pending if p.tokens is not None], [p.kv.keys for p in pending])
         except Exception as exc:
+            self.runner.executor.raise_if_fatal(exc)
             out.failed += [(seq, f"prefill failed: {type(exc).__name__}") for p in pending for seq in p.group]
             return
         done = time.perf_counter()

@@ -58,13 +58,14 @@ class RankInfo:
     """One rank as the start-up exchange reported it (rank 0 shows them in ``/readyz``).
 
     Attributes:
-        rank: its rank; host: its host name; layers: [start, stop) of its stage;
-        weights_bytes: its stage's parameters; active_bytes: MLX's active memory once loaded;
-        max_sequences: the most running sequences its memory budget allows.
+        rank: its rank; host: its host name; pid: its process id there; layers: [start, stop)
+        of its stage; weights_bytes: its stage's parameters; active_bytes: MLX's active memory
+        once loaded; max_sequences: the most running sequences its memory budget allows.
     """
 
     rank: int
     host: str
+    pid: int
     layers: tuple[int, int]
     weights_bytes: int
     active_bytes: int
@@ -122,15 +123,16 @@ def start_group(settings: Settings, group: mx.distributed.Group) -> GroupStart:
     except Exception as exc:
         error = str(exc)
     mine = [resolved.served_models()[0].max_sequences or 0, stage.start, stage.stop]
-    mine += [(model.nbytes if model else 0) // KIB, mx.get_active_memory() // KIB]
+    mine += [(model.nbytes if model else 0) // KIB, mx.get_active_memory() // KIB, os.getpid()]
     reports = _exchange(group, mine, error, settings, "loading the stages")
-    ranks = [RankInfo(i, host, (r[1], r[2]), r[3] * KIB, r[4] * KIB, r[0]) for i, (r, host) in enumerate(reports)]
+    ranks = [RankInfo(i, host, r[5], (r[1], r[2]), r[3] * KIB, r[4] * KIB, r[0]) for i, (r, host) in enumerate(reports)]
     least = min(r.max_sequences for r in ranks)
     for r in ranks:
         log.info(
-            "rank %d on %s: layers %d-%d, %.1f MB of weights, MLX active memory %.1f MB, up to %d sequences",
+            "rank %d on %s (pid %d): layers %d-%d, %.1f MB of weights, MLX active memory %.1f MB, up to %d sequences",
             r.rank,
             r.host,
+            r.pid,
             r.layers[0],
             r.layers[1] - 1,
             r.weights_bytes / 1e6,

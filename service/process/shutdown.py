@@ -12,6 +12,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import uvicorn
@@ -31,11 +32,16 @@ class Serving(Protocol):
 
 
 class DrainingServer(uvicorn.Server):
-    """``uvicorn.Server`` whose SIGTERM drains the engines first."""
+    """``uvicorn.Server`` whose SIGTERM drains the engines first; ``before_exit`` is called
+    once they are idle, before uvicorn closes (the watchdog's hold: a failed engine's 503
+    stays visible for its linger even when SIGTERM comes from outside, e.g. mlx.launch
+    stopping a pipeline group whose other rank died)."""
 
-    def __init__(self, config: uvicorn.Config, state: Serving, grace_s: float):
+    def __init__(
+        self, config: uvicorn.Config, state: Serving, grace_s: float, before_exit: Callable[[], None] = lambda: None
+    ):
         super().__init__(config)
-        self.state, self.grace_s = state, grace_s
+        self.state, self.grace_s, self.before_exit = state, grace_s, before_exit
         self._draining = False
 
     def handle_exit(self, sig: int, frame) -> None:
@@ -56,6 +62,7 @@ class DrainingServer(uvicorn.Server):
             for engine in engines:
                 engine.abort_all()
             _wait_idle(engines, ABORT_WAIT_S)
+        self.before_exit()
         self.should_exit = True
 
 

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import threading
+import time
 
 from service.engine.core import Engine
 
@@ -55,6 +56,7 @@ class EngineWatchdog:
         self.engines, self.poll_s, self.linger_s, self.stall_limit_s = engines, poll_s, linger_s, stall_limit_s
         self.exit_after_s = shutdown_grace_s + DRAIN_SLACK_S
         self.exit_code = 0  # what `stepserve serve` exits with once uvicorn has stopped
+        self.failed_at: float | None = None  # time.monotonic() when an engine was failed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -80,6 +82,12 @@ class EngineWatchdog:
                 self._fail_hung(hung)
                 return
 
+    def hold(self) -> None:
+        """Once an engine was failed, wait until ``linger_s`` has passed since (the drain calls
+        this before uvicorn closes, so health checks see the 503 first)."""
+        if self.failed_at is not None:
+            time.sleep(max(0.0, self.failed_at + self.linger_s - time.monotonic()))
+
     def _stalled(self, engine: Engine) -> bool:
         if self.stall_limit_s is None:
             return False
@@ -87,7 +95,7 @@ class EngineWatchdog:
         return engine.runner.executor.stalled_s() > limit
 
     def _fail_hung(self, hung: list[Engine]) -> None:
-        self.exit_code = ENGINE_DIED_EXIT
+        self.exit_code, self.failed_at = ENGINE_DIED_EXIT, time.monotonic()
         for engine in hung:
             seconds = engine.runner.executor.stalled_s()
             log.critical(
@@ -107,7 +115,7 @@ class EngineWatchdog:
         os._exit(ENGINE_DIED_EXIT)  # the engine thread is stuck in the backend's wait: no drain can end it
 
     def _fail(self, dead: list[Engine]) -> None:
-        self.exit_code = ENGINE_DIED_EXIT
+        self.exit_code, self.failed_at = ENGINE_DIED_EXIT, time.monotonic()
         for engine in dead:
             log.critical(
                 "the engine thread of model '%s' died; failing its requests, then exiting with %d",
