@@ -18,6 +18,8 @@ def main(argv: list[str]) -> int:
       (:mod:`service.bench.steps`);
     * ``profile …``: where a decode step's time goes (:mod:`service.bench.profile`);
     * ``pipeline …``: one process against pipeline ranks per decode step (:mod:`service.bench.pipeline`);
+    * ``group …``: one ``stepserve serve`` against a ``stepserve launch`` group, through HTTP
+      (:mod:`service.bench.group`);
     * ``… --micro …``: plain against compiled, in-process (:mod:`service.bench.micro`);
     * ``… --side-by-side …``: stepserve against its peers (:mod:`service.bench.compare`);
     * ``… --workload long-arrival …``: stalls while a long prompt prefills
@@ -38,6 +40,10 @@ def main(argv: list[str]) -> int:
         from service.bench.pipeline import main as pipeline
 
         return pipeline(argv[1:])
+    if argv[:1] == ["group"]:
+        from service.bench.group import main as group
+
+        return group(argv[1:])
     if "--micro" in argv:
         from service.bench.micro import main as micro
 

@@ -243,7 +243,9 @@ OTHER_FORMS = """other forms (each has --help):
   stepserve bench --side-by-side ...           stepserve and its peers on the same weights
   stepserve bench --micro ...                  plain vs compiled, in-process
   stepserve bench steps ...                    one prefill and decode step per dtype, weight format, compile mode
-  stepserve bench profile ...                  where a decode step's time goes"""
+  stepserve bench profile ...                  where a decode step's time goes
+  stepserve bench pipeline ...                 one process against pipeline ranks per decode step, in-process
+  stepserve bench group ...                    one process against a pipeline group, through the real server"""
 
 
 def table(result: dict, title: str | None = None) -> Table:

