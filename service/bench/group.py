@@ -1,8 +1,9 @@
 """``stepserve bench group``: what splitting a model over ranks costs through the real server.
 
 Alternating rounds of one ``stepserve serve`` and one ``stepserve launch`` group of ``--ranks``
-ranks (``mlx.launch``, ring backend over 127.0.0.1), the same model and settings (``--`` passes
-more serve options to both), each serving the same greedy streamed load
+ranks (``mlx.launch``, ring backend over 127.0.0.1; or the hosts of ``--hostfile``, run from
+its first host), the same model and settings (``--`` passes more serve options to both), each
+serving the same greedy streamed load
 (:func:`service.bench.load.run`: the essay prompts on ``/infer``, ``--max-tokens`` each, one
 untimed pass per level first). Reported per level, the median over rounds of: the engine's
 mean decode step (``stepserve_step_seconds{phase="decode"}``: queueing a step to reading its
@@ -53,9 +54,12 @@ def _measure(url: str, args: argparse.Namespace) -> list[dict]:
 
 
 def _commands(args: argparse.Namespace, serve: list[str]) -> dict[str, list[str]]:
-    group = [str(Path(STEPSERVE_SERVE[0]).parent / "stepserve"), "launch", "--backend", "ring", "-n", str(args.ranks)]
-    group += ["--hosts", "127.0.0.1", "--starting-port", str(free_port()), "--"]
-    return {"one process": [*STEPSERVE_SERVE, *serve], f"{args.ranks} ranks": [*group, *serve]}
+    group = [str(Path(STEPSERVE_SERVE[0]).parent / "stepserve"), "launch"]
+    if args.hostfile:  # real hosts: rank 0 here (the hostfile's first host), the others over ssh
+        group += ["--hostfile", str(args.hostfile), "--"]
+        return {"one process": [*STEPSERVE_SERVE, *serve], "group": [*group, *serve]}
+    group += ["--backend", "ring", "-n", str(args.ranks), "--hosts", "127.0.0.1", "--starting-port", str(free_port())]
+    return {"one process": [*STEPSERVE_SERVE, *serve], f"{args.ranks} ranks": [*group, "--", *serve]}
 
 
 def _median(rounds: list[dict[str, list[dict]]], name: str, i: int, key: str) -> float | None:
@@ -67,7 +71,10 @@ def main(argv: list[str]) -> int:
     """``stepserve bench group ...``; prints a table to stderr and JSON to stdout."""
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(prog="stepserve bench group", description=__doc__)
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=2, help="ranks on this host (ring over 127.0.0.1)")
+    parser.add_argument(
+        "--hostfile", type=Path, default=None, help="an mlx.launch hostfile instead: the group on those hosts"
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--requests", type=int, default=3, help="timed requests per stream and level")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -93,7 +100,7 @@ def main(argv: list[str]) -> int:
     for level in levels:
         one, group = level[f"{names[0]} decode_step_s_mean"], level[f"{names[1]} decode_step_s_mean"]
         level["decode_step_overhead_s"] = group - one if one is not None and group is not None else None
-    table = Table(title=f"stepserve bench group: one process against {args.ranks} ranks (medians of {args.rounds})")
+    table = Table(title=f"stepserve bench group: one process against {names[1]} (medians of {args.rounds})")
     columns = ["streams", *(f"{n}: decode step ms" for n in names), "overhead ms"]
     for col in [*columns, *(f"{n}: ITL p50 ms" for n in names)]:
         table.add_column(col, justify="right")

@@ -311,10 +311,11 @@ class Follower:
 
     Args:
         executor: this rank's executor (its stage, its compile cache).
+        nap: how it sleeps after an idle message (seconds).
     """
 
-    def __init__(self, executor: Executor):
-        self.executor = executor
+    def __init__(self, executor: Executor, nap: Callable[[float], None] = time.sleep):
+        self.executor, self._nap = executor, nap
         self.group = _group(executor)
         self.progress = Progress()
         self.warming = True  # until rank 0's SEAL
@@ -335,18 +336,23 @@ class Follower:
 
     def run(self) -> None:
         """Serve rank 0's messages until STOP. Raises :class:`GroupLost` when the group fails."""
-        while True:
-            op, ints, data = self._receive()
-            if op == Op.STOP:
-                return
-            if op == Op.IDLE:
-                time.sleep(ints[0] / 1000)
-            elif op == Op.SEAL:
-                self.executor.seal()
-                self.warming = False
-            else:
-                with self.progress.waiting():
-                    self._ops[op](ints, data)
+        while self.step():
+            pass
+
+    def step(self) -> bool:
+        """Receive and carry out one message; False once it was STOP."""
+        op, ints, data = self._receive()
+        if op == Op.STOP:
+            return False
+        if op == Op.IDLE:
+            self._nap(ints[0] / 1000)
+        elif op == Op.SEAL:
+            self.executor.seal()
+            self.warming = False
+        else:
+            with self.progress.waiting():
+                self._ops[op](ints, data)
+        return True
 
     def _receive(self) -> tuple[Op, list[int], mx.array]:
         with self.progress.waiting():

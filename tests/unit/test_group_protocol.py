@@ -1,0 +1,134 @@
+"""Rank 0's messages, replayed: a real Engine whose executor is a GroupLeader serves requests
+(a chunked prompt, prefix-cache hits and evictions, batch and capacity moves, a prefill longer
+than one broadcast), every message it broadcasts is recorded, and a Follower replays them on
+its own copy of the model. The follower must end holding exactly what rank 0 still holds
+(every other handle freed), each array equal to rank 0's, and the answers must be one
+process's. No process is started: the broadcast is replaced by a queue."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import replace
+from pathlib import Path
+from typing import cast
+
+import mlx.core as mx
+from prometheus_client import CollectorRegistry
+
+from models.kv_cache import KVCache
+from models.loader import LoadedModel
+from models.tokenizer import ChatTokenizer
+from service.engine import group
+from service.engine.buckets import BucketTable
+from service.engine.compile_cache import CompileCache
+from service.engine.core import Engine, WarmupSpec
+from service.engine.executor import Executor
+from service.engine.prefix_cache import PrefixCache
+from service.engine.sequence import FinalEvent, SamplingParams, Sequence
+from service.metrics import Metrics
+from tests.support import TINY, WordTokenizer, random_params
+
+BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(8, 48), capacity=(64, 128))
+FIRST = [[1 + (7 * i + j) % 90 for i in range(n)] for j, n in enumerate((40, 45, 41, 55, 5))]
+MAX_TOKENS = [6, 10, 14, 20, 8, 12, 12]  # rows end at different steps: the batch shrinks; row 3 passes 64
+# Then a prompt that starts with the first one (a hit, the rest in a chunk, capacity 128) and a repeat.
+SECOND = [FIRST[0] + [3 + i % 80 for i in range(30)], FIRST[1]]
+BLOCK_BYTES = 2 * TINY.num_hidden_layers * TINY.num_key_value_heads * 8 * TINY.dim_per_head * 4  # 8 tokens
+
+
+class Rank:
+    """What the executors ask of a group: its size and this process's rank."""
+
+    def __init__(self, rank: int):
+        self._rank = rank
+
+    def size(self) -> int:
+        return 2
+
+    def rank(self) -> int:
+        return self._rank
+
+
+LEADER, FOLLOWER = Rank(0), Rank(1)
+
+
+def cache() -> CompileCache:
+    return CompileCache(True, lambda *a: None, lambda s: None)
+
+
+def serve(model: LoadedModel) -> tuple[list[list[int]], Engine]:
+    """Greedy tokens of FIRST (the fourth alone, the others joining its batch) and then SECOND,
+    from a real engine thread, and the engine."""
+    engine = Engine(
+        model,
+        BUCKETS,
+        cache(),
+        Metrics(CollectorRegistry(), version="test", device="cpu"),
+        chunk_tokens=48,
+        max_batched_tokens=192,
+        prefix=PrefixCache(block_tokens=8, budget_bytes=20 * BLOCK_BYTES),  # fewer blocks than the prompts'
+    )
+    engine.start(WarmupSpec(prompt_tokens=8, batch=2))
+    assert engine.ready.wait(120)
+    outputs: list[list[int]] = [[] for _ in FIRST + SECOND]
+    started, done = threading.Event(), [threading.Event() for _ in outputs]
+
+    def submit(i: int) -> None:
+        def emit(event, i=i):
+            started.set()
+            if isinstance(event, FinalEvent):
+                done[i].set()
+
+        prompt = (FIRST + SECOND)[i]
+        seq = Sequence(prompt, SamplingParams(max_tokens=MAX_TOKENS[i]), model.tokenizer.detokenizer(), emit)
+        outputs[i] = seq.output_ids
+        engine.submit(seq)
+
+    try:
+        submit(3)  # alone first, then the others join its batch (a batch move up)
+        assert started.wait(120)
+        for i in (0, 1, 2, 4):
+            submit(i)
+        assert all(event.wait(120) for event in done[: len(FIRST)])
+        for i in range(len(FIRST), len(outputs)):
+            submit(i)
+        assert all(event.wait(120) for event in done)
+    finally:
+        engine.stop()
+    assert engine.failure is None
+    return outputs, engine
+
+
+def test_a_follower_replays_rank_0_and_frees_what_rank_0_dropped(monkeypatch):
+    sent: deque[list[int]] = deque()  # each message, read on the engine thread (MLX streams are per thread)
+
+    def broadcast(x: mx.array, on) -> mx.array:
+        if on is FOLLOWER:
+            return mx.array(sent.popleft(), mx.int32)
+        sent.append(cast(list[int], x.tolist()))
+        return x
+
+    monkeypatch.setattr(group, "broadcast", broadcast)
+    tokenizer = cast(ChatTokenizer, WordTokenizer(frozenset()))
+    whole = LoadedModel("tiny", Path("-"), TINY, random_params(seed=5), tokenizer, mx.float32, "dequantized", 0.0)
+    alone, _ = serve(whole)
+    in_group, engine = serve(replace(whole, group=cast(mx.distributed.Group, LEADER)))
+    leader = engine.runner.executor
+    assert isinstance(leader, group.GroupLeader) and in_group == alone
+    assert engine.runner.prefix.evicted_blocks > 0 and engine.runner.prefix.hit_tokens > 0
+    ops = {m[0] for m in sent}
+    assert {op.value for op in group.Op} - ops <= {group.Op.IDLE}  # every other operation ran
+    assert any(len(m) > group.HEADER for m in sent)  # a prefill's tokens took a second broadcast
+
+    follower = group.Follower(Executor(replace(whole, group=cast(mx.distributed.Group, FOLLOWER)), cache()))
+    while follower.step():
+        pass
+    assert not sent
+    held = {handle: cast(tuple, finalizer.peek())[0] for handle, finalizer in leader._handles.values()}  # rank 0's
+    assert set(follower.store) == set(held) | set(leader._frees)  # frees after the STOP message are not sent
+    assert len(held) == len(engine.runner.prefix) > 0  # the prefix cache's blocks: the decode cache is gone
+    for handle, array in held.items():
+        mine = follower.store[handle]
+        mine = mine.keys[0] if isinstance(mine, KVCache) else mine
+        assert mx.array_equal(mine, array).item(), handle
