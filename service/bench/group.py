@@ -15,6 +15,7 @@ decode step (group minus one process). Figures: docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -111,5 +112,11 @@ def main(argv: list[str]) -> int:
             fmt(level["decode_step_overhead_s"], 1e3, 1),
             *(fmt(level[f"{n} itl_s_p50"], 1e3, 1) for n in names),
         )
-    result = {"what": __doc__.split("\n\n")[0] if __doc__ else "", "serve_options": serve, "levels": levels}
+    result = {
+        "what": __doc__.split("\n\n")[0] if __doc__ else "",
+        "serve_options": serve,
+        "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS"),  # both servers inherit it
+        "load_average_at_end": os.getloadavg(),
+        "levels": levels,
+    }
     return report({**result, "rounds": rounds}, ["group", *argv], [table], args.out)

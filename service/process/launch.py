@@ -5,7 +5,8 @@
 runs ``mlx.launch MLX.LAUNCH OPTIONS -- stepserve serve --distributed SERVE OPTIONS`` (each
 rank's ``stepserve`` is this one's path, so every host needs the same install path), with
 every ``STEPSERVE_*`` and ``TMPDIR`` variable of this process passed to every rank (a remote
-rank starts in a fresh ssh shell), and mlx.launch's output passed through. Why a wrapper:
+rank starts in a fresh ssh shell), and mlx.launch's output passed through. It runs mlx.launch's
+own code without its busy loop (:data:`MLX_LAUNCH`). Why a wrapper:
 
 * **the exit status**: mlx.launch stops the other ranks when one exits non-zero, but exits 0
   itself (MLX 0.32.4; it prints ``Node with rank R exited with code C``), so launchd would
@@ -42,12 +43,27 @@ KILL_AFTER_S = 30.0  # --kill-after's default
 STOP_GRACE_S = 70.0  # --stop-grace's default: above rank 0's drain (shutdown_grace_s 30 s + 10 s + 10 s)
 
 
+# mlx.launch's own main(), with one change: the `select` of its output loop is given no file to
+# write. It only ever writes to a rank's stdin what it read from its own, and `stepserve launch`
+# gives it a stdin that is never readable; but it polls each rank's stdin pipe, always writable,
+# for writing, so each of its threads spins (1.3 cores with two ranks, idle, measured here).
+MLX_LAUNCH = """
+import select, sys
+from mlx._distributed_utils import launch
+sys.argv[0] = "mlx.launch"
+if getattr(launch, "select", None) is select.select:
+    launch.select = lambda r, w, x, timeout=None: select.select(r, [], x, timeout)
+sys.exit(launch.main())
+"""
+
+
 def command(launch_args: list[str], serve_args: list[str], pid_file: Path, env: dict[str, str]) -> list[str]:
-    """The mlx.launch command line of a group: ``env``'s settings passed with ``--env``."""
+    """The mlx.launch command line of a group (:data:`MLX_LAUNCH`): ``env``'s settings passed
+    with ``--env``."""
     passed = [f"{k}={v}" for k, v in sorted(env.items()) if k.startswith("STEPSERVE_") or k in FORWARDED_ENV]
     forwarded = [arg for kv in passed for arg in ("--env", kv)]
     serve = [str(BIN / "stepserve"), "serve", "--distributed", *serve_args, "--pid-file", str(pid_file)]
-    return [str(BIN / "mlx.launch"), *launch_args, *forwarded, "--", *serve]
+    return [sys.executable, "-c", MLX_LAUNCH, *launch_args, *forwarded, "--", *serve]
 
 
 class Group:

@@ -1,5 +1,5 @@
-"""`stepserve launch`'s command line and how it reads mlx.launch's report of a failed rank
-(mlx.launch's own message function, not a copy of its text)."""
+"""`stepserve launch`'s command line, the mlx.launch code it patches, and how it reads
+mlx.launch's report of a failed rank (mlx.launch's own message function, not a copy of its text)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,20 @@ def test_the_command_runs_every_rank_distributed_with_this_hosts_settings():
     env = {"STEPSERVE_CONFIG": "/opt/stepserve/stepserve.toml", "TMPDIR": "/opt/stepserve/tmp", "HOME": "/Users/x"}
     argv = launch.command(["--hostfile", "h.json"], ["--port", "8000"], Path("/tmp/r0.pid"), env)
     split = argv.index("--")
-    assert argv[0].endswith("/mlx.launch") and argv[1:3] == ["--hostfile", "h.json"]
+    assert argv[1:3] == ["-c", launch.MLX_LAUNCH] and argv[3:5] == ["--hostfile", "h.json"]
     forwarded = ["STEPSERVE_CONFIG=/opt/stepserve/stepserve.toml", "TMPDIR=/opt/stepserve/tmp"]  # not HOME
-    assert argv[3:split] == ["--env", forwarded[0], "--env", forwarded[1]]
+    assert argv[5:split] == ["--env", forwarded[0], "--env", forwarded[1]]
     assert argv[split + 1].endswith("/stepserve")
     assert argv[split + 2 :] == ["serve", "--distributed", "--port", "8000", "--pid-file", "/tmp/r0.pid"]
+
+
+def test_mlx_launchs_select_is_the_one_patched():
+    """The busy loop's fix replaces the `select` mlx.launch's module imported (MLX 0.32.4)."""
+    import select
+
+    from mlx._distributed_utils import launch as mlx_launch
+
+    assert getattr(mlx_launch, "select") is select.select and callable(mlx_launch.main)  # noqa: B009
 
 
 def test_a_failed_rank_is_read_from_mlx_launchs_own_warning():
