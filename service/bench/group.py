@@ -8,8 +8,8 @@ serving the same greedy streamed load
 untimed pass per level first). Reported per level, the median over rounds of: the engine's
 mean decode step (``stepserve_step_seconds{phase="decode"}``: queueing a step to reading its
 tokens back, rank 0's view, which includes every rank's stage and the hops), the client's
-inter-token latency p50 and TTFT p50, and aggregate tokens/s; and the split's overhead per
-decode step (group minus one process). Figures: docs/BENCHMARKS.md.
+inter-token latency p50 and TTFT p50, aggregate tokens/s and the warm-up's seconds; and the
+split's overhead per decode step (group minus one process). Figures: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -90,10 +90,12 @@ def main(argv: list[str]) -> int:
             for name, command in _commands(args, serve).items():
                 log = Path(tmp) / f"{name.replace(' ', '-')}-{i}.log"
                 with serving(name, command, "/readyz", log) as (url, _):
-                    done[name] = _measure(url, args)
+                    models = httpx.get(f"{url}/readyz", timeout=30).json()["models"]
+                    warmup_s = next(iter(models.values()))["warmup_s"]
+                    done[name] = [{**level, "warmup_s": warmup_s} for level in _measure(url, args)]
             rounds.append(done)
     names = list(rounds[0])
-    keys = ("decode_step_s_mean", "itl_s_p50", "ttft_s_p50", "aggregate_tok_s")
+    keys = ("decode_step_s_mean", "itl_s_p50", "ttft_s_p50", "aggregate_tok_s", "warmup_s")
     levels = [
         {"concurrency": level, **{f"{n} {k}": _median(rounds, n, i, k) for n in names for k in keys}}
         for i, level in enumerate(args.concurrency)

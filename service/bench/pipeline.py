@@ -41,6 +41,7 @@ from models.kv_cache import KVCache  # noqa: E402
 from models.stage_loader import load_stage, model_layout  # noqa: E402
 from service.bench.common import free_port, machine_info, quiet_compile_cache  # noqa: E402
 from service.engine.compile_cache import StepKey, StepSpec  # noqa: E402
+from service.process.launch import MLX_LAUNCH  # noqa: E402
 
 CAPACITY, START = 256, 64  # decode at capacity 256 from position 64
 
@@ -131,13 +132,20 @@ def worker(model: str, batches: list[int], policies: list[str], steps: int, out:
 
 
 def _round(ranks: int, argv: list[str], env: dict[str, str]) -> list[dict]:
-    """One process (ranks 1) or an mlx.launch group; returns each rank's JSON."""
+    """One process (ranks 1) or an mlx.launch group; returns each rank's JSON. mlx.launch runs
+    as `stepserve launch` runs it (:data:`service.process.launch.MLX_LAUNCH`, its stdin a pipe
+    never written): without its busy loop, which would take cores from the ranks."""
     with tempfile.TemporaryDirectory() as tmp:
         command = [sys.executable, "-m", "service.bench.pipeline", "--worker", *argv, "--out", tmp]
         if ranks > 1:
-            launch = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", str(ranks)]
+            launch = [sys.executable, "-c", MLX_LAUNCH, "--backend", "ring", "-n", str(ranks)]
             command = [*launch, "--hosts", "127.0.0.1", "--starting-port", str(free_port()), "--", *command]
-        subprocess.run(command, check=True, timeout=1800, env=env)
+        stdin, keep = os.pipe()
+        try:
+            subprocess.run(command, check=True, timeout=1800, env=env, stdin=stdin)
+        finally:
+            os.close(stdin)
+            os.close(keep)
         return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
