@@ -40,7 +40,7 @@ def profile_stepserve(model: LoadedModel, batch: int, capacity: int, steps: int,
     module docstring says, and tokens/s of the synchronous and pipelined loops."""
     runner = ModelRunner(model, BucketTable((batch,), (16,), (capacity,)), quiet_compile_cache(True))
     decode, greedy = runner.step_fn("decode", batch, capacity), runner.step_fn("greedy")
-    kv = runner.new_kv(batch, capacity)
+    kv = runner.new_kv(batch, capacity, ring=True)
     position = capacity // 2
     py_tokens, py_positions = [0] * batch, [position] * batch
 

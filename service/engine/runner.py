@@ -13,7 +13,8 @@ from functools import partial
 
 import mlx.core as mx
 
-from models import llama, sampling
+from models import sampling
+from models.architectures import architecture
 from models.kv_cache import KVCache
 from models.loader import LoadedModel
 from service.engine import warmup
@@ -85,12 +86,12 @@ class ModelRunner:
         prefix: PrefixCache | None = None,
     ):
         self.model, self.buckets, self.compiled = model, buckets, cache
-        a = model.args
+        a, arch = model.args, architecture(model.args.model_type)
         self._dtype_name = str(model.dtype).rsplit(".", 1)[-1]
         self._specs = {
-            "prefill": StepSpec(partial(llama.prefill, args=a)),
-            "chunk": StepSpec(partial(llama.prefill_chunk, args=a)),
-            "decode": StepSpec(partial(llama.decode, args=a)),
+            "prefill": StepSpec(partial(arch.prefill, args=a)),
+            "chunk": StepSpec(partial(arch.prefill_chunk, args=a)),
+            "decode": StepSpec(partial(arch.decode, args=a)),
             "sample": StepSpec(sampling.sample, random_state=True),
             "greedy": StepSpec(sampling.greedy, shapeless=True),
             "process": StepSpec(sampling.process),
@@ -266,11 +267,18 @@ class ModelRunner:
         key = StepKey(self.model.name, phase, batch, size, self._dtype_name, capacity)
         return self.compiled.get(key, self._specs[phase])
 
-    def new_kv(self, batch: int, capacity: int) -> KVCache:
-        """A zeroed KV cache [batch, Hkv, capacity, D] per layer in the compute dtype."""
+    def new_kv(self, batch: int, capacity: int, ring: bool = False) -> KVCache:
+        """A zeroed KV cache [batch, Hkv, capacity, D] per layer in the compute dtype; with
+        ``ring`` (the decode cache) sliding-window layers hold min(window, capacity) positions."""
         a = self.model.args
         return KVCache.allocate(
-            a.num_hidden_layers, batch, a.num_key_value_heads, capacity, a.dim_per_head, self.model.dtype
+            a.num_hidden_layers,
+            batch,
+            a.num_key_value_heads,
+            capacity,
+            a.dim_per_head,
+            self.model.dtype,
+            a.windows if ring else None,
         )
 
     # -- sampling ------------------------------------------------------------------------
@@ -349,7 +357,7 @@ class ModelRunner:
         B = self.buckets.batch_for(max(len(live) + len(joining), 1))
         C = self.buckets.capacity_for(max((s.position + 1 for s in live + joining), default=1))
         if self.kv is None:
-            self.kv = self.new_kv(B, C)
+            self.kv = self.new_kv(B, C, ring=True)
             return []
         kv, moves = self.kv, []
         if B < kv.batch or any(s.slot >= B for s in live):
@@ -358,7 +366,7 @@ class ModelRunner:
             for i, s in enumerate(live):
                 s.slot = i
         if kv.capacity != C:
-            kv, moves = kv.resized(C), ["capacity"]
+            kv, moves = kv.resized(C, self.model.args.windows), ["capacity"]
         if kv.batch != B:
             kv = _resize_batch(kv, B)
         if B != self.kv.batch:
@@ -375,10 +383,7 @@ class ModelRunner:
         kv = self._cache()
         if seq.position >= kv.capacity:
             raise ValueError(f"sequence at position {seq.position} does not fit capacity {kv.capacity}")
-        src = prompt_kv.resized(kv.capacity)
-        for layer in range(len(kv.keys)):
-            kv.keys[layer][slot] = src.keys[layer][row]
-            kv.values[layer][slot] = src.values[layer][row]
+        kv.insert_row(slot, prompt_kv, row, seq.position)
         seq.slot = slot
 
     def decode(self, slots: list[Sequence | None], tokens: mx.array | None = None) -> mx.array:
