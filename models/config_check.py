@@ -162,7 +162,9 @@ def unimplemented_config(config: dict[str, Any], supports: Supports | None = Non
     return found
 
 
-def unimplemented_gguf(metadata: dict[str, Any], tensor_names: Iterable[str], arch: str, head_dim: int) -> list[str]:
+def unimplemented_gguf(
+    metadata: dict[str, Any], tensor_names: Iterable[str], arch: str, head_dim: int, implemented: Iterable[str] = ()
+) -> list[str]:
     """The GGUF metadata and tensors of an ``arch`` file that stepserve does not implement.
 
     Args:
@@ -170,25 +172,31 @@ def unimplemented_gguf(metadata: dict[str, Any], tensor_names: Iterable[str], ar
         tensor_names: the file's tensor names.
         arch: ``general.architecture``; keys are read under ``{arch}.``.
         head_dim: the attention head dim (``{arch}.attention.key_length``).
+        implemented: keys (after ``{arch}.``) of :data:`GGUF_OFF_VALUES` the architecture
+            implements (Gemma 3: ``attention.sliding_window``); ``rope.scaling`` of type
+            linear is implemented for Gemma 3 (its global layers), refused elsewhere.
 
     Returns:
         One message per such key or tensor, as :func:`unimplemented_config` does.
     """
     found = []
+    implemented = set(implemented)
 
     def get(key: str) -> Any:
         return metadata.get(f"{arch}.{key}")
 
+    if arch == "gemma3":
+        implemented.add("rope.scaling.factor")
     # llama.cpp reads the type (default "linear") and the factor (rope.scaling.factor, else
     # rope.scale_linear; 0 means none); type "none" turns scaling off whatever the factor.
     rope_type = get("rope.scaling.type")
     factor_key = "rope.scaling.factor" if get("rope.scaling.factor") else "rope.scale_linear"
     if rope_type not in (None, "none", "linear"):
         found.append(_refusal(f"{arch}.rope.scaling.type", rope_type, '"none"'))
-    elif rope_type != "none" and get(factor_key) not in (None, 0, 1):
+    elif rope_type != "none" and get(factor_key) not in (None, 0, 1) and factor_key not in implemented:
         found.append(_refusal(f"{arch}.{factor_key}", get(factor_key), '1, or rope.scaling.type "none"'))
     for key, off in GGUF_OFF_VALUES.items():
-        if get(key) not in (None, off):
+        if get(key) not in (None, off) and key not in implemented:
             found.append(_refusal(f"{arch}.{key}", get(key), f"absent or {off}"))
     for key in ("rope.dimension_count", "attention.value_length"):
         if get(key) not in (None, head_dim):
