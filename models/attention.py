@@ -84,8 +84,8 @@ class CacheAttention:
 
     A linear buffer writes position p at index p; a ring (:func:`is_ring`) at p mod S and masks
     indices not yet written (index > p); every index it holds is within the window, since it
-    holds the S <= W latest positions. A ring takes one token per row (L = 1): a chunk's later
-    tokens would overwrite keys its earlier tokens still see.
+    holds the S <= W latest positions. Only decode (L = 1) reads a ring: a chunk's later tokens
+    would overwrite keys its earlier tokens still see, so chunks go to linear staging caches.
     """
 
     def __init__(self, positions: mx.array, scale: float):
@@ -105,13 +105,15 @@ class CacheAttention:
         return attend
 
     def _layout(self, window: int | None, size: int) -> tuple[mx.array, mx.array]:
-        """(write index int32 [B, 1, L, 1], mask bool [B, 1, L, size]) for a buffer of ``size``."""
-        ring = is_ring(window, size)
+        """(write index int32 [B, 1, L, 1], mask bool [B, 1, L, size]) for a buffer of ``size``.
+
+        Several tokens per row (a chunk) always use the linear layout: a chunk is written into
+        a linear staging cache whose positions are all below its size (the caller's contract),
+        where a ring of S <= W would read the same anyway."""
+        p = self.positions  # [B, L]
+        ring = is_ring(window, size) and p.shape[1] == 1
         key = ("ring", size) if ring else (window, size)
         if key not in self._layouts:
-            p = self.positions  # [B, L]
-            if ring and p.shape[1] != 1:
-                raise ValueError("a sliding layer's ring cache takes one token per row (decode)")
             j = mx.arange(size)[None, None, :]  # [1, 1, size]
             mask = j <= p[:, :, None]  # [B, L, size]: written already (ring) or causal (linear)
             if window is not None and not ring:

@@ -80,9 +80,9 @@ class ModelArgs(llama.ModelArgs):
         values.setdefault("rope_theta", 1_000_000.0)  # transformers' default_theta["global"]
         nested = config.get("rope_parameters") or {}
         full, local = nested.get("full_attention") or {}, nested.get("sliding_attention") or {}
-        if "rope_theta" in full and config.get("rope_theta") is None:
+        if "rope_theta" in full:  # rope_parameters wins (transformers' convert_rope_params_to_dict)
             values["rope_theta"] = full["rope_theta"]
-        if "rope_theta" in local and config.get("rope_local_base_freq") is None:
+        if "rope_theta" in local:
             values["rope_local_base_freq"] = local["rope_theta"]
         if config.get("rope_scaling") is None and rope_type(full) != "default":
             values["rope_scaling"] = llama._items(full)

@@ -83,7 +83,8 @@ class ModelArgs:
         that would change it in a way stepserve does not implement are refused
         (:func:`models.config_check.unimplemented_config`). ``num_key_value_heads``
         defaults to ``num_attention_heads`` (Hugging Face's default), ``rope_theta`` and the
-        RoPE scaling may be nested under ``rope_parameters`` (transformers >= 5), and the
+        RoPE scaling may be nested under ``rope_parameters`` (transformers >= 5, whose
+        values win, as transformers' ``convert_rope_params_to_dict`` does), and the
         quantization group size comes from ``quantization.group_size`` (mlx-lm's format).
 
         Raises:
@@ -109,7 +110,7 @@ class ModelArgs:
         values = {k: v for k, v in config.items() if k in names and v is not None}
         values.setdefault("num_key_value_heads", config["num_attention_heads"])
         rope = config.get("rope_parameters") or {}
-        if "rope_theta" not in values and "rope_theta" in rope:
+        if "rope_theta" in rope:  # transformers >= 5: rope_parameters wins over a top-level rope_theta
             values["rope_theta"] = rope["rope_theta"]
         scaling = config.get("rope_scaling") or rope
         values["rope_scaling"] = None if rope_type(scaling) == "default" else _items(scaling)

@@ -72,10 +72,11 @@ def rope_problems(key: str, scaling: Any) -> list[str]:
     extra = sorted(set(scaling) - ROPE_KEYS[kind] - _NEUTRAL_KEYS)
     if extra:
         allowed = ", ".join(sorted(ROPE_KEYS[kind])) or "none"
-        found.append(f"{key}={_json(scaling)}: {extra} is not implemented (supported keys for {kind}: {allowed})")
+        found.append(f"{key}={_json(scaling)}: {extra} is not implemented (supported: {allowed} for {kind})")
     missing = [k for k in _REQUIRED.get(kind, ()) if scaling.get(k) is None]
     if missing:
-        found.append(f"{key}={_json(scaling)} lacks {missing}, which rope_type {kind} requires")
+        required = ", ".join(_REQUIRED[kind])
+        found.append(f"{key}={_json(scaling)} without {missing} is not implemented (supported: {kind} with {required})")
     if kind == "yarn" and scaling.get("truncate", True) is not True:
         found.append(f"{key}={_json(scaling)}: truncate=false is not implemented (supported: true)")
     if kind == "yarn" and (scaling.get("mscale") is None) != (scaling.get("mscale_all_dim") is None):
