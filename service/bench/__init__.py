@@ -17,6 +17,8 @@ def main(argv: list[str]) -> int:
     * ``steps …``: one prefill and decode step per dtype, weight format and compile mode
       (:mod:`service.bench.steps`);
     * ``profile …``: where a decode step's time goes (:mod:`service.bench.profile`);
+    * ``moe …``: a random Qwen3-MoE's decode step against mlx-lm's (:mod:`service.bench.moe`);
+    * ``gguf-storage …``: a K-quant GGUF kept dense or re-quantized (:mod:`service.bench.gguf_storage`);
     * ``… --micro …``: plain against compiled, in-process (:mod:`service.bench.micro`);
     * ``… --side-by-side …``: stepserve against its peers (:mod:`service.bench.compare`);
     * ``… --workload long-arrival …``: stalls while a long prompt prefills
@@ -33,6 +35,14 @@ def main(argv: list[str]) -> int:
         from service.bench.profile import main as profile
 
         return profile(argv[1:])
+    if argv[:1] == ["gguf-storage"]:
+        from service.bench.gguf_storage import main as gguf_storage
+
+        return gguf_storage(argv[1:])
+    if argv[:1] == ["moe"]:
+        from service.bench.moe import main as moe
+
+        return moe(argv[1:])
     if "--micro" in argv:
         from service.bench.micro import main as micro
 
