@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from models.attention import Attend, CacheAttention, PromptAttention
 from models.config_check import Supports, unimplemented_config
+from models.fuse import fuse_projections
 from models.kv_cache import KVCache, layer_sizes
 from models.layers import Params, embed, linear
 from models.rope import RoPE, make_rope, rope_type
@@ -172,7 +173,7 @@ def cached_rope(dims: int, base: float, traditional: bool, scaling: tuple[tuple[
 
 def swiglu_mlp(p: Params, x: mx.array, g: int) -> mx.array:
     """SwiGLU feed-forward (Shazeer 2020, "GLU Variants Improve Transformer")."""
-    if "gate_up_proj" in p:  # fused by :func:`fuse_projections`: one matmul, then a split
+    if "gate_up_proj" in p:  # fused by :func:`models.fuse.fuse_projections`: one matmul, then a split
         gate, up = mx.split(linear(x, p["gate_up_proj"], g), 2, axis=-1)
     else:
         gate, up = linear(x, p["gate_proj"], g), linear(x, p["up_proj"], g)
@@ -188,7 +189,7 @@ def project_qkv(p: Params, x: mx.array, args: ModelArgs) -> tuple[mx.array, mx.a
     B, L, _ = x.shape
     D, g = args.dim_per_head, args.quant_group_size
     Hq, Hkv = args.num_attention_heads, args.num_key_value_heads
-    if "qkv_proj" in p:  # fused by :func:`fuse_projections`: one matmul, then a split
+    if "qkv_proj" in p:  # fused by :func:`models.fuse.fuse_projections`: one matmul, then a split
         q, k, v = mx.split(linear(x, p["qkv_proj"], g), [Hq * D, (Hq + Hkv) * D], axis=-1)
     else:
         q, k, v = linear(x, p["q_proj"], g), linear(x, p["k_proj"], g), linear(x, p["v_proj"], g)
@@ -197,40 +198,6 @@ def project_qkv(p: Params, x: mx.array, args: ModelArgs) -> tuple[mx.array, mx.a
         q = mx.fast.rms_norm(q, p["q_norm"]["weight"], args.rms_norm_eps)
         k = mx.fast.rms_norm(k, p["k_norm"]["weight"], args.rms_norm_eps)
     return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-
-
-def fuse_projections(params: Params) -> Params:
-    """Concatenate each layer's Q, K and V projections into ``qkv_proj`` and the MLP's gate
-    and up projections into ``gate_up_proj`` along the output axis, so that a step runs one
-    matmul where it ran three (or two): fewer kernel launches per token. The step functions
-    split the result back, so the outputs are the same up to the matmul's own rounding.
-
-    Works for dense weights [out, in] and MLX affine-quantized triples (``weight``,
-    ``scales``, ``biases`` are all per output row); ``bias`` vectors are concatenated too.
-    A group whose members differ in format (dense vs quantized, bit width, present keys) is
-    left unfused. Returns a new tree; ``params`` is not modified.
-    """
-
-    def fuse(block: Params, names: tuple[str, ...], fused: str) -> Params:
-        parts: list[Params] = [block[n] for n in names if isinstance(block.get(n), dict)]
-        if len(parts) != len(names):
-            return block
-        keys = set(parts[0])
-        if any(set(p) != keys for p in parts) or any(
-            p[k].dtype != parts[0][k].dtype or p[k].shape[1:] != parts[0][k].shape[1:] for p in parts for k in keys
-        ):
-            return block
-        out = {k: v for k, v in block.items() if k not in names}
-        out[fused] = {k: mx.concatenate([p[k] for p in parts], axis=0) for k in keys}
-        return out
-
-    layers = []
-    for layer in params["layers"]:
-        layer = dict(layer)
-        layer["self_attn"] = fuse(layer["self_attn"], ("q_proj", "k_proj", "v_proj"), "qkv_proj")
-        layer["mlp"] = fuse(layer["mlp"], ("gate_proj", "up_proj"), "gate_up_proj")
-        layers.append(layer)
-    return {**params, "layers": layers}
 
 
 def _final_logits(params: Params, h: mx.array, args: ModelArgs) -> mx.array:
@@ -413,3 +380,6 @@ def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.arra
     if args.tie_word_embeddings:
         weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
     return weights
+
+
+__all__ = ["ModelArgs", "decode", "fuse_projections", "prefill", "prefill_chunk", "sanitize"]

@@ -1,10 +1,12 @@
 """The real Gemma 3 270M GGUF (Q4_K, Q5_0, Q6_K, Q8_0 and F32 tensors, which MLX's reader
 refuses): its configuration as llama.cpp reads it, its SentencePiece tokenizer rebuilt by
-transformers' GGUF conversion, and clear messages when the optional packages are missing."""
+transformers' GGUF conversion, Gemma's chat template (no system role) followed as written,
+and clear messages when the optional packages are missing."""
 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import mlx.core as mx
 import pytest
@@ -12,6 +14,8 @@ import pytest
 from models.gguf import ModelLoadError, args_from_metadata, read_gguf, tokenizer_from_gguf
 from models.gguf_header import read_gguf_header
 from models.gguf_quants import MLX_READABLE_TYPES
+from models.tokenizer import TokenizerError
+from service.api.tools import render_messages
 from tests.support import gemma_gguf
 
 
@@ -63,3 +67,60 @@ def test_a_missing_transformers_is_named_with_its_install_command(monkeypatch, h
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(ModelLoadError, match=r"SentencePiece tokenizer needs pip install 'stepserve\[gguf\]'"):
         tokenizer_from_gguf(header.metadata, gemma_gguf())
+
+
+# Gemma 3 instruction-tuned checkpoints' chat template (tokenizer_config.json): no system role;
+# a system message is folded into the first user turn.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    '    {%- set first_user_prefix = "" -%}\n'
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    '        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}\n'
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    '        {%- set role = "model" -%}\n'
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    '        {{ raise_exception("Invalid content type") }}\n'
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\\n'}}\n"
+    "{%- endif -%}\n"
+)
+
+
+def test_a_template_without_a_system_role_is_followed(tokenizer):
+    chat = replace(tokenizer, chat_template=GEMMA3_TEMPLATE, _template=None)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = render_messages(chat, messages)  # as the API renders them
+    assert text == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    ids = chat.encode(text)
+    assert ids[:3] == [2, 105, 2364] and ids.count(2) == 1  # the template's BOS, not a second one
+    with pytest.raises(TokenizerError, match="roles must alternate"):
+        render_messages(chat, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
