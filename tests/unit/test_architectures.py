@@ -7,9 +7,14 @@ of their window, which wrap within a few tokens)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
+from mlx_lm.models import gemma3_text as lm_gemma3_text
 
+from models import gemma3_text
+from models.errors import ModelLoadError
 from models.loader import LoadedModel, load_model
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
@@ -119,3 +124,47 @@ def test_tiny_model_matches_mlx_lm_through_the_runner(tmp_path, model_type, keys
         assert tokens[:STEPS] == expected_tokens, f"{len(prompt)}-token prompt"
         worst = max(mx.abs(a - b).max().item() for a, b in zip(history, expected, strict=False))
         assert worst < TOL, f"{len(prompt)}-token prompt: max |logit diff| {worst:.2e}"
+
+
+def _unstacked(directory: Path, drop: str | None = None) -> None:
+    """Rewrite a qwen3_moe directory's stacked experts as Hugging Face's one tensor per expert
+    (``mlp.experts.E.{gate,up,down}_proj.weight``), leaving out ``drop`` if given."""
+    weights = mx.load(str(directory / "model.safetensors"))
+    assert isinstance(weights, dict)
+    out = {}
+    for key, value in weights.items():
+        if ".switch_mlp." not in key:
+            out[key] = value
+            continue
+        prefix, rest = key.split(".switch_mlp.")
+        out |= {f"{prefix}.experts.{e}.{rest}": value[e] for e in range(value.shape[0])}
+    out.pop(drop or "", None)
+    mx.save_safetensors(str(directory / "model.safetensors"), out)
+
+
+def test_per_expert_checkpoints_are_stacked_at_load(tmp_path):
+    reference = write_lm_dir(tmp_path / "model", tiny_config("qwen3_moe"))
+    _unstacked(tmp_path / "model")
+    ours = load_model(tmp_path / "model", "tiny", mx.float32, "quantized")
+    assert ours.params["layers"][0]["mlp"]["switch_mlp"]["up_proj"]["weight"].shape == (8, 32, 64)
+    prompt = PROMPTS[1][0]
+    tokens, history = run_batched(ours)[1]
+    expected_tokens, expected = mlx_lm_greedy(reference, prompt, STEPS)
+    assert tokens[:STEPS] == expected_tokens
+    assert max(mx.abs(a - b).max().item() for a, b in zip(history, expected, strict=False)) < TOL
+
+
+def test_a_missing_expert_is_refused(tmp_path):
+    write_lm_dir(tmp_path / "model", tiny_config("qwen3_moe"))
+    _unstacked(tmp_path / "model", drop="model.layers.2.mlp.experts.3.down_proj.weight")
+    with pytest.raises(ModelLoadError, match=r"model.layers.2.mlp.experts has experts \[0, 1, 2, 4, 5\]"):
+        load_model(tmp_path / "model", "tiny", mx.float32)
+
+
+def test_gemma_residuals_in_float16_are_clipped_as_mlx_lms():
+    # float16 is what a GPU computes in; Gemma's activations overflow it without the clip
+    x = mx.array([60000.0, -60000.0, 1.5, 3.0], mx.float16)
+    y = mx.array([30000.0, -30000.0, 0.25, -1.0], mx.float16)
+    ours = gemma3_text._residual(x, y)
+    assert ours.dtype == mx.float16 and mx.array_equal(ours, lm_gemma3_text.clip_residual(x, y))
+    assert mx.isfinite(ours).all().item() and ours[0].item() == mx.finfo(mx.float16).max
