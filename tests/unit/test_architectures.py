@@ -168,3 +168,15 @@ def test_gemma_residuals_in_float16_are_clipped_as_mlx_lms():
     ours = gemma3_text._residual(x, y)
     assert ours.dtype == mx.float16 and mx.array_equal(ours, lm_gemma3_text.clip_residual(x, y))
     assert mx.isfinite(ours).all().item() and ours[0].item() == mx.finfo(mx.float16).max
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gemma3_text"])
+def test_4bit_models_dequantized_as_on_the_cpu_match_mlx_lm(tmp_path, model_type):
+    # the CPU default: quantized weights (experts included) expanded to dense at load
+    reference = write_lm_dir(tmp_path / "model", tiny_config(model_type), (32, 4))
+    ours = load_model(tmp_path / "model", "tiny", mx.float32, "dequantized")
+    assert "scales" not in ours.params["layers"][0]["mlp"].get("switch_mlp", {}).get("up_proj", {})
+    tokens, history = run_batched(ours)[1]
+    expected_tokens, expected = mlx_lm_greedy(reference, PROMPTS[1][0], STEPS)
+    assert tokens[:STEPS] == expected_tokens
+    assert max(mx.abs(a - b).max().item() for a, b in zip(history, expected, strict=False)) < TOL
