@@ -13,7 +13,8 @@ from functools import partial
 
 import mlx.core as mx
 
-from models import llama, sampling
+from models import sampling
+from models.architectures import architecture
 from models.kv_cache import KVCache
 from models.loader import LoadedModel
 from service.engine import warmup
@@ -86,12 +87,12 @@ class ModelRunner:
         prefill_tokens: int = 2048,
     ):
         self.model, self.buckets, self.compiled = model, buckets, cache
-        a = model.args
+        a, arch = model.args, architecture(model.args.model_type)
         self._dtype_name = str(model.dtype).rsplit(".", 1)[-1]
         self._specs = {
-            "prefill": StepSpec(partial(llama.prefill, args=a)),
-            "chunk": StepSpec(partial(llama.prefill_chunk, args=a)),
-            "decode": StepSpec(partial(llama.decode, args=a)),
+            "prefill": StepSpec(partial(arch.prefill, args=a)),
+            "chunk": StepSpec(partial(arch.prefill_chunk, args=a)),
+            "decode": StepSpec(partial(arch.decode, args=a)),
             "sample": StepSpec(sampling.sample, random_state=True),
             "greedy": StepSpec(sampling.greedy, shapeless=True),
             "process": StepSpec(sampling.process),
@@ -300,11 +301,18 @@ class ModelRunner:
         key = StepKey(self.model.name, phase, batch, size, self._dtype_name, capacity)
         return self.compiled.get(key, self._specs[phase])
 
-    def new_kv(self, batch: int, capacity: int) -> KVCache:
-        """A zeroed KV cache [batch, Hkv, capacity, D] per layer in the compute dtype."""
+    def new_kv(self, batch: int, capacity: int, ring: bool = False) -> KVCache:
+        """A zeroed KV cache [batch, Hkv, capacity, D] per layer in the compute dtype; with
+        ``ring`` (the decode cache) sliding-window layers hold min(window, capacity) positions."""
         a = self.model.args
         return KVCache.allocate(
-            a.num_hidden_layers, batch, a.num_key_value_heads, capacity, a.dim_per_head, self.model.dtype
+            a.num_hidden_layers,
+            batch,
+            a.num_key_value_heads,
+            capacity,
+            a.dim_per_head,
+            self.model.dtype,
+            a.windows if ring else None,
         )
 
     # -- sampling ------------------------------------------------------------------------
@@ -383,7 +391,7 @@ class ModelRunner:
         B = self.buckets.batch_for(max(len(live) + len(joining), 1))
         C = self.buckets.capacity_for(max((s.position + 1 for s in live + joining), default=1))
         if self.kv is None:
-            self.kv = self.new_kv(B, C)
+            self.kv = self.new_kv(B, C, ring=True)
             return []
         kv, moves = self.kv, []
         if B < kv.batch or any(s.slot >= B for s in live):
@@ -392,7 +400,7 @@ class ModelRunner:
             for i, s in enumerate(live):
                 s.slot = i
         if kv.capacity != C:
-            kv, moves = kv.resized(C), ["capacity"]
+            kv, moves = kv.resized(C, self.model.args.windows), ["capacity"]
         if kv.batch != B:
             kv = _resize_batch(kv, B)
         if B != self.kv.batch:
@@ -417,11 +425,7 @@ class ModelRunner:
         for seq in seqs:
             if seq.position >= kv.capacity:
                 raise ValueError(f"sequence at position {seq.position} does not fit capacity {kv.capacity}")
-        n = min(prompt_kv.capacity, kv.capacity)
-        dst, src = _index(slots), _index(rows)
-        for layer in range(len(kv.keys)):
-            kv.keys[layer][dst, :, :n] = prompt_kv.keys[layer][src, :, :n]
-            kv.values[layer][dst, :, :n] = prompt_kv.values[layer][src, :, :n]
+        kv.insert_rows(slots, prompt_kv, rows, [seq.position for seq in seqs])
         for seq, slot in zip(seqs, slots, strict=True):
             seq.slot = slot
 
@@ -477,13 +481,6 @@ def _input_tokens(rows: list[Sequence | None], prev: _DecodeStep | None, pending
     from_prev = mx.array([j >= 0 for j in src])
     gathered = prev.tokens[mx.array([max(j, 0) for j in src], mx.int32)]
     return mx.where(from_prev, gathered, mx.array(known, mx.int32))
-
-
-def _index(rows: list[int]) -> slice | mx.array:
-    """Rows as an index: a slice when they are consecutive (a plain copy), else an int32 array."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return slice(rows[0], rows[0] + len(rows))
-    return mx.array(rows, mx.int32)
 
 
 def _resize_batch(kv: KVCache, batch: int) -> KVCache:
