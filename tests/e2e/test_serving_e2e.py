@@ -232,7 +232,9 @@ def test_bench_smoke(server, tmp_path):
 
 
 def test_compile_auto_chooses_per_bucket_and_answers_the_same(server):
-    auto = ServerProcess.start(["--compile", "auto", "--warmup-prompt-tokens", "32"])
+    # Few buckets: auto times each bucket's step compiled and eager at warm-up.
+    small = ["--capacity-buckets", "[256,512]", "--batch-buckets", "[1,2]", "--warmup-batch", "2"]
+    auto = ServerProcess.start(["--compile", "auto", "--warmup-prompt-tokens", "32", *small])
     try:
         auto.wait_ready()
         with auto.client() as client:
