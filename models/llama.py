@@ -358,6 +358,45 @@ def decode(
     return _final_logits(params, x[:, 0, :], args), cache
 
 
+def verify(
+    params: Params, tokens: mx.array, positions: mx.array, cache: KVCache, *, args: ModelArgs
+) -> tuple[mx.array, KVCache]:
+    """Score each row's last accepted token and its proposed continuation in one step
+    (speculative decoding's verification pass: Leviathan et al. 2023, "Fast Inference from
+    Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language
+    Model Decoding with Speculative Sampling").
+
+    :func:`prefill_chunk` at the decode cache's (B, C), returning the logits of every
+    position rather than of the last one.
+
+    Args:
+        params: the model's parameter tree.
+        tokens: int32 [B, K+1]: row b's newest token, then up to K proposed tokens, padded
+            (rows that propose fewer, or nothing, ride along; their padding is ignored).
+        positions: int32 [B], the position of each row's newest token (= tokens in its cache);
+            positions[b] + K < C for every row, empty slots included (they pass 0).
+        cache: KV cache [B, Hkv, C, D] per layer.
+        args: hyper-parameters (static).
+
+    Returns:
+        (logits float32 [B, K+1, V]: entry j scores the token after tokens[b, j]; the cache
+        with tokens[b, j]'s key and value written at positions[b] + j). Query j of row b
+        attends to positions 0..positions[b] + j, so a rejected proposal's key and value are
+        garbage past the row's new position, masked until a later step overwrites them: a
+        rejection is undone by position arithmetic alone.
+    """
+    L, C = tokens.shape[1], cache.capacity
+    x = embed(tokens, params["embed_tokens"], args.quant_group_size)  # [B, L, H]
+    at = positions[:, None] + mx.arange(L)[None, :]  # [B, L]
+    index = at.astype(mx.int32)[:, None, :, None]  # [B, 1, L, 1]
+    mask = (mx.arange(C)[None, None, :] <= at[:, :, None])[:, None, :, :]  # [B, 1, L, C]
+    attend = partial(_attend_cache, index=index, mask=mask, scale=_attention_scale(args))
+    x, cache = _blocks(params, x, positions, cache, attend, args)
+    B, _, H = x.shape
+    logits = _final_logits(params, x.reshape(B * L, H), args)
+    return logits.reshape(B, L, -1), cache
+
+
 def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
     """Drop checkpoint tensors the step functions do not use: precomputed RoPE frequencies,
     and ``lm_head`` when the embeddings are tied (mlx-lm's llama.sanitize does the same)."""

@@ -2,6 +2,6 @@
 projections, which the checkpoint carries as ``*.bias`` and :func:`models.llama.linear`
 adds when present."""
 
-from models.llama import ModelArgs, decode, prefill, prefill_chunk, sanitize
+from models.llama import ModelArgs, decode, prefill, prefill_chunk, sanitize, verify
 
-__all__ = ["ModelArgs", "decode", "prefill", "prefill_chunk", "sanitize"]
+__all__ = ["ModelArgs", "decode", "prefill", "prefill_chunk", "sanitize", "verify"]
