@@ -118,8 +118,7 @@ def _timed(call: Callable[[], None], label: str, progress: Callable[[int, str], 
     start = time.perf_counter()
     call()
     log.info("warm-up (speculative): %s ready in %.2f s", label, time.perf_counter() - start)
-    if progress:
-        progress(0, label)
+    del progress  # the warm-up's progress bar counts the plan's steps only
 
 
 def plain_seconds(runner: ModelRunner, B: int, C: int) -> float:

@@ -105,7 +105,9 @@ class Speculator:
     def _plan(self, runner: ModelRunner, live: list[Sequence]) -> dict[str, list[int] | int] | None:
         """Each row's proposals (lookup: the tokens; draft: how many), or None: do not speculate."""
         B = runner.buckets.batch_for(len(live))
-        ratio = 1.0 if self.forced or (self.max_batch is not None and B <= self.max_batch) else self.ratios.get(B)
+        ratio = self.ratios.get(B)
+        if self.forced and ratio is not None or self.max_batch is not None and B <= self.max_batch:
+            ratio = 1.0
         K = self.tokens
         if ratio is None or max(s.position for s in live) + K + 1 > runner.capacity_limit:
             return None

@@ -9,7 +9,7 @@ from typing import Literal
 import mlx.core as mx
 
 from models.blas import OPENBLAS_FIX, cpu_blas
-from models.gguf import default_model_path
+from models.gguf import ModelLoadError, default_model_path
 from models.loader import LoadedModel, WeightsMode, device_name, load_model
 from service.config import ServedModel, Settings
 from service.engine.buckets import BucketTable
@@ -43,18 +43,32 @@ def weights_mode(setting: Literal["auto", "quantized", "dequantized"]) -> Weight
 
 
 def load_models(settings: Settings) -> dict[str, LoadedModel]:
-    """Load every configured model (the default GGUF where no path is set), in order.
+    """Load every configured model (the default GGUF where no path is set), in order, and the
+    draft model of each that speculates with one, as ``"NAME/draft"`` (:func:`draft_name`).
 
     Raises:
-        ModelLoadError: a file is missing, unreadable or unsupported (the message names it).
+        ModelLoadError: a file is missing, unreadable or unsupported (the message names it),
+            or a draft's vocabulary differs from its model's.
     """
     log_cpu_blas()
-    return {
-        spec.name: load_model(
-            spec.path or default_model_path(), spec.name, compute_dtype(spec.dtype), weights_mode(spec.weights)
-        )
-        for spec in settings.served_models()
-    }
+    models = {}
+    for spec in settings.served_models():
+        dtype, weights = compute_dtype(spec.dtype), weights_mode(spec.weights)
+        models[spec.name] = load_model(spec.path or default_model_path(), spec.name, dtype, weights)
+        if spec.speculative == "draft" and spec.draft_model is not None:
+            draft = load_model(spec.draft_model, draft_name(spec.name), dtype, weights)
+            if draft.args.vocab_size != models[spec.name].args.vocab_size:
+                raise ModelLoadError(
+                    f"draft_model {spec.draft_model}: a vocabulary of {draft.args.vocab_size} tokens, but model "
+                    f"'{spec.name}' has {models[spec.name].args.vocab_size}; a draft must share its model's tokenizer"
+                )
+            models[draft.name] = draft
+    return models
+
+
+def draft_name(model: str) -> str:
+    """The name a model's draft model is loaded (and its compiled steps labelled) under."""
+    return f"{model}/draft"
 
 
 def buckets_of(spec: ServedModel) -> BucketTable:
