@@ -238,7 +238,8 @@ class ModelRunner:
             self.slots = []
             self.reset()
             return None
-        out.moves += self._fit(live)
+        # With speculation on, plain steps keep a verify step's room too: no capacity move back and forth.
+        out.moves += self._fit(live, extra=self.speculator.tokens if self.speculator is not None else 0)
         rows = list(self.slots)  # a snapshot: slots change before this step is read back
         logits = self.decode(rows, _input_tokens(rows, prev, pending))
         if before_select is not None:

@@ -71,6 +71,7 @@ class Speculator:
     calibration: dict[str, dict] = field(default_factory=dict)
     forced: bool = False
     rows: dict[str, RowState] = field(default_factory=dict)
+    _zeros: dict[int, mx.array] = field(default_factory=dict, repr=False)
 
     @property
     def method(self) -> str:
@@ -162,7 +163,7 @@ class Speculator:
         else:
             host = [(plan.get(s.request_id) or []) if s else [] for s in rows]
             proposals = mx.array([list(g) + [0] * (K - len(g)) for g in host], mx.int32)  # type: ignore[arg-type]
-            q = mx.zeros((B, K, runner.vocab)) if not greedy else None
+            q = None if greedy else self._no_draft(B, runner.vocab)
         last = mx.array([s.last_token if s else 0 for s in rows], mx.int32)
         positions = [s.position if s else 0 for s in rows]
         logits, runner.kv = runner.step_fn("verify", B, W, C)(
@@ -180,6 +181,14 @@ class Speculator:
         seconds = time.perf_counter() - start
         out.steps.append(StepStat(runner.model.name, "verify", f"b{B}x{W}c{C}", len(live), B, seconds))
         return out
+
+    def _no_draft(self, B: int, vocab: int) -> mx.array:
+        """float32 [B, K, V] zeros: spec_accept's draft distributions when there is no draft
+        (prompt lookup rows accept by matching); made once per batch bucket."""
+        if B not in self._zeros:
+            self._zeros[B] = mx.zeros((B, self.tokens, vocab))
+            mx.eval(self._zeros[B])
+        return self._zeros[B]
 
     def _draft(self, rows, B, C, W, noise, sampling, greedy):
         proposer = self.proposer
@@ -232,8 +241,8 @@ class Speculator:
             if seq is None:
                 continue
             guess = plan.get(seq.request_id)
-            if keys[i] is not None:
-                own = selected is not None and guess is None and _selects(seq)
+            own = selected is not None and guess is None and _selects(seq)
+            if keys[i] is not None and (own or chain is not None):  # (a greedy batch keeps its keys)
                 runner.keep_key(seq, selected[1][i] if own else next_chain[i])  # type: ignore[index]
             if isinstance(self.proposer, DraftProposer):
                 self.proposer.accepted(seq, seq.position, counts[i] - 1, fed[i])

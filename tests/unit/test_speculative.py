@@ -113,7 +113,7 @@ def mixed_requests(reference_stop: int | None = None) -> list[tuple[list[int], S
     """Greedy rows long enough to cross capacity buckets 16 and 32, a seeded sampled row, a
     penalised row, a logprobs row and (given) one that stops on a token."""
     requests = [
-        ([1, 2, 3, 4, 1, 2, 3], SamplingParams(max_tokens=40)),
+        ([1, 2, 3, 4, 1, 2, 3], SamplingParams(max_tokens=40, seed=3)),  # greedy, seeded: its key stays
         ([5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_tokens=36)),
         ([9, 9, 8], SamplingParams(max_tokens=30, temperature=0.9, top_k=20, seed=7)),
         ([3, 4, 5], SamplingParams(max_tokens=12, presence_penalty=1.5)),
