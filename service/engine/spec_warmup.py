@@ -104,6 +104,9 @@ def _warm_bucket(
         if ("draft_pick", B) not in built:
             built.add(("draft_pick", B))
             _timed(lambda: warm_draft(draft, "draft_pick", B, 0), f"draft pick b{B}", progress)
+        if ("draft_greedy",) not in built:  # the draft's own (shapeless) greedy step, keyed by its name
+            built.add(("draft_greedy",))
+            _timed(lambda: warm_draft(draft, "greedy", 0, 0), "draft greedy", progress)
 
 
 def _run(runner: ModelRunner, phase: str, B: int, size: int, capacity: int, args: tuple) -> None:
