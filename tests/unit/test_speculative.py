@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from models import llama, speculative
 from models.loader import LoadedModel
 from models.sampling import filter_logits
+from service.config import ConfigError, load_settings
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
 from service.engine.core import Engine
@@ -210,3 +211,17 @@ def test_sampled_outputs_keep_the_target_distribution_with_a_draft(params):
         assert p_value(Counter(seconds), marginal, len(seconds)) > 1e-3, method
         if method:
             assert 0 < counter(metrics, "accepted", method) < counter(metrics, "proposed", method)
+
+
+def test_speculative_settings_are_checked(tmp_path):
+    config = tmp_path / "stepserve.toml"
+    config.write_text('[[models]]\nname = "a"\nspeculative = "draft"\n')
+    with pytest.raises(ConfigError, match="model 'a': speculative = 'draft' needs draft_model"):
+        load_settings(config)
+    config.write_text('draft_model = "/m"\n')
+    with pytest.raises(ConfigError, match="draft_model is set but speculative is 'off'"):
+        load_settings(config)
+    with pytest.raises(ConfigError, match="speculative_tokens"):
+        load_settings(speculative="lookup", speculative_tokens=0)
+    spec = load_settings(speculative="lookup", speculative_tokens=2).served_models()[0]
+    assert (spec.speculative, spec.speculative_tokens, spec.speculative_max_batch) == ("lookup", 2, None)
