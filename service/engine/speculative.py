@@ -106,8 +106,9 @@ class Speculator:
     def _plan(self, runner: ModelRunner, live: list[Sequence]) -> dict[str, list[int] | int] | None:
         """Each row's proposals (lookup: the tokens; draft: how many), or None: do not speculate."""
         B = runner.buckets.batch_for(len(live))
-        ratio = self.ratios.get(B)
-        if self.forced and ratio is not None or self.max_batch is not None and B <= self.max_batch:
+        ratio = self.ratios.get(B)  # None: a bucket the warm-up did not find worth it (or did not warm)
+        unwarmed = not self.calibration and self.max_batch is not None and B <= self.max_batch  # (tests)
+        if ratio is not None and (self.forced or self.max_batch is not None) or unwarmed:
             ratio = 1.0
         K = self.tokens
         if ratio is None or max(s.position for s in live) + K + 1 > runner.capacity_limit:
@@ -191,6 +192,8 @@ class Speculator:
         return self._zeros[B]
 
     def _draft(self, rows, B, C, W, noise, sampling, greedy):
+        """The draft's proposals for ``rows`` (its cache mirrored to the target's (B, C) first,
+        rows that fell behind recomputed): see :meth:`DraftProposer.propose`."""
         proposer = self.proposer
         assert isinstance(proposer, DraftProposer)
         proposer.mirror(rows, B, C)

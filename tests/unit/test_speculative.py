@@ -7,6 +7,7 @@ distribution (chi-square tests, seeded, so they do not flake)."""
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from models.sampling import filter_logits
 from service.config import ConfigError, load_settings
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
-from service.engine.core import Engine
+from service.engine.core import Engine, WarmupSpec
 from service.engine.draft import DraftProposer
 from service.engine.lookup import NgramIndex, PromptLookup
 from service.engine.sequence import SamplingParams, Sequence
@@ -225,3 +226,40 @@ def test_speculative_settings_are_checked(tmp_path):
         load_settings(speculative="lookup", speculative_tokens=0)
     spec = load_settings(speculative="lookup", speculative_tokens=2).served_models()[0]
     assert (spec.speculative, spec.speculative_tokens, spec.speculative_max_batch) == ("lookup", 2, None)
+
+
+@pytest.mark.parametrize("method", ["lookup", "draft"])
+def test_warm_up_calibrates_and_compiles_every_verify_step(params, method):
+    """The engine's warm-up (the calibration, or a configured batch limit; verify and draft steps;
+    the rehearsal) leaves nothing to compile: requests after ready miss no compiled step."""
+    misses: list[tuple[str, str, str]] = []
+    model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
+    cache = CompileCache(True, lambda m, p, b, hit: None if hit else misses.append((m, p, b)), lambda s: None)
+    metrics = Metrics(CollectorRegistry(), version="t", device="cpu")
+    engine = Engine(model, BUCKETS, cache, metrics, chunk_tokens=8)
+    draft = LoadedModel("tiny/draft", Path("-"), TINY, params, model.tokenizer, mx.float32, "dequantized", 0.0)
+    proposer = PromptLookup() if method == "lookup" else DraftProposer(draft, BUCKETS, cache, 8)
+    speculator = Speculator(proposer, tokens=2, max_batch=None if method == "lookup" else 2)
+    speculator.attach(engine.runner)
+    engine.start(WarmupSpec(prompt_tokens=16, batch=2, chunk_tokens=8, max_batched_tokens=16))
+    try:
+        assert engine.ready.wait(120)
+        assert set(speculator.calibration) == {"b1", "b2"}
+        assert any(k.startswith("verify b1x3c") for k in engine.compile_choices())
+        before = len(misses)
+        requests = [
+            ([1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=20, seed=i, temperature=0.5 * i)) for i in range(2)
+        ]
+        seqs = [Sequence(p, s, model.tokenizer.detokenizer(), lambda e: None) for p, s in requests]
+        for seq in seqs:
+            engine.submit(seq)
+        deadline = time.monotonic() + 60
+        while not all(s.finish_reason for s in seqs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(s.finish_reason for s in seqs)
+        assert misses[before:] == []
+        if method == "draft":  # (lookup's buckets speculate or not as this CPU measured them)
+            steps = next(m for m in metrics.registry.collect() if m.name == "stepserve_step_seconds").samples
+            assert any(x.labels["phase"] == "verify" and x.name.endswith("_count") and x.value for x in steps)
+    finally:
+        engine.stop()
