@@ -403,7 +403,8 @@ class ModelRunner:
         """
         live, joining = sorted(live, key=lambda s: s.slot), list(joining)
         B = self.buckets.batch_for(max(len(live) + len(joining), 1))
-        C = self.buckets.capacity_for(max((s.position + 1 + extra for s in live + joining), default=1))
+        need = max((s.position + 1 for s in live + joining), default=1)
+        C = self.buckets.capacity_for(min(need + extra, max(need, self.buckets.capacity[-1])))  # extra: if it fits
         if self.kv is None:
             self.kv = self.new_kv(B, C)
             return []

@@ -120,6 +120,7 @@ def mixed_requests(reference_stop: int | None = None) -> list[tuple[list[int], S
         ([9, 9, 8], SamplingParams(max_tokens=30, temperature=0.9, top_k=20, seed=7)),
         ([3, 4, 5], SamplingParams(max_tokens=12, presence_penalty=1.5)),
         ([7, 1, 7, 1, 7], SamplingParams(max_tokens=10, logprobs=2)),
+        (list(range(30, 42)), SamplingParams(max_tokens=60)),  # stops at the largest capacity (64)
     ]
     if reference_stop is not None:
         requests.append(([1, 2, 3, 4, 1, 2, 3], SamplingParams(max_tokens=40, stop_token_ids=(reference_stop,))))
