@@ -95,6 +95,8 @@ class Speculator:
         verify: its tokens must reach the requests before anything is proposed)."""
         live = [s for s in runner.slots if s is not None]
         if not live or runner.kv is None:
+            if isinstance(self.proposer, DraftProposer):
+                self.proposer.kv = None  # the batch is empty: its draft cache goes too
             return None
         plan = self._plan(runner, live)
         if plan is None:
