@@ -5,9 +5,10 @@ measures compiled against eager, service/engine/compile_cache.py).
 
 The calibration runs at the smallest warmed capacity of each batch bucket on dummy inputs:
 ``plain`` is the seconds per step of 4 pipelined decode steps (queued with ``mx.async_eval``, as
-the runner runs them); ``speculative`` is the seconds of one verify step of width K + 1, with the
-draft's K decode steps before it when there is a draft, read back before the next (median of 3).
-A bucket whose ratio ``speculative / plain`` is at least K + 1 (the most tokens a verify step can
+the runner runs them; 3 runs); ``speculative`` is the seconds of one verify step of width K + 1,
+with the draft's K decode steps before it when there is a draft, read back (3 runs).
+Each figure is the fastest of its runs (the least disturbed by other work on the machine). A
+bucket whose ratio ``speculative / plain`` is at least K + 1 (the most tokens a verify step can
 yield per row) never speculates, and its verify steps are not compiled; the others keep the
 ratio for the runtime decision (:meth:`Speculator._plan`).
 """
@@ -15,7 +16,6 @@ ratio for the runtime decision (:meth:`Speculator._plan`).
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Callable
 
@@ -131,13 +131,16 @@ def plain_seconds(runner: ModelRunner, B: int, C: int) -> float:
     kv, tokens, positions = runner.new_kv(B, C), mx.zeros((B,), mx.int32), mx.zeros((B,), mx.int32)
     logits, kv = decode(runner.model.params, tokens, positions, kv)
     mx.eval(greedy(logits), kv.keys)
-    start = time.perf_counter()
-    for _ in range(PLAIN_STEPS):
-        logits, kv = decode(runner.model.params, tokens, positions, kv)
-        tokens = greedy(logits)
-        mx.async_eval(tokens)
-    mx.eval(tokens)
-    return (time.perf_counter() - start) / PLAIN_STEPS
+    runs = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        for _ in range(PLAIN_STEPS):
+            logits, kv = decode(runner.model.params, tokens, positions, kv)
+            tokens = greedy(logits)
+            mx.async_eval(tokens)
+        mx.eval(tokens)
+        runs.append((time.perf_counter() - start) / PLAIN_STEPS)
+    return min(runs)
 
 
 def spec_seconds(runner: ModelRunner, spec: Speculator, B: int, C: int) -> float:
@@ -161,4 +164,4 @@ def spec_seconds(runner: ModelRunner, spec: Speculator, B: int, C: int) -> float
         logits, _ = verify(runner.model.params, proposals, mx.zeros((B,), mx.int32), kv)
         greedy(logits.reshape(B * W, -1)).tolist()
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return min(times[1:])

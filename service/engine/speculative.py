@@ -19,7 +19,9 @@ first position, so they keep exactly the tokens of plain decoding.
 proposal length is ``round(a / (1 - a)) + 1`` (capped at K), the run length a geometric
 acceptance of rate ``a`` makes likely. A step speculates when the rows' expected tokens,
 ``sum(1 + a + ... + a^k)`` (Leviathan et al. 2023, eq. 1), beat one token per row times the
-bucket's cost ratio (verify step / plain step, measured at warm-up).
+bucket's cost ratio (verify step / plain step, measured at warm-up), or when a row has proposed
+for ``PROBE`` plain steps without being verified (a probe, so that a row whose average started
+low can show that it copies); a probe that does not pay doubles that row's wait.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from service.metrics import SpecStat, StepStat
 
 PRIOR = 0.5  # a new row's assumed acceptance rate
 SMOOTHING = 0.3  # weight of the newest step in a row's acceptance average
+PROBE = 8  # plain steps a proposing row waits before it is verified anyway (to measure its acceptance)
+PROBE_MAX = 256  # the longest wait: it doubles after each probe that did not pay
 
 
 @dataclass
@@ -48,6 +52,8 @@ class RowState:
 
     rate: float = PRIOR
     k: int = 2
+    waited: int = 0  # plain steps since it proposed without being verified
+    probe: int = PROBE  # its current wait before a probe
 
 
 @dataclass
@@ -117,7 +123,7 @@ class Speculator:
             return None
         self._forget(live)
         plan: dict[str, list[int] | int] = {}
-        gain = 0.0
+        gain, probe = 0.0, False
         for seq in live:
             p = seq.params
             room = p.max_tokens - len(seq.output_ids) - 1
@@ -133,7 +139,9 @@ class Speculator:
             else:
                 plan[seq.request_id] = k
             gain += sum(state.rate**i for i in range(1, k + 1))
-        if not plan or len(live) + gain < len(live) * ratio:
+            state.waited += 1
+            probe = probe or state.waited > state.probe
+        if not plan or (len(live) + gain < len(live) * ratio and not probe):
             return None
         return plan
 
@@ -266,10 +274,14 @@ class Speculator:
         out.spec.append(stat)
 
     def _adapt(self, request_id: str, proposed: int, accepted: int) -> None:
+        """Update a verified row's acceptance average and next proposal length; a probe that
+        did not pay doubles the row's wait before the next (up to ``PROBE_MAX`` steps)."""
         state = self.rows.setdefault(request_id, RowState())
         state.rate = (1 - SMOOTHING) * state.rate + SMOOTHING * accepted / proposed
         run = state.rate / max(1 - state.rate, 1e-3)
         state.k = max(1, min(self.tokens, round(run) + 1))
+        state.probe = PROBE if accepted * 2 >= proposed else min(2 * state.probe, PROBE_MAX)
+        state.waited = 0
 
 
 def _selects(seq: Sequence) -> bool:
