@@ -17,6 +17,7 @@ def main(argv: list[str]) -> int:
     * ``steps …``: one prefill and decode step per dtype, weight format and compile mode
       (:mod:`service.bench.steps`);
     * ``profile …``: where a decode step's time goes (:mod:`service.bench.profile`);
+    * ``ab …``: two running servers, the same requests alternating (:mod:`service.bench.ab`);
     * ``… --micro …``: plain against compiled, in-process (:mod:`service.bench.micro`);
     * ``… --side-by-side …``: stepserve against its peers (:mod:`service.bench.compare`);
     * ``… --workload long-arrival …``: stalls while a long prompt prefills
@@ -29,6 +30,10 @@ def main(argv: list[str]) -> int:
         from service.bench.steps import main as steps
 
         return steps(argv[1:])
+    if argv[:1] == ["ab"]:
+        from service.bench.ab import main as ab
+
+        return ab(argv[1:])
     if argv[:1] == ["profile"]:
         from service.bench.profile import main as profile
 
