@@ -21,7 +21,8 @@ acceptance of rate ``a`` makes likely. A step speculates when the rows' expected
 ``sum(1 + a + ... + a^k)`` (Leviathan et al. 2023, eq. 1), beat one token per row times the
 bucket's cost ratio (verify step / plain step, measured at warm-up), or when a row has proposed
 for ``PROBE`` plain steps without being verified (a probe, so that a row whose average started
-low can show that it copies); a probe that does not pay doubles that row's wait.
+low can show that it copies); a probe that does not pay doubles that row's wait, and probes of a
+batch of n rows are at least ``PROBE * n`` plain steps apart (each costs the whole batch).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class Speculator:
     calibration: dict[str, dict] = field(default_factory=dict)
     forced: bool = False
     rows: dict[str, RowState] = field(default_factory=dict)
+    plain_steps: int = 0  # plain steps since the last verify step (probes are spaced by them)
     _zeros: dict[int, mx.array] = field(default_factory=dict, repr=False)
 
     @property
@@ -141,7 +143,9 @@ class Speculator:
             gain += sum(state.rate**i for i in range(1, k + 1))
             state.waited += 1
             probe = probe or state.waited > state.probe
+        probe = probe and self.plain_steps >= PROBE * len(live)  # a probe costs the whole batch a verify step
         if not plan or (len(live) + gain < len(live) * ratio and not probe):
+            self.plain_steps += 1
             return None
         return plan
 
@@ -154,6 +158,7 @@ class Speculator:
     def _step(self, runner: ModelRunner, live: list[Sequence], plan: dict[str, list[int] | int]) -> RunnerOutput:
         """One verify step of the whole batch, read back; the rows' tokens in ``out.tokens``."""
         out, start, K = RunnerOutput(), time.perf_counter(), self.tokens
+        self.plain_steps = 0
         W = K + 1
         out.moves += runner.fit_slots(live, extra=K)
         rows, kv = list(runner.slots), runner.kv
