@@ -77,8 +77,8 @@ def buckets_of(spec: ServedModel) -> BucketTable:
 
 
 def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> Settings:
-    """Check every model's worst case (:func:`service.process.memory.worst_case`) against the
-    budget and resolve ``max_sequences`` where it is unset.
+    """Check every model's worst case (:func:`service.process.memory.worst_case`, a draft
+    model's included) against the budget and resolve ``max_sequences`` where it is unset.
 
     The budget is ``memory_budget_bytes``, else ``mlx_memory_limit_bytes``, else MLX's own
     memory limit (``mx.get_memory_limit()``). A model without ``max_sequences`` gets the
@@ -108,10 +108,22 @@ def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> Settings
             )
             for s in specs
         ]
-        total = sum(e.total for e in estimates)
+        drafts = [  # a draft's weights, its cache mirroring the model's, and its catch-up prefill
+            memory.worst_case(
+                models[draft_name(s.name)],
+                buckets_of(s),
+                resolved[s.name],
+                settings.prefill_chunk_tokens,
+                settings.max_batched_tokens,
+            )
+            for s in specs
+            if draft_name(s.name) in models
+        ]
+        everything = estimates + drafts
+        total = sum(e.total for e in everything)
         if total <= limit:
             break
-    lines = "; ".join(e.describe() for e in estimates)
+    lines = "; ".join(e.describe() for e in everything)
     for spec, e in zip(specs, estimates, strict=True):
         how = "set" if spec.max_sequences else f"the most whose worst case fits {name} {limit / 1e9:.2f} GB"
         log.info("model %s: max_sequences %d (%s); worst case %s", spec.name, resolved[spec.name], how, e.describe())

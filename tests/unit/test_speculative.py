@@ -28,6 +28,8 @@ from service.engine.lookup import NgramIndex, PromptLookup
 from service.engine.sequence import SamplingParams, Sequence
 from service.engine.speculative import Speculator
 from service.metrics import Metrics
+from service.process.memory import worst_case
+from service.process.startup import MemoryBudgetError, check_memory, draft_name
 from tests.support import ATOL, TINY, WordTokenizer, new_cache, prefill_one, random_params
 
 BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(8, 16), capacity=(16, 32, 64))
@@ -264,3 +266,15 @@ def test_warm_up_calibrates_and_compiles_every_verify_step(params, method):
             assert any(x.labels["phase"] == "verify" and x.name.endswith("_count") and x.value for x in steps)
     finally:
         engine.stop()
+
+
+def test_the_start_up_memory_check_counts_a_draft(tmp_path, params):
+    model = LoadedModel("m", Path("-"), TINY, params, None, mx.float32, "dequantized", 0.0)
+    draft = LoadedModel(draft_name("m"), Path("-"), TINY, params, None, mx.float32, "dequantized", 0.0)
+    common = {"model_name": "m", "batch_buckets": [1], "prompt_buckets": [32], "capacity_buckets": [256]}
+    settings = load_settings(**common, max_sequences=1, speculative="draft", draft_model=tmp_path)
+    alone = worst_case(model, BucketTable((1,), (32,), (256,)), 1, 512, 2048, 0).total
+    budget = settings.model_copy(update={"memory_budget_bytes": alone + settings.prefix_cache_bytes})
+    assert check_memory(budget, {"m": model}).max_sequences == 1  # it fits without its draft
+    with pytest.raises(MemoryBudgetError, match="m/draft"):  # not with it
+        check_memory(budget, {"m": model, "m/draft": draft})
