@@ -70,6 +70,7 @@ class RequestStat:
     ttft_s: float | None
     inter_token_s: tuple[float, ...]
     shutdown: bool = False  # cancelled because the server is shutting down
+    queue_s: float | None = None  # arrival to admission by the scheduler (None: never admitted)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,22 @@ class Metrics:
             namespace=ns,
             registry=reg,
             buckets=LATENCY_BUCKETS,
+        )
+        self.queue_time = Histogram(
+            "queue_time_seconds",
+            "Time from arrival to admission into the running batch",
+            ["model"],
+            namespace=ns,
+            registry=reg,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.engine_seconds = Counter(
+            "engine_seconds_total",
+            "Engine-thread seconds in steps: 'host' running Python and queueing work, 'wait' blocked on the "
+            "device's results (host close to all of it: the server, not the device, bounds the step rate)",
+            ["model", "kind"],
+            namespace=ns,
+            registry=reg,
         )
         self.itl = Histogram(
             "inter_token_latency_seconds",
@@ -298,6 +315,8 @@ class Metrics:
             self.cancellations.labels(model, reason)
         for reason in ("waiting", "running"):
             self.timeouts.labels(model, reason)
+        for kind in ("host", "wait"):
+            self.engine_seconds.labels(model, kind)
 
     def init_speculative(self, model: str, method: str) -> None:
         """Create a speculating model's counters at zero (see :meth:`init_model`)."""
@@ -330,6 +349,8 @@ class Metrics:
         self.request_duration.labels(stat.model).observe(stat.duration_s)
         if stat.ttft_s is not None:
             self.ttft.labels(stat.model).observe(stat.ttft_s)
+        if stat.queue_s is not None:
+            self.queue_time.labels(stat.model).observe(stat.queue_s)
         itl = self.itl.labels(stat.model)
         for gap in stat.inter_token_s:
             itl.observe(gap)

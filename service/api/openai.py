@@ -30,7 +30,7 @@ from service.api.errors import ERRORS, ApiError, client_closed
 from service.api.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice, OpenAISampling
 from service.api.state import AppState, State
 from service.engine.core import Engine
-from service.engine.sequence import FinalEvent, TokenEvent, TokenLogprob
+from service.engine.sequence import Event, FinalEvent, TokenEvent, TokenLogprob
 
 router = APIRouter(prefix="/v1")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -173,7 +173,7 @@ async def _generate(body: OpenAISampling, request: Request, state: AppState, cha
     try:
         for p, prompt in enumerate(prompts):
             param = f"prompt.{p}" if len(prompts) > 1 else "prompt"
-            ids = pipeline.prompt_ids(engine, prompt, messages, rendered_tools, param=param)
+            ids = await pipeline.prompt_ids(engine, prompt, messages, rendered_tools, param=param)
             echo_text = (prompt if isinstance(prompt, str) else engine.model.tokenizer.decode(ids)) if echo else ""
             for i in range(body.n):
                 seed = None if body.seed is None else (body.seed + i) % 2**63
@@ -256,6 +256,8 @@ async def _stream(request: Request, route: _Route, choices: list[_Choice]):
                 other.gen.cancel()
             raise error
         firsts.append(event)
+    for c in choices:
+        c.gen.unwatch()
     return StreamingResponse(_events(route, choices, firsts), media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
@@ -263,63 +265,99 @@ def _data(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-async def _events(route: _Route, choices: list[_Choice], firsts: list) -> AsyncIterator[str]:
+async def _arrivals(choices: list[_Choice], firsts: list) -> AsyncIterator[list[tuple[_Choice, Event]]]:
+    """Each choice's events, in batches of those already queued (one write each): a single
+    choice straight from its generation, several merged through one task each. Ends once
+    every choice's final event came."""
+    if len(choices) == 1:
+        c, event = choices[0], firsts[0]
+        while True:
+            batch = [event, *c.gen.ready()]
+            yield [(c, e) for e in batch]
+            if isinstance(batch[-1], FinalEvent):
+                return
+            event = await c.gen.next()
     merged: asyncio.Queue = asyncio.Queue()
 
     async def pump(c: _Choice, first) -> None:
         event = first
         while True:
-            await merged.put((c, event))
+            merged.put_nowait((c, event))
             if isinstance(event, FinalEvent):
                 return
             event = await c.gen.next()
 
     tasks = [asyncio.create_task(pump(c, f)) for c, f in zip(choices, firsts, strict=True)]
-    started: set[int] = set()
-    finished = 0
     try:
+        finished = 0
+        while finished < len(choices):
+            batch = [await merged.get()]
+            while not merged.empty():
+                batch.append(merged.get_nowait())
+            finished += sum(isinstance(e, FinalEvent) for _, e in batch)
+            yield batch
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _token_chunks(route: _Route, c: _Choice, event: TokenEvent) -> list[str]:
+    """The server-sent events of one token event of choice ``c``."""
+    lp = route.logprobs(list(event.logprobs), len(c.text))
+    c.text += event.text
+    if not route.chat:
+        return [_data(route.chunk([{"index": c.index, "text": event.text, "logprobs": lp, "finish_reason": None}]))]
+    deltas = c.tools.feed(event.text) if c.tools is not None else [{"content": event.text}]
+    return [
+        _data(route.chunk([{"index": c.index, "delta": d, "logprobs": lp if i == 0 else None, "finish_reason": None}]))
+        for i, d in enumerate(deltas)
+    ]
+
+
+def _final_chunks(route: _Route, c: _Choice, event: FinalEvent) -> list[str]:
+    """The server-sent events that end choice ``c``: an error, or its last deltas and finish reason."""
+    c.final = event
+    if error := pipeline.failure(event, partial_ends=False):
+        return [_data(error.body())]
+    out = []
+    if route.chat and c.tools is not None:
+        for delta in c.tools.finish():
+            out.append(
+                _data(route.chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}]))
+            )
+        c.calls = list(c.tools.calls)
+    end = {"delta": {}} if route.chat else {"text": ""}
+    out.append(_data(route.chunk([{"index": c.index, **end, "logprobs": None, "finish_reason": _reason(c)}])))
+    return out
+
+
+async def _events(route: _Route, choices: list[_Choice], firsts: list) -> AsyncIterator[str]:
+    try:
+        head = []
         if route.chat:  # the role first, for every choice (as OpenAI streams it)
             for c in choices:
                 delta = {"role": "assistant", "content": ""}
-                yield _data(route.chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}]))
-                started.add(c.index)
+                head.append(
+                    _data(route.chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}]))
+                )
         if any(c.echo for c in choices):
             for c in choices:
-                yield _data(route.chunk([{"index": c.index, "text": c.echo, "logprobs": None, "finish_reason": None}]))
-        while finished < len(choices):
-            c, event = await merged.get()
-            if isinstance(event, TokenEvent):
-                lp = route.logprobs(list(event.logprobs), len(c.text))
-                c.text += event.text
-                if not route.chat:
-                    yield _data(
-                        route.chunk([{"index": c.index, "text": event.text, "logprobs": lp, "finish_reason": None}])
-                    )
-                    continue
-                deltas = c.tools.feed(event.text) if c.tools is not None else [{"content": event.text}]
-                for i, delta in enumerate(deltas):
-                    item = {"index": c.index, "delta": delta, "logprobs": lp if i == 0 else None, "finish_reason": None}
-                    yield _data(route.chunk([item]))
-                continue
-            finished += 1
-            c.final = event
-            if error := pipeline.failure(event, partial_ends=False):
-                yield _data(error.body())
-                continue
-            if route.chat and c.tools is not None:
-                for delta in c.tools.finish():
-                    yield _data(
-                        route.chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}])
-                    )
-                c.calls = list(c.tools.calls)
-            end = {"delta": {}} if route.chat else {"text": ""}
-            yield _data(route.chunk([{"index": c.index, **end, "logprobs": None, "finish_reason": _reason(c)}]))
+                head.append(
+                    _data(route.chunk([{"index": c.index, "text": c.echo, "logprobs": None, "finish_reason": None}]))
+                )
+        if head:
+            yield "".join(head)
+        async for batch in _arrivals(choices, firsts):
+            out: list[str] = []
+            for c, event in batch:
+                out += (
+                    _token_chunks(route, c, event) if isinstance(event, TokenEvent) else _final_chunks(route, c, event)
+                )
+            yield "".join(out)
         if route.include_usage:
             yield _data({**route.chunk([], None), "usage": _usage(choices)})
         yield "data: [DONE]\n\n"
     finally:
-        for t in tasks:
-            t.cancel()
         for c in choices:
             if c.final is None:
                 c.gen.cancel()

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from functools import partial
 from typing import Protocol
 
 from fastapi import Request
@@ -22,15 +20,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from models.tokenizer import TokenizerError
 from service.api import security
 from service.api.errors import ApiError, client_closed
+from service.api.events import EventSink, Generation
 from service.api.state import AppState
 from service.api.tools import render_messages
 from service.engine.core import Engine
 from service.engine.grammar import Grammar, GrammarError
 from service.engine.scheduler import DrainingError, QueueFullError
-from service.engine.sequence import Event, FinalEvent, FinishReason, SamplingParams, Sequence
+from service.engine.sequence import Event, FinalEvent, FinishReason, SamplingParams, Sequence, TokenEvent
 from service.process import memory
 
-DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -78,7 +76,10 @@ def check_messages(messages: list) -> None:
             )
 
 
-def prompt_ids(
+TOKENIZE_IN_THREAD_CHARS = 4096  # longer texts are tokenized on a worker thread (see prompt_ids)
+
+
+async def prompt_ids(
     engine: Engine,
     prompt: str | list[int] | None,
     messages: list[dict] | None,
@@ -87,6 +88,10 @@ def prompt_ids(
 ) -> list[int]:
     """Token ids of a raw prompt (text or token ids) or of chat messages rendered by the chat
     template (with ``tools`` passed to it).
+
+    A text of more than ``TOKENIZE_IN_THREAD_CHARS`` characters is tokenized on a worker
+    thread (``tokenizers`` releases the GIL while it encodes), so a long retrieval-augmented
+    prompt does not hold every stream's events on the event loop while it is tokenized.
 
     Raises ApiError 400 when the template fails, a token id is outside the vocabulary, or the
     prompt exceeds the largest capacity bucket.
@@ -104,7 +109,11 @@ def prompt_ids(
             raise ApiError(400, str(exc), param="messages") from exc
         assert text is not None  # the schemas require a prompt or messages
         security.check_prompt_chars(tokenizer, text, engine.capacity_limit)
-        ids = tokenizer.encode(text)
+        ids = (
+            await asyncio.to_thread(tokenizer.encode, text)
+            if len(text) > TOKENIZE_IN_THREAD_CHARS
+            else tokenizer.encode(text)
+        )
     if not ids:
         raise ApiError(400, "prompt encodes to no tokens", param=param)
     if len(ids) > engine.capacity_limit:
@@ -150,66 +159,6 @@ def grammar(engine: Engine, response_format, lark: str | None = None, param: str
         raise ApiError(400, f"{param}: {exc}", param=param) from exc
 
 
-@dataclass
-class Generation:
-    """One submitted request: its engine, its sequence, the queue its events arrive on, its
-    time limit in seconds and its deadline (a ``time.perf_counter()`` time, ``seq.deadline``)."""
-
-    engine: Engine
-    seq: Sequence
-    events: asyncio.Queue[Event]
-    timeout_s: float
-    deadline: float
-
-    async def next(self) -> Event:
-        """The next event, never waiting past the deadline.
-
-        At the deadline the request is cancelled as timed out and a ``timeout``
-        :class:`FinalEvent` made here is returned at once (the engine may be busy with a
-        compile or a long prefill; its own final event is then never read). A final event's
-        ``error`` always says why a ``timeout`` or ``cancelled`` request ended.
-        """
-        while True:
-            event = await self._next_within(math.inf)  # None: the deadline came, checked next round
-            if event is not None:
-                return event
-
-    async def next_or_gone(self, request: Request) -> Event | None:
-        """:meth:`next`, or None once the client disconnected (noticed within
-        ``DISCONNECT_POLL_S``); the request is then cancelled."""
-        while (event := await self._next_within(DISCONNECT_POLL_S)) is None:
-            if await request.is_disconnected():
-                self.cancel()
-                return None
-        return event
-
-    async def _next_within(self, wait_s: float) -> Event | None:
-        """The next event, or the timeout at the deadline; None if ``wait_s`` passed first."""
-        if not self.events.empty():  # produced before the deadline: delivered
-            return self._explained(self.events.get_nowait())
-        left = self.deadline - time.perf_counter()
-        if left <= 0:
-            self.engine.cancel(self.seq, FinishReason.TIMEOUT)
-            return self._explained(replace(self.seq.final_event(), finish_reason=FinishReason.TIMEOUT))
-        try:
-            return self._explained(await asyncio.wait_for(self.events.get(), min(left, wait_s)))
-        except TimeoutError:
-            return None
-
-    def cancel(self) -> None:
-        """The client went away: end the request at the engine's next step."""
-        self.engine.cancel(self.seq)
-
-    def _explained(self, event: Event) -> Event:
-        if not isinstance(event, FinalEvent) or event.error is not None:
-            return event
-        if event.finish_reason is FinishReason.TIMEOUT:
-            return replace(event, error=f"request timed out after {self.timeout_s:g} s (request_timeout_s)")
-        if event.finish_reason is FinishReason.CANCELLED:
-            return replace(event, error="request cancelled")
-        return event
-
-
 def start(state: AppState, engine: Engine, ids: list[int], params: SamplingParams) -> Generation:
     """Admit and submit a request; its events arrive on the returned generation's queue.
 
@@ -218,11 +167,8 @@ def start(state: AppState, engine: Engine, ids: list[int], params: SamplingParam
     server), 429 when the waiting queue is full, 503 while draining.
     """
     _admit_memory(state, engine, len(ids), params.max_tokens)
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
-
-    def emit(event: Event) -> None:  # called on the engine thread
-        loop.call_soon_threadsafe(events.put_nowait, event)
-
+    events: asyncio.Queue[Event] = asyncio.Queue()
+    emit = partial(EventSink.of(asyncio.get_running_loop()).put, events)  # called on the engine thread
     seq = Sequence(ids, params, engine.model.tokenizer.detokenizer(), emit)
     timeout_s = state.settings.request_timeout_s
     seq.deadline = deadline = seq.arrival + timeout_s
@@ -234,7 +180,9 @@ def start(state: AppState, engine: Engine, ids: list[int], params: SamplingParam
     except DrainingError as exc:
         state.metrics.queue_rejections.labels(engine.model.name, "draining").inc()
         raise ApiError(503, str(exc), type="unavailable") from exc
-    return Generation(engine, seq, events, timeout_s, deadline)
+    gen = Generation(engine, seq, events, timeout_s, deadline)
+    gen.arm()
+    return gen
 
 
 def _admit_memory(state: AppState, engine: Engine, prompt_tokens: int, max_tokens: int) -> None:
@@ -274,6 +222,7 @@ async def respond(request: Request, gen: Generation, fmt: ResponseFormat, stream
     if isinstance(first, FinalEvent) and (error := failure(first, fmt.partial_ends)):
         raise error
     if stream:
+        gen.unwatch()
         return StreamingResponse(_sse(gen, fmt, first), media_type="text/event-stream", headers=_SSE_HEADERS)
     return await _collect(request, gen, fmt, first)
 
@@ -301,9 +250,12 @@ async def _sse(gen: Generation, fmt: ResponseFormat, first: Event) -> AsyncItera
     try:
         event = first
         while not isinstance(event, FinalEvent):
-            for chunk in fmt.chunks(event.text, event.logprobs):
-                yield _data(chunk)
-            event = await gen.next()  # a disconnect ends this generator (Starlette cancels it)
+            # The events already queued go out in one write (a client or a loop behind the engine).
+            # The events already queued go out in one write (a client or a loop behind the engine);
+            # a disconnect ends this generator while it awaits (Starlette cancels it).
+            batch = [event, *gen.ready()]
+            yield "".join(_data(c) for e in batch if isinstance(e, TokenEvent) for c in fmt.chunks(e.text, e.logprobs))
+            event = batch[-1] if isinstance(batch[-1], FinalEvent) else await gen.next()
         finished = True
         error = failure(event, fmt.partial_ends)
         for chunk in [error.body()] if error else fmt.final_chunks(event):

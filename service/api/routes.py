@@ -91,7 +91,7 @@ async def infer(body: InferRequest, request: Request, state: State):
     engine = pipeline.resolve_engine(state, body.model)
     pipeline.check_messages(body.messages or [])
     messages = [m.for_template() for m in body.messages] if body.messages is not None else None
-    ids = pipeline.prompt_ids(engine, body.prompt, messages)
+    ids = await pipeline.prompt_ids(engine, body.prompt, messages)
     params = pipeline.sampling_params(
         engine,
         len(ids),

@@ -18,6 +18,9 @@ def main(argv: list[str]) -> int:
       (:mod:`service.bench.steps`);
     * ``profile …``: where a decode step's time goes (:mod:`service.bench.profile`);
     * ``ab …``: two running servers, the same requests alternating (:mod:`service.bench.ab`);
+    * ``pipeline …``: one process against pipeline ranks per decode step (:mod:`service.bench.pipeline`);
+    * ``moe …``: a random Qwen3-MoE's decode step against mlx-lm's (:mod:`service.bench.moe`);
+    * ``gguf-storage …``: a K-quant GGUF kept dense or re-quantized (:mod:`service.bench.gguf_storage`);
     * ``… --micro …``: plain against compiled, in-process (:mod:`service.bench.micro`);
     * ``… --side-by-side …``: stepserve against its peers (:mod:`service.bench.compare`);
     * ``… --workload long-arrival …``: stalls while a long prompt prefills
@@ -38,6 +41,18 @@ def main(argv: list[str]) -> int:
         from service.bench.profile import main as profile
 
         return profile(argv[1:])
+    if argv[:1] == ["pipeline"]:
+        from service.bench.pipeline import main as pipeline
+
+        return pipeline(argv[1:])
+    if argv[:1] == ["gguf-storage"]:
+        from service.bench.gguf_storage import main as gguf_storage
+
+        return gguf_storage(argv[1:])
+    if argv[:1] == ["moe"]:
+        from service.bench.moe import main as moe
+
+        return moe(argv[1:])
     if "--micro" in argv:
         from service.bench.micro import main as micro
 

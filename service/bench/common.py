@@ -200,6 +200,17 @@ def scrape(http: httpx.Client, names: Iterable[str]) -> dict[str, float]:
     return totals
 
 
+def scrape_by(http: httpx.Client, name: str, label: str) -> dict[str, float]:
+    """Sum of ``name``'s samples on ``GET /metrics`` per value of its label ``label``
+    (e.g. ``stepserve_engine_seconds_total`` by ``kind``). Raises httpx.HTTPError."""
+    totals: dict[str, float] = {}
+    for sample in _samples(http):
+        if sample.name == name:
+            key = sample.labels.get(label, "")
+            totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
 def _samples(http: httpx.Client) -> Iterator[Sample]:
     for family in text_string_to_metric_families(http.get("/metrics").text):
         yield from family.samples

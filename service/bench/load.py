@@ -48,6 +48,7 @@ from service.bench.common import (
     metric_labels,
     plot_levels,
     report,
+    scrape_by,
     stepserve_counters,
     stream_request,
 )
@@ -101,6 +102,9 @@ def copy_task(index: int, tokens: int) -> str:
 
 
 MASKS, MASK_SECONDS = "stepserve_grammar_masks_total", "stepserve_grammar_mask_seconds_total"
+TTFT, QUEUE = "stepserve_time_to_first_token_seconds", "stepserve_queue_time_seconds"
+SERVER_SIDE = [f"{TTFT}_sum", f"{TTFT}_count", f"{QUEUE}_sum", f"{QUEUE}_count"]
+ENGINE = "stepserve_engine_seconds_total"
 
 # The schema of the constrained streams (--constrained): JSON notes, long enough to fill max_tokens.
 NOTES = {
@@ -213,7 +217,7 @@ def run(url: str, levels: list[int], requests_per_stream: int, workload: Workloa
     Raises httpx.HTTPError when the server does not answer.
     """
     with httpx.Client(base_url=url, timeout=60) as client:
-        read = stepserve_counters(client, [MISSES, MASKS, MASK_SECONDS])
+        read = stepserve_counters(client, [MISSES, MASKS, MASK_SECONDS, *SERVER_SIDE])
         stepserve = read is not None
         build = metric_labels(client, "stepserve_build_info") if stepserve else {}
 
@@ -228,9 +232,12 @@ def run(url: str, levels: list[int], requests_per_stream: int, workload: Workloa
                 asyncio.run(run_level(url, level, warmup_requests, workload))
             timed = misses()
             masks_before = read() if read else {}
+            engine_before = scrape_by(client, ENGINE, "kind") if read else {}
             workload.streams = level
             result = asyncio.run(run_level(url, level, requests_per_stream, workload))
             result["compile_misses"] = misses() - timed if stepserve else None
+            if read:
+                result |= server_side(masks_before, read(), engine_before, scrape_by(client, ENGINE, "kind"))
             if read and workload.constrained:
                 after = read()
                 n = after[MASKS] - masks_before[MASKS]
@@ -245,6 +252,25 @@ def run(url: str, levels: list[int], requests_per_stream: int, workload: Workloa
         "requests_per_stream": requests_per_stream,
         "warmup_requests_per_stream": warmup_requests,
         "levels": results,
+    }
+
+
+def server_side(before: dict, after: dict, engine_before: dict, engine_after: dict) -> dict:
+    """What a stepserve counted during a level, from its /metrics before and after: its own
+    mean TTFT and queue time (from the request's arrival at the engine, after tokenizing: the
+    client's TTFT minus these is the HTTP side's share) and the engine thread's host share
+    (seconds running Python and queueing work over those plus the seconds waiting for the
+    device; near 1, the host, not the device, bounds the step rate)."""
+
+    def mean(name: str) -> float | None:
+        n = after[f"{name}_count"] - before[f"{name}_count"]
+        return (after[f"{name}_sum"] - before[f"{name}_sum"]) / n if n else None
+
+    host, wait = (engine_after.get(k, 0.0) - engine_before.get(k, 0.0) for k in ("host", "wait"))
+    return {
+        "server_ttft_s_mean": mean(TTFT),
+        "server_queue_s_mean": mean(QUEUE),
+        "engine_host_share": host / (host + wait) if host + wait > 0 else None,
     }
 
 

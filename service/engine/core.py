@@ -196,6 +196,7 @@ class Engine:
 
         Returns whether there was anything to do (False: the engine may sleep).
         """
+        start, waited = time.perf_counter(), self.runner.wait_seconds
         plan = self.scheduler.schedule()
         if self._prefix_evict:
             self.runner.prefix.evict(self._prefix_evict)
@@ -214,7 +215,14 @@ class Engine:
             self.metrics.grammar_masks.labels(self.model.name).inc(self.runner.masks)
             self.metrics.grammar_mask_seconds.labels(self.model.name).inc(self.runner.mask_seconds)
         self.runner.masks, self.runner.mask_seconds = 0, 0.0
-        return bool(plan.prefill or plan.aborted or busy)
+        worked = bool(plan.prefill or plan.aborted or busy)
+        if worked and self.ready.is_set():
+            wait = self.runner.wait_seconds - waited
+            self.metrics.engine_seconds.labels(self.model.name, "wait").inc(wait)
+            self.metrics.engine_seconds.labels(self.model.name, "host").inc(
+                max(0.0, time.perf_counter() - start - wait)
+            )
+        return worked
 
     def _apply(self, out: RunnerOutput) -> None:
         """Append each new token to its request and finish the requests that stop."""
@@ -255,6 +263,7 @@ class Engine:
             final.ttft_s,
             tuple(seq.inter_token_s),
             shutdown=error == SHUTDOWN,
+            queue_s=None if seq.started is None else seq.started - seq.arrival,
         )
         self.metrics.record_request(stat)
         seq.emit(final)

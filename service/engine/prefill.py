@@ -163,7 +163,7 @@ class Prefiller:
         :meth:`ModelRunner.join`."""
         pending, self._pending = self._pending, []
         try:
-            mx.eval([p.tokens for p in pending if p.tokens is not None], [p.kv.keys for p in pending])
+            self.runner.wait_for([p.tokens for p in pending if p.tokens is not None], [p.kv.keys for p in pending])
         except Exception as exc:
             out.failed += [(seq, f"prefill failed: {type(exc).__name__}") for p in pending for seq in p.group]
             return
@@ -173,7 +173,7 @@ class Prefiller:
             out.steps.append(StepStat(self.runner.model.name, phase, bucket, rows, bucket_rows, done - start))
             if p.tokens is None:
                 continue
-            token_list = [int(t) for t in p.tokens.tolist()]  # type: ignore[union-attr]  # 1-D: a list
+            token_list = self.runner.read_tokens(p.tokens)
             self.runner.observe(list(p.group), token_list, p.logprobs)
             for i, seq in enumerate(p.group):
                 row = p.kv_rows[i] if p.kv_rows else i

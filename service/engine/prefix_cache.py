@@ -61,8 +61,8 @@ class Block:
         tokens: its token ids.
         kv: [layers, 2 (keys, values), Hkv, block_tokens, D] in the cache's dtype: one array
             per block, so gathering a hit copies one array per block rather than one per
-            layer and block (on a GPU, each copy is a kernel launch); an evaluated copy that
-            shares no buffer with the cache it came from.
+            layer and block (on a GPU, each copy is a kernel launch); a copy (evaluated
+            asynchronously) that shares no buffer with the cache it came from.
         nbytes: bytes of ``kv``.
     """
 
@@ -202,11 +202,11 @@ class PrefixCache:
 
         ``kv`` is a per-layer [B, Hkv, C, D] cache whose row ``row`` holds the keys and values
         of ``tokens`` at positions ``[0, len(tokens))``; block i copies positions ``[i *
-        block_tokens, (i + 1) * block_tokens)`` of that row (an evaluated copy: the source
+        block_tokens, (i + 1) * block_tokens)`` of that row (a copy: once computed, the source
         cache is not kept alive). Cached blocks of the prompt are marked most recently used.
         Only as many leading blocks as the budget can hold are considered, and the walk stops
-        at a digest that names another prefix (a collision). Evaluates the copies (a host
-        sync): call it once the prefill step's outputs are computed.
+        at a digest that names another prefix (a collision). Queues the copies' evaluation
+        without waiting for it.
 
         Returns: blocks newly stored. Older blocks are evicted first; the prompt's own chain
         always fits, as at most ``budget_bytes // block bytes`` of its blocks are considered.
@@ -283,7 +283,8 @@ class PrefixCache:
 
     def _copy(self, blocks: list[Block], at: list[int], kv: KVCache, row: int) -> None:
         """Fill ``blocks[j].kv`` with block ``at[j]`` of row ``row``, [layers, 2, Hkv, block_tokens, D]
-        each, and evaluate them (a host sync).
+        each, and queue their evaluation (``mx.async_eval``: no host sync; once computed they
+        no longer reference the source cache).
 
         The span from the first to the last new block is gathered once (one copy per layer
         and one stack), then each block is one contiguous copy of its part: on a GPU every
@@ -298,4 +299,4 @@ class PrefixCache:
         for block, i in zip(blocks, at, strict=True):
             start = i * T - lo
             block.kv = mx.contiguous(span[:, :, :, start : start + T])
-        mx.eval([b.kv for b in blocks])
+        mx.async_eval([b.kv for b in blocks])

@@ -64,7 +64,7 @@ class ProcessorInputs:
             for i, p, seq in repeating:
                 host_repetition[i] = p.repetition_penalty
                 host_seen[i, np.asarray(seq.prompt_ids + seq.sampled_ids, np.int64) % V] = True
-            repetition, seen = mx.array(host_repetition), mx.array(host_seen)
+            repetition, seen = mx.array(host_repetition), mx.array(host_seen)  # type: ignore[arg-type]  # numpy bool arrays convert
         allowed, seconds = neutral_allowed, 0.0
         if grammar_rows := [(s.matcher, i) for i, _, s in live if s.matcher is not None]:
             start = time.perf_counter()

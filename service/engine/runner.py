@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from models import llama, sampling
+from models import sampling
+from models.architectures import architecture
 from models.kv_cache import KVCache
 from models.loader import LoadedModel
 from service.engine import warmup
@@ -91,13 +92,13 @@ class ModelRunner:
         prefill_tokens: int = 2048,
     ):
         self.model, self.buckets, self.compiled = model, buckets, cache
-        a = model.args
+        a, arch = model.args, architecture(model.args.model_type)
         self._dtype_name = str(model.dtype).rsplit(".", 1)[-1]
         self._specs = {
-            "prefill": StepSpec(partial(llama.prefill, args=a)),
-            "chunk": StepSpec(partial(llama.prefill_chunk, args=a)),
-            "decode": StepSpec(partial(llama.decode, args=a)),
-            "verify": StepSpec(partial(llama.verify, args=a)),
+            "prefill": StepSpec(partial(arch.prefill, args=a)),
+            "chunk": StepSpec(partial(arch.prefill_chunk, args=a)),
+            "decode": StepSpec(partial(arch.decode, args=a)),
+            **({"verify": StepSpec(partial(arch.verify, args=a))} if hasattr(arch, "verify") else {}),
             "sample": StepSpec(sampling.sample, random_state=True),
             "greedy": StepSpec(sampling.greedy, shapeless=True),
             "process": StepSpec(sampling.process),
@@ -112,6 +113,7 @@ class ModelRunner:
         self._inflight: _DecodeStep | None = None
         self._last_read_back = 0.0
         self.masks, self.mask_seconds = 0, 0.0  # grammar masks computed so far, and their host seconds
+        self.wait_seconds = 0.0  # seconds the engine thread has waited for the device's results (monotonic)
         self.prefix = prefix if prefix is not None else PrefixCache(block_tokens=buckets.prompt[0], budget_bytes=0)
         self.prefiller = Prefiller(self, chunk_tokens, self.prefix, max(prefill_tokens, chunk_tokens))
         self.speculator: Speculator | None = None  # speculative decoding, when configured (it sets this)
@@ -277,13 +279,26 @@ class ModelRunner:
     def _observe(self, step: _DecodeStep, tokens: list[int]) -> None:
         self.observe(step.rows, tokens, step.logprobs)
 
+    def read_tokens(self, tokens: mx.array) -> list[int]:
+        """Read int32 [B] tokens back to the host (waiting for the device: counted in ``wait_seconds``)."""
+        start = time.perf_counter()
+        out = [int(t) for t in tokens.tolist()]  # type: ignore[union-attr]  # tolist of a 1-D array is a list
+        self.wait_seconds += time.perf_counter() - start
+        return out
+
+    def wait_for(self, *arrays) -> None:
+        """``mx.eval`` the arrays, counting the wait in ``wait_seconds``."""
+        start = time.perf_counter()
+        mx.eval(*arrays)
+        self.wait_seconds += time.perf_counter() - start
+
     def _observe_early(self, step: _DecodeStep) -> None:
         """Read ``step``'s tokens back before it is applied, and observe them (stateful rows)."""
-        step.observed = _ints(step.tokens)
+        step.observed = self.read_tokens(step.tokens)
         self._observe(step, step.observed)
 
     def _read_back(self, step: _DecodeStep, out: RunnerOutput) -> None:
-        token_list = step.observed if step.observed is not None else _ints(step.tokens)
+        token_list = step.observed if step.observed is not None else self.read_tokens(step.tokens)
         if step.observed is None:
             self._observe(step, token_list)
         now = time.perf_counter()
@@ -322,11 +337,18 @@ class ModelRunner:
         key = StepKey(self.model.name, phase, batch, size, self._dtype_name, capacity)
         return self.compiled.get(key, self._specs[phase])
 
-    def new_kv(self, batch: int, capacity: int) -> KVCache:
-        """A zeroed KV cache [batch, Hkv, capacity, D] per layer in the compute dtype."""
+    def new_kv(self, batch: int, capacity: int, ring: bool = False) -> KVCache:
+        """A zeroed KV cache [batch, Hkv, capacity, D] per layer in the compute dtype; with
+        ``ring`` (the decode cache) sliding-window layers hold min(window, capacity) positions."""
         a = self.model.args
         return KVCache.allocate(
-            a.num_hidden_layers, batch, a.num_key_value_heads, capacity, a.dim_per_head, self.model.dtype
+            a.num_hidden_layers,
+            batch,
+            a.num_key_value_heads,
+            capacity,
+            a.dim_per_head,
+            self.model.dtype,
+            a.windows if ring else None,
         )
 
     # -- sampling ------------------------------------------------------------------------
@@ -406,7 +428,7 @@ class ModelRunner:
         need = max((s.position + 1 for s in live + joining), default=1)
         C = self.buckets.capacity_for(min(need + extra, max(need, self.buckets.capacity[-1])))  # extra: if it fits
         if self.kv is None:
-            self.kv = self.new_kv(B, C)
+            self.kv = self.new_kv(B, C, ring=True)
             return []
         kv, moves = self.kv, []
         if B < kv.batch or any(s.slot >= B for s in live):
@@ -415,7 +437,7 @@ class ModelRunner:
             for i, s in enumerate(live):
                 s.slot = i
         if kv.capacity != C:
-            kv, moves = kv.resized(C), ["capacity"]
+            kv, moves = kv.resized(C, self.model.args.windows), ["capacity"]
         if kv.batch != B:
             kv = _resize_batch(kv, B)
         if B != self.kv.batch:
@@ -440,11 +462,7 @@ class ModelRunner:
         for seq in seqs:
             if seq.position >= kv.capacity:
                 raise ValueError(f"sequence at position {seq.position} does not fit capacity {kv.capacity}")
-        n = min(prompt_kv.capacity, kv.capacity)
-        dst, src = _index(slots), _index(rows)
-        for layer in range(len(kv.keys)):
-            kv.keys[layer][dst, :, :n] = prompt_kv.keys[layer][src, :, :n]
-            kv.values[layer][dst, :, :n] = prompt_kv.values[layer][src, :, :n]
+        kv.insert_rows(slots, prompt_kv, rows, [seq.position for seq in seqs])
         for seq, slot in zip(seqs, slots, strict=True):
             seq.slot = slot
 
@@ -487,11 +505,6 @@ class ModelRunner:
         return fn.compiled
 
 
-def _ints(tokens: mx.array) -> list[int]:
-    """Read int32 [B] tokens back to the host (the step's one sync)."""
-    return [int(t) for t in tokens.tolist()]  # type: ignore[union-attr]  # tolist of a 1-D array is a list
-
-
 def _input_tokens(rows: list[Sequence | None], prev: _DecodeStep | None, pending: dict[int, int]) -> mx.array:
     """int32 [B]: each row's newest token, taken on the device from the queued step ``prev``
     where that step produced it, from Python otherwise (just prefilled)."""
@@ -505,13 +518,6 @@ def _input_tokens(rows: list[Sequence | None], prev: _DecodeStep | None, pending
     from_prev = mx.array([j >= 0 for j in src])
     gathered = prev.tokens[mx.array([max(j, 0) for j in src], mx.int32)]
     return mx.where(from_prev, gathered, mx.array(known, mx.int32))
-
-
-def _index(rows: list[int]) -> slice | mx.array:
-    """Rows as an index: a slice when they are consecutive (a plain copy), else an int32 array."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return slice(rows[0], rows[0] + len(rows))
-    return mx.array(rows, mx.int32)
 
 
 def _resize_batch(kv: KVCache, batch: int) -> KVCache:

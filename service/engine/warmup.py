@@ -98,7 +98,7 @@ def dummy_inputs(runner: ModelRunner, phase: str, batch: int, size: int, capacit
     if phase == "prefill":
         return params, mx.zeros((batch, size), mx.int32), mx.ones((batch,), mx.int32), runner.new_kv(batch, size)
     if phase == "decode":
-        return params, mx.zeros((batch,), mx.int32), mx.zeros((batch,), mx.int32), runner.new_kv(batch, size)
+        return params, mx.zeros((batch,), mx.int32), mx.zeros((batch,), mx.int32), runner.new_kv(batch, size, ring=True)
     if phase == "greedy":
         return (mx.zeros((1, vocab), mx.float32),)
     ones, logits = mx.ones((batch,), mx.float32), mx.zeros((batch, vocab), mx.float32)

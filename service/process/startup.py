@@ -48,13 +48,20 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
 
     Raises:
         ModelLoadError: a file is missing, unreadable or unsupported (the message names it),
-            or a draft's vocabulary differs from its model's.
+            a draft's vocabulary differs from its model's, or a model with sliding-window layers
+            is set to speculate.
     """
     log_cpu_blas()
     models = {}
     for spec in settings.served_models():
         dtype, weights = compute_dtype(spec.dtype), weights_mode(spec.weights)
         models[spec.name] = load_model(spec.path or default_model_path(), spec.name, dtype, weights)
+        if spec.speculative != "off" and models[spec.name].args.windows is not None:
+            raise ModelLoadError(
+                f"model '{spec.name}': speculative = '{spec.speculative}' is not implemented for models with "
+                f"sliding-window layers (their decode cache is a ring a verify step cannot write); set "
+                f"speculative = 'off' for it"
+            )
         if spec.speculative == "draft" and spec.draft_model is not None:
             draft = load_model(spec.draft_model, draft_name(spec.name), dtype, weights)
             if draft.args.vocab_size != models[spec.name].args.vocab_size:

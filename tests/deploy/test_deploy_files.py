@@ -236,6 +236,21 @@ def test_nginx_front_streams_and_waits_longer_than_a_request_may_run():
     assert "proxy_buffering off;" in front and re.search(r"proxy_next_upstream [^;]*http_503", front)
 
 
+def test_nginx_session_routing_lists_the_same_instances_in_both_blocks():
+    """The header picks one of two upstream blocks (one balancing method each): they must list
+    the same instances with the same parameters, and no header must mean least connections."""
+    front = (DEPLOY / "nginx/stepserve.conf").read_text()
+    blocks = dict(re.findall(r"^upstream (\S+) \{(.*?)\n\}", front, re.DOTALL | re.MULTILINE))
+    assert set(blocks) == {"stepserve", "stepserve_session"}
+    servers = {name: re.findall(r"^\s*(server .*;)", body, re.MULTILINE) for name, body in blocks.items()}
+    assert servers["stepserve"] == servers["stepserve_session"] and servers["stepserve"]
+    assert "least_conn;" in blocks["stepserve"]
+    assert "hash $http_x_session_id consistent;" in blocks["stepserve_session"]
+    routes = dict(re.findall(r'^\s*("?\S*?"?)\s+(\S+);', front.split("map $http_x_session_id")[1].split("}")[0], re.M))
+    assert routes == {'""': "stepserve", "default": "stepserve_session"}
+    assert "proxy_pass http://$stepserve_upstream;" in front
+
+
 def test_grafana_dashboard_and_provisioning():
     dashboard = json.loads(DASHBOARD.read_text())
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}

@@ -49,6 +49,15 @@ ZERO_OK = {
 PROMPT = "The sky is"
 # Answered by copying, so prompt lookup's proposals are accepted (greedy: the same every run).
 COPY = "Repeat the following text exactly: the river near the old mill was quiet in winter, and the keeper wrote."
+SESSION = "X-Session-Id"  # the header deploy/nginx/stepserve.conf routes by
+# A system prompt longer than a prefix-cache block (32 tokens) and used by no other test; each
+# chat's starts with its session id, so no instance has a chat's prefix cached before it starts.
+SYSTEM = (
+    "This is conversation {session}. You are the assistant of the fleet routing test. Answer every "
+    "question in one short, plain sentence, without lists, greetings or apologies. When a question "
+    "has no answer, say so and stop."
+)
+QUESTIONS = ["What is the capital of France?", "And of Italy?", "And of Spain?", "And of Peru?"]
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +86,11 @@ def wait_for(check, what: str, timeout: float = 60):
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-def infer(url: str, max_tokens: int = 4, stream: bool = False, prompt: str = PROMPT) -> int:
+def infer(url: str, max_tokens: int = 4, stream: bool = False, prompt: str = PROMPT, session: str | None = None) -> int:
+    headers = {SESSION: session} if session else {}
     with httpx.Client(base_url=url, timeout=120) as client:
         body = {"messages": [{"role": "user", "content": prompt}]} if prompt == COPY else {"prompt": prompt}
-        reply = client.post("/infer", json={**body, "max_tokens": max_tokens, "stream": stream})
+        reply = client.post("/infer", json={**body, "max_tokens": max_tokens, "stream": stream}, headers=headers)
         return reply.status_code
 
 
@@ -210,17 +220,17 @@ def test_prometheus_scrapes_the_fleet_and_every_rule_and_panel_query_works(prome
 
 
 def nginx_config(tmp: Path, upstreams: list[str], listen: str) -> Path:
-    """A main nginx.conf around deploy/nginx/stepserve.conf, its upstream servers and listen
-    address replaced (their parameters kept)."""
+    """A main nginx.conf around deploy/nginx/stepserve.conf, the server lines of each of its
+    upstream blocks and its listen address replaced (their parameters kept)."""
     front = (DEPLOY / "nginx/stepserve.conf").read_text()
-    block = re.search(r"upstream stepserve \{.*?\n\}", front, re.DOTALL).group(0)
-    servers = re.findall(r"^\s*server \S+ ([^;]*);", block, re.MULTILINE)
-    assert servers, "no server lines in the upstream block"
-    local = block.replace(
-        "".join(re.findall(r"^\s*server .*\n", block, re.MULTILINE)),
-        "".join(f"    server {addr} {servers[0]};\n" for addr in upstreams),
-    )
-    front = front.replace(block, local)
+    blocks = re.findall(r"^upstream \S+ \{.*?\n\}", front, re.DOTALL | re.MULTILINE)
+    assert len(blocks) == 2, "expected the least-connections and the session-hash upstream blocks"
+    for block in blocks:
+        lines = re.findall(r"^\s*server \S+ ([^;]*);\n", block, re.MULTILINE)
+        assert lines, f"no server lines in {block.splitlines()[0]}"
+        servers = "".join(re.findall(r"^\s*server .*\n", block, re.MULTILINE))
+        local = "".join(f"    server {addr} {lines[0]};\n" for addr in upstreams)
+        front = front.replace(block, block.replace(servers, local))
     front, listens = re.subn(r"listen 80;", f"listen {listen};", front)
     assert listens == 1
     (tmp / "stepserve.conf").write_text(front)
@@ -236,7 +246,8 @@ pid {tmp / "nginx.pid"};
 error_log {tmp / "error.log"} info;
 events {{ worker_connections 256; }}
 http {{
-    log_format upstreams '$request_uri $status upstream=[$upstream_addr] upstream_status=[$upstream_status]';
+    log_format upstreams '$request_uri $status session=[$http_x_session_id] upstream=[$upstream_addr] '
+                         'upstream_status=[$upstream_status]';
     access_log {tmp / "access.log"} upstreams;
 {temp}
     include {tmp / "stepserve.conf"};
@@ -275,6 +286,52 @@ def served(procs) -> list[float]:
     return [p.metric("stepserve_requests_total", status="200") for p in procs]
 
 
+def chat(url: str, session: str, turn: int) -> dict:
+    """Turn ``turn`` (0-based) of the session's chat through ``url``: the system prompt, the
+    earlier questions (each answered "I see."), then the next one. Returns its usage; asserts 200."""
+    messages = [{"role": "system", "content": SYSTEM.format(session=session)}]
+    for question in QUESTIONS[:turn]:
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": "I see."}]
+    messages.append({"role": "user", "content": QUESTIONS[turn]})
+    body = {"model": "SmolLM2-135M-Instruct", "messages": messages, "max_tokens": 2, "temperature": 0}
+    reply = httpx.post(f"{url}/v1/chat/completions", json=body, headers={SESSION: session}, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["usage"]
+
+
+def cached(usage: dict) -> int:
+    return usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def session_hashed_to(url: str, procs: tuple[ServerProcess, ServerProcess], target: ServerProcess) -> str:
+    """A session id that nginx sends to ``target``, found by asking: which instance an id hashes
+    to depends on the instances' addresses, here free ports."""
+    for i in range(32):
+        session, before = f"chat-{i}", served(procs)
+        assert infer(url, max_tokens=1, session=session) == 200
+        if served(procs)[procs.index(target)] > before[procs.index(target)]:
+            return session
+    raise AssertionError(f"no session id of 32 hashed to {target.url}")
+
+
+def test_nginx_keeps_a_session_on_one_instance_where_its_prefix_is_cached(nginx, server, second):
+    url, access_log = nginx
+    procs = (server, second)
+    for target in procs:  # sessions go to either instance, each always to the same one
+        session = session_hashed_to(url, procs, target)
+        before, hits = served(procs), target.metric("stepserve_prefix_cache_hit_tokens_total")
+        usages = [chat(url, session, turn) for turn in range(3)]
+        after = served(procs)
+        other = procs.index(target) ^ 1
+        assert after[procs.index(target)] - before[procs.index(target)] == 3 and after[other] == before[other]
+        assert cached(usages[0]) == 0 and all(cached(u) >= 32 for u in usages[1:]), usages  # whole blocks
+        assert target.metric("stepserve_prefix_cache_hit_tokens_total") - hits == sum(map(cached, usages))
+    # Without the header, requests still spread (least connections).
+    before = served(procs)
+    assert [infer(url) for _ in range(4)] == [200] * 4
+    assert all(a > b for a, b in zip(served(procs), before, strict=True))
+
+
 def test_nginx_spreads_streams_and_survives_a_stopped_instance(nginx, server, second):
     url, access_log = nginx
     before = served((server, second))
@@ -294,13 +351,17 @@ def test_nginx_spreads_streams_and_survives_a_stopped_instance(nginx, server, se
     assert len(arrivals) > 5 and arrivals[-1] - arrivals[0] > 0.5, arrivals
 
     # SIGTERM to the second while it streams a long answer: it drains (503 to new requests),
-    # then exits. nginx moves every request to the first; none fails.
+    # then exits. nginx moves every request to the first, sessions hashed to the second too;
+    # none fails.
+    session = session_hashed_to(url, (server, second), second)
     long_status = []
     long = threading.Thread(target=lambda: long_status.append(infer(second.url, 64, stream=True)))
     long.start()
     wait_for(lambda: second.metric("stepserve_requests_running") == 1, "the long request to run")
     second.process.send_signal(signal.SIGTERM)
     wait_for(lambda: httpx.get(f"{second.url}/readyz", timeout=5).status_code == 503, "the second server to drain")
+    moved = [chat(url, session, turn) for turn in range(2)]  # the first instance never saw this chat
+    assert cached(moved[0]) == 0 and cached(moved[1]) >= 32, moved
     assert [infer(url) for _ in range(4)] == [200] * 4
     second_addr = f"127.0.0.1:{second.port}"
     retried = [
@@ -309,6 +370,8 @@ def test_nginx_spreads_streams_and_survives_a_stopped_instance(nginx, server, se
         if f"[{second_addr}, 127.0.0.1:{server.port}]" in line and re.search(r"\[50[23], 200\]", line)
     ]
     assert retried, access_log.read_text()  # nginx tried the stopping server (503 draining, 502 gone) and moved on
+    assert any(f"session=[{session}]" in line for line in retried), access_log.read_text()  # the session too
     long.join()
     assert long_status == [200] and second.process.wait(60) == 0  # the drain let it finish
     assert [infer(url) for _ in range(4)] == [200] * 4
+    assert cached(chat(url, session, 2)) >= 32  # the session stays where it moved

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from models import llama, speculative
-from models.loader import LoadedModel
+from models.loader import LoadedModel, ModelLoadError
 from models.sampling import filter_logits
 from service.config import ConfigError, load_settings
 from service.engine.buckets import BucketTable
@@ -29,8 +29,8 @@ from service.engine.sequence import SamplingParams, Sequence
 from service.engine.speculative import Speculator
 from service.metrics import Metrics
 from service.process.memory import worst_case
-from service.process.startup import MemoryBudgetError, check_memory, draft_name
-from tests.support import ATOL, TINY, WordTokenizer, new_cache, prefill_one, random_params
+from service.process.startup import MemoryBudgetError, check_memory, draft_name, load_models
+from tests.support import ATOL, TINY, WordTokenizer, new_cache, prefill_one, random_params, write_dir
 
 BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(8, 16), capacity=(16, 32, 64))
 
@@ -278,3 +278,11 @@ def test_the_start_up_memory_check_counts_a_draft(tmp_path, params):
     assert check_memory(budget, {"m": model}).max_sequences == 1  # it fits without its draft
     with pytest.raises(MemoryBudgetError, match="m/draft"):  # not with it
         check_memory(budget, {"m": model, "m/draft": draft})
+
+
+def test_a_model_with_sliding_window_layers_may_not_speculate(tmp_path):
+    # Its decode cache holds rings for the sliding layers, which a verify step's several tokens
+    # per row cannot be written into: refused at start-up rather than served wrong.
+    write_dir(tmp_path / "m", model_keys={"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]})
+    with pytest.raises(ModelLoadError, match="speculative = 'lookup' is not implemented for models with sliding"):
+        load_models(load_settings(model=str(tmp_path / "m"), speculative="lookup"))
