@@ -1,6 +1,7 @@
 """The architectures stepserve implements, by the checkpoint's ``model_type`` (mlx-lm's
 convention: one module per type, each exporting ``ModelArgs``, ``prefill``,
-``prefill_chunk``, ``decode`` and ``sanitize``)."""
+``prefill_chunk``, ``decode`` and ``sanitize``, and ``verify`` (speculative decoding) where its
+decode cache has no sliding-window rings)."""
 
 from __future__ import annotations
 

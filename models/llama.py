@@ -306,6 +306,21 @@ def run_decode(
     return decoder.logits(params, x[:, 0, :], args), cache
 
 
+def run_verify(
+    decoder: Decoder, params: Params, tokens: mx.array, positions: mx.array, cache: KVCache, args
+) -> tuple[mx.array, KVCache]:
+    """:func:`verify` for ``decoder``'s family: a chunk at each row's position that returns
+    every position's logits [B, L, V]. Its cache layouts must be linear (a ring layer would be
+    written past its size: :class:`models.attention.CacheAttention` writes several tokens per
+    row linearly), so families with sliding-window rings export no ``verify``."""
+    L = tokens.shape[1]
+    x = decoder.embed(params, tokens, args)  # [B, L, H]
+    at = positions[:, None] + mx.arange(L)[None, :]  # [B, L]
+    x, cache = _blocks(decoder, params, x, positions, cache, CacheAttention(at, args.attention_scale), args)
+    B, _, H = x.shape
+    return decoder.logits(params, x.reshape(B * L, H), args).reshape(B, L, -1), cache
+
+
 def prefill_chunk(
     params: Params, tokens: mx.array, offsets: mx.array, lengths: mx.array, cache: KVCache, *, args: ModelArgs
 ) -> tuple[mx.array, KVCache]:
@@ -371,6 +386,36 @@ def decode(
         layer), so padding rows, stale entries and other rows never influence it.
     """
     return run_decode(LLAMA, params, tokens, positions, cache, args)
+
+
+def verify(
+    params: Params, tokens: mx.array, positions: mx.array, cache: KVCache, *, args: ModelArgs
+) -> tuple[mx.array, KVCache]:
+    """Score each row's last accepted token and its proposed continuation in one step
+    (speculative decoding's verification pass: Leviathan et al. 2023, "Fast Inference from
+    Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language
+    Model Decoding with Speculative Sampling").
+
+    :func:`prefill_chunk` at the decode cache's (B, C), returning the logits of every
+    position rather than of the last one.
+
+    Args:
+        params: the model's parameter tree.
+        tokens: int32 [B, K+1]: row b's newest token, then up to K proposed tokens, padded
+            (rows that propose fewer, or nothing, ride along; their padding is ignored).
+        positions: int32 [B], the position of each row's newest token (= tokens in its cache);
+            positions[b] + K < C for every row, empty slots included (they pass 0).
+        cache: KV cache [B, Hkv, C, D] per layer.
+        args: hyper-parameters (static).
+
+    Returns:
+        (logits float32 [B, K+1, V]: entry j scores the token after tokens[b, j]; the cache
+        with tokens[b, j]'s key and value written at positions[b] + j). Query j of row b
+        attends to positions 0..positions[b] + j, so a rejected proposal's key and value are
+        garbage past the row's new position, masked until a later step overwrites them: a
+        rejection is undone by position arithmetic alone.
+    """
+    return run_verify(LLAMA, params, tokens, positions, cache, args)
 
 
 def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:

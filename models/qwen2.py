@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from models import llama
 from models.config_check import Supports
-from models.llama import decode, prefill, prefill_chunk, sanitize
+from models.llama import decode, prefill, prefill_chunk, sanitize, verify
 
 
 @dataclass(frozen=True)
@@ -18,4 +18,4 @@ class ModelArgs(llama.ModelArgs):
     supports: ClassVar[Supports] = Supports(biases=False)
 
 
-__all__ = ["ModelArgs", "decode", "prefill", "prefill_chunk", "sanitize"]
+__all__ = ["ModelArgs", "decode", "prefill", "prefill_chunk", "sanitize", "verify"]

@@ -152,6 +152,11 @@ def decode(params: Params, tokens: mx.array, positions: mx.array, cache: KVCache
     return llama.run_decode(QWEN3_MOE, params, tokens, positions, cache, args)
 
 
+def verify(params: Params, tokens: mx.array, positions: mx.array, cache: KVCache, *, args: ModelArgs):
+    """:func:`models.llama.verify` with Qwen3-MoE's blocks (speculative decoding's verify step)."""
+    return llama.run_verify(QWEN3_MOE, params, tokens, positions, cache, args)
+
+
 _EXPERT = re.compile(
     r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$"
 )

@@ -17,6 +17,7 @@ def main(argv: list[str]) -> int:
     * ``steps …``: one prefill and decode step per dtype, weight format and compile mode
       (:mod:`service.bench.steps`);
     * ``profile …``: where a decode step's time goes (:mod:`service.bench.profile`);
+    * ``ab …``: two running servers, the same requests alternating (:mod:`service.bench.ab`);
     * ``pipeline …``: one process against pipeline ranks per decode step (:mod:`service.bench.pipeline`);
     * ``moe …``: a random Qwen3-MoE's decode step against mlx-lm's (:mod:`service.bench.moe`);
     * ``gguf-storage …``: a K-quant GGUF kept dense or re-quantized (:mod:`service.bench.gguf_storage`);
@@ -32,6 +33,10 @@ def main(argv: list[str]) -> int:
         from service.bench.steps import main as steps
 
         return steps(argv[1:])
+    if argv[:1] == ["ab"]:
+        from service.bench.ab import main as ab
+
+        return ab(argv[1:])
     if argv[:1] == ["profile"]:
         from service.bench.profile import main as profile
 
