@@ -319,8 +319,9 @@ class Metrics:
             self.engine_seconds.labels(model, kind)
 
     def init_speculative(self, model: str, method: str) -> None:
-        """Create a speculating model's counters at zero (see :meth:`init_model`)."""
-        for metric in (self.spec_proposed, self.spec_accepted):
+        """Create a speculating model's counters and histograms at zero (see :meth:`init_model`:
+        a series born between two scrapes has no rate until its next increase)."""
+        for metric in (self.spec_proposed, self.spec_accepted, self.spec_acceptance, self.spec_tokens):
             metric.labels(model, method)
 
     def record_speculation(self, stat: SpecStat) -> None:
