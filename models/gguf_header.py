@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 _SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # type -> bytes
-_FORMATS = {
+#: GGUF metadata value type -> numpy dtype (gguf.md: uint8 ... float64; 7 is bool).
+VALUE_DTYPES = {
     0: "<u1",
     1: "<i1",
     2: "<u2",
@@ -104,7 +105,7 @@ class _Reader:
         start = self.take(count * _SCALARS[kind], what)
         if not self.keep:
             return None
-        values = np.frombuffer(self.data, _FORMATS[kind], count, start)
+        values = np.frombuffer(self.data, VALUE_DTYPES[kind], count, start)
         return values.astype(bool) if kind == 7 else values
 
     def value(self, kind: int, what: str) -> Any:
