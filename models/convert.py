@@ -1,10 +1,13 @@
 """``stepserve convert GGUF OUT_DIR``: write an mlx-community-format directory from a GGUF.
 
 Quantized tensors stay quantized where MLX's affine format holds them exactly (MLX reads
-Q4_0/Q4_1 as 4-bit and Q8_0 as 8-bit affine, group 32); llama.cpp's Q/K row permutation
-is undone, so the result uses the Hugging Face layout (non-interleaved RoPE) that mlx-lm
-and transformers expect; the tokenizer is written as ``tokenizer.json`` and the chat
-template into ``tokenizer_config.json``.
+Q4_0/Q4_1 as 4-bit and Q8_0 as 8-bit affine, group 32); a file MLX cannot read (K-quants,
+Q5_0: Gemma 3's) is dequantized by the ``gguf`` package and written dense, the values the
+server computes with (re-quantizing them to MLX's format changes the logits by up to ~9:
+docs/ARCHITECTURE.md). A Llama file's Q/K row permutation is undone, so the result uses the
+Hugging Face layout (non-interleaved RoPE) that mlx-lm and transformers expect; a Gemma 3
+file's norm weights, stored as 1 + w, are written as w. The tokenizer is written as
+``tokenizer.json`` and the chat template into ``tokenizer_config.json``.
 """
 
 from __future__ import annotations
@@ -16,8 +19,18 @@ from typing import Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from tokenizers import Tokenizer, processors
 
-from models.gguf import GGUF_GROUP_SIZE, args_from_metadata, params_from_tensors, read_gguf, tokenizer_from_gguf
+from models import gguf_gemma3
+from models.gemma3_text import unshift_norms
+from models.gguf import (
+    GGUF_GROUP_SIZE,
+    args_from_metadata,
+    params_from_tensors,
+    read_gguf,
+    scalar_metadata,
+    tokenizer_from_gguf,
+)
 from models.layers import Params, quantized_bits
 from models.llama import ModelArgs
 from models.tokenizer import ChatTokenizer
@@ -44,7 +57,8 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path, dtype: mx.Dtype | None =
     args = args_from_metadata(metadata, tensors, gguf)
     params = params_from_tensors(tensors, args, gguf)
     tokenizer = tokenizer_from_gguf(metadata, gguf)
-    for layer in params["layers"]:
+    gemma = args.model_type == gguf_gemma3.MODEL_TYPE
+    for layer in params["layers"] if not gemma else ():
         attn = layer["self_attn"]
         for name, heads in (("q_proj", args.num_attention_heads), ("k_proj", args.num_key_value_heads)):
             attn[name] = {k: unpermute_rows(v, heads) for k, v in attn[name].items()}
@@ -53,15 +67,35 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path, dtype: mx.Dtype | None =
     for path, leaf in cast(list[tuple[str, Params]], tree_flatten(params, is_leaf=_is_module)):
         modules[("" if path == "lm_head" else "model.") + path] = leaf
     weights = {f"{path}.{k}": v for path, leaf in modules.items() for k, v in leaf.items()}
+    if gemma:
+        weights = unshift_norms(weights)
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    config = {**_config(args, tokenizer), **_quantization(modules)}
+    if gemma:
+        config = gguf_gemma3.config_from_metadata(scalar_metadata(metadata), tensors, gguf) | _token_ids(tokenizer)
+    else:
+        config = _config(args, tokenizer)
+    config |= _quantization(modules)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer.tokenizer.save(str(out / "tokenizer.json"))
+    _save_tokenizer(tokenizer, out / "tokenizer.json")
     (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(args, tokenizer), indent=2))
     return out
+
+
+def _save_tokenizer(tokenizer: ChatTokenizer, path: Path) -> None:
+    """Write ``tokenizer.json``; when the model wants BOS before a raw prompt, with a
+    post-processor that adds it, so that transformers (and mlx-lm) encode a prompt as the
+    server does (``PreTrainedTokenizerFast`` adds special tokens only through it)."""
+    tok = tokenizer.tokenizer
+    if tokenizer.add_bos and tokenizer.bos_token_id is not None:
+        bos = tok.id_to_token(tokenizer.bos_token_id)
+        tok = Tokenizer.from_str(tok.to_str())  # a copy: the loaded tokenizer stays as it is
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.bos_token_id)]
+        )
+    tok.save(str(path))
 
 
 def _is_module(node: object) -> bool:
@@ -97,9 +131,13 @@ def _config(args: ModelArgs, tokenizer: ChatTokenizer) -> dict[str, Any]:
         "max_position_embeddings": args.max_position_embeddings,
         "tie_word_embeddings": args.tie_word_embeddings,
         "hidden_act": "silu",
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": sorted(tokenizer.stop_token_ids),
+        **_token_ids(tokenizer),
     }
+
+
+def _token_ids(tokenizer: ChatTokenizer) -> dict[str, Any]:
+    """``bos_token_id`` and ``eos_token_id`` (every stop id) of a ``config.json``."""
+    return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": sorted(tokenizer.stop_token_ids)}
 
 
 def _tokenizer_config(args: ModelArgs, tokenizer: ChatTokenizer) -> dict[str, Any]:

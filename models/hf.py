@@ -19,29 +19,20 @@ import mlx.core as mx
 from mlx.utils import tree_unflatten
 from tokenizers import Tokenizer
 
-from models import llama, qwen2, qwen3
+from models.architectures import UnsupportedArchitectureError
+from models.architectures import architecture as _architecture
 from models.gguf import ModelLoadError
 from models.layers import Params, quantized_bits
 from models.llama import ModelArgs
 from models.tokenizer import ChatTokenizer
 
-#: model_type -> the module that implements it (mlx-lm's convention: one module per type).
-ARCHITECTURES: dict[str, ModuleType] = {
-    "llama": llama,
-    "mistral": llama,
-    "smollm": llama,
-    "qwen2": qwen2,
-    "qwen3": qwen3,
-}
-
 
 def architecture(model_type: str | None, path: Path) -> ModuleType:
     """The module for ``model_type``. Raises ModelLoadError listing the supported types."""
-    if model_type not in ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: model_type '{model_type}' is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
-        )
-    return ARCHITECTURES[model_type]
+    try:
+        return _architecture(model_type, path)
+    except UnsupportedArchitectureError as exc:
+        raise ModelLoadError(str(exc)) from exc
 
 
 def _read_json(path: Path, required: bool = True) -> dict:
@@ -218,6 +209,10 @@ def load_dir(directory: Path) -> tuple[ModelArgs, Params, ChatTokenizer]:
     _check_quantized_bits(weights, config, file)
     if config.get("tie_word_embeddings") is None:  # tied when the checkpoint has no lm_head
         args = replace(args, tie_word_embeddings="lm_head.weight" not in weights)
-    params = params_from_weights(module.sanitize(weights, args), args)
+    try:
+        weights = module.sanitize(weights, args)
+    except ValueError as exc:
+        raise ModelLoadError(f"{directory}: {exc}") from exc
+    params = params_from_weights(weights, args)
     _check_tensors_present(params, args, config, file)
     return args, params, tokenizer_from_dir(directory, config)

@@ -14,14 +14,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from functools import partial
-from typing import Any
+from functools import lru_cache
+from typing import Any, ClassVar, Self
 
 import mlx.core as mx
 
-from models.config_check import unimplemented_config
-from models.kv_cache import KVCache
+from models.attention import Attend, CacheAttention, PromptAttention
+from models.config_check import Supports, unimplemented_config
+from models.fuse import fuse_projections
+from models.kv_cache import KVCache, layer_sizes
 from models.layers import Params, embed, linear
+from models.rope import RoPE, make_rope, rope_type
 
 #: Keys a ``config.json`` must have: without them the model's shape is unknown (mlx-lm's
 #: llama.ModelArgs requires the same ones).
@@ -43,7 +46,11 @@ class ModelArgs:
     :meth:`from_dict` takes such a config unchanged. ``rope_traditional`` selects MLX's
     interleaved RoPE (pairs ``(2i, 2i+1)``), which is the layout of Q/K rows in llama.cpp
     GGUF files (convert_hf_to_gguf.py permutes them); the Hugging Face layout uses the
-    non-interleaved form (``False``).
+    non-interleaved form (``False``). ``rope_scaling`` is the checked scaling dict as sorted
+    ``(key, value)`` pairs (hashable; :mod:`models.rope`); ``layer_types`` names each layer
+    ``full_attention`` or ``sliding_attention`` (a window of ``sliding_window`` positions).
+    Architectures that extend it (gemma3_text, qwen3_moe) subclass it and override
+    :meth:`rope`, :attr:`attention_scale`, :attr:`supports` or :meth:`_values`.
     """
 
     hidden_size: int
@@ -60,40 +67,103 @@ class ModelArgs:
     tie_word_embeddings: bool = True
     head_dim: int | None = None
     quant_group_size: int = 32
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+
+    #: What the architecture implements of the keys models.config_check checks.
+    supports: ClassVar[Supports] = Supports(sliding_layer_types=True)
+    #: Keys its config.json must carry.
+    required: ClassVar[tuple[str, ...]] = REQUIRED_KEYS
 
     @classmethod
-    def from_dict(cls, config: dict[str, Any]) -> ModelArgs:
+    def from_dict(cls, config: dict[str, Any]) -> Self:
         """Build from a ``config.json`` dict.
 
         Keys that do not change the computation are ignored (mlx-lm's convention); keys
         that would change it in a way stepserve does not implement are refused
         (:func:`models.config_check.unimplemented_config`). ``num_key_value_heads``
-        defaults to ``num_attention_heads`` (Hugging Face's default), ``rope_theta`` may be
-        nested under ``rope_parameters`` (transformers >= 5), and the quantization group
-        size comes from ``quantization.group_size`` (mlx-lm's format).
+        defaults to ``num_attention_heads`` (Hugging Face's default), ``rope_theta`` and the
+        RoPE scaling may be nested under ``rope_parameters`` (transformers >= 5, whose
+        values win, as transformers' ``convert_rope_params_to_dict`` does), and the
+        quantization group size comes from ``quantization.group_size`` (mlx-lm's format).
 
         Raises:
-            ValueError: a key in :data:`REQUIRED_KEYS` is missing, or the config asks for
-                something not implemented; the message names every such key and value.
+            ValueError: a required key is missing, or the config asks for something not
+                implemented; the message names every such key and value.
         """
-        problems = [f"'{k}' is missing (required)" for k in REQUIRED_KEYS if k not in config]
-        problems += unimplemented_config(config)
+        config = cls._complete(config)
+        problems = [f"'{k}' is missing (required)" for k in cls.required if config.get(k) is None]
+        problems += unimplemented_config(config, cls.supports)
         if problems:
             raise ValueError("; ".join(problems))
+        return cls(**cls._values(config))
+
+    @classmethod
+    def _complete(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """The config with what the architecture derives before checking (default: as is)."""
+        return config
+
+    @classmethod
+    def _values(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """Constructor arguments from a checked config."""
         names = {f.name for f in fields(cls)}
         values = {k: v for k, v in config.items() if k in names and v is not None}
         values.setdefault("num_key_value_heads", config["num_attention_heads"])
         rope = config.get("rope_parameters") or {}
-        if "rope_theta" not in values and "rope_theta" in rope:
+        if "rope_theta" in rope:  # transformers >= 5: rope_parameters wins over a top-level rope_theta
             values["rope_theta"] = rope["rope_theta"]
+        scaling = config.get("rope_scaling") or rope
+        values["rope_scaling"] = None if rope_type(scaling) == "default" else _items(scaling)
+        if config.get("layer_types") is not None:
+            values["layer_types"] = tuple(config["layer_types"])
         if isinstance(config.get("quantization"), dict):
             values["quant_group_size"] = config["quantization"].get("group_size", 64)
-        return cls(**values)
+        return values
 
     @property
     def dim_per_head(self) -> int:
         """D: the attention head dimension (``head_dim`` or hidden_size / heads)."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def attention_scale(self) -> float:
+        """1/sqrt(D), the scaled dot-product attention scale (Vaswani et al. 2017)."""
+        return 1.0 / math.sqrt(self.dim_per_head)
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window in positions, or None (full attention)."""
+        if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def windows(self) -> tuple[int | None, ...] | None:
+        """Every layer's :meth:`window`, or None when no layer slides (a plain linear cache)."""
+        windows = tuple(self.window(i) for i in range(self.num_hidden_layers))
+        return windows if any(w is not None for w in windows) else None
+
+    def rope(self, layer: int) -> RoPE:
+        """Layer ``layer``'s rotary embedding (the same for every layer here)."""
+        return cached_rope(self.dim_per_head, self.rope_theta, self.rope_traditional, self.rope_scaling)
+
+    def kv_bytes(self, capacity: int, itemsize: int, ring: bool = True) -> int:
+        """Bytes of one row's KV cache at ``capacity`` positions: keys and values of every
+        layer, Hkv x D x ``itemsize`` per position, sliding layers holding min(W, C)
+        positions when ``ring`` (a decode cache), C otherwise (prefill and staging caches)."""
+        sizes = layer_sizes(self.num_hidden_layers, capacity, self.windows if ring else None)
+        return 2 * sum(sizes) * self.num_key_value_heads * self.dim_per_head * itemsize
+
+
+def _items(scaling: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A RoPE scaling dict as sorted pairs, without the base (``rope_theta``, read apart)."""
+    return tuple(sorted((k, v) for k, v in scaling.items() if k != "rope_theta"))
+
+
+@lru_cache(maxsize=64)
+def cached_rope(dims: int, base: float, traditional: bool, scaling: tuple[tuple[str, Any], ...] | None) -> RoPE:
+    """:func:`models.rope.make_rope` for hashable arguments, computed once per model."""
+    return make_rope(dims, base, traditional, dict(scaling) if scaling else None)
 
 
 # ---------------------------------------------------------------------------------------
@@ -101,16 +171,16 @@ class ModelArgs:
 # ---------------------------------------------------------------------------------------
 
 
-def _mlp(p: Params, x: mx.array, g: int) -> mx.array:
+def swiglu_mlp(p: Params, x: mx.array, g: int) -> mx.array:
     """SwiGLU feed-forward (Shazeer 2020, "GLU Variants Improve Transformer")."""
-    if "gate_up_proj" in p:  # fused by :func:`fuse_projections`: one matmul, then a split
+    if "gate_up_proj" in p:  # fused by :func:`models.fuse.fuse_projections`: one matmul, then a split
         gate, up = mx.split(linear(x, p["gate_up_proj"], g), 2, axis=-1)
     else:
         gate, up = linear(x, p["gate_proj"], g), linear(x, p["up_proj"], g)
     return linear(gate * mx.sigmoid(gate) * up, p["down_proj"], g)
 
 
-def _project_qkv(p: Params, x: mx.array, args: ModelArgs) -> tuple[mx.array, mx.array, mx.array]:
+def project_qkv(p: Params, x: mx.array, args: ModelArgs) -> tuple[mx.array, mx.array, mx.array]:
     """x [B, L, H] -> q [B, Hq, L, D], k and v [B, Hkv, L, D].
 
     Optional parts follow the parameters present: ``bias`` on the projections (Qwen2) and
@@ -119,7 +189,7 @@ def _project_qkv(p: Params, x: mx.array, args: ModelArgs) -> tuple[mx.array, mx.
     B, L, _ = x.shape
     D, g = args.dim_per_head, args.quant_group_size
     Hq, Hkv = args.num_attention_heads, args.num_key_value_heads
-    if "qkv_proj" in p:  # fused by :func:`fuse_projections`: one matmul, then a split
+    if "qkv_proj" in p:  # fused by :func:`models.fuse.fuse_projections`: one matmul, then a split
         q, k, v = mx.split(linear(x, p["qkv_proj"], g), [Hq * D, (Hq + Hkv) * D], axis=-1)
     else:
         q, k, v = linear(x, p["q_proj"], g), linear(x, p["k_proj"], g), linear(x, p["v_proj"], g)
@@ -130,57 +200,6 @@ def _project_qkv(p: Params, x: mx.array, args: ModelArgs) -> tuple[mx.array, mx.
     return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
-def fuse_projections(params: Params) -> Params:
-    """Concatenate each layer's Q, K and V projections into ``qkv_proj`` and the MLP's gate
-    and up projections into ``gate_up_proj`` along the output axis, so that a step runs one
-    matmul where it ran three (or two): fewer kernel launches per token. The step functions
-    split the result back, so the outputs are the same up to the matmul's own rounding.
-
-    Works for dense weights [out, in] and MLX affine-quantized triples (``weight``,
-    ``scales``, ``biases`` are all per output row); ``bias`` vectors are concatenated too.
-    A group whose members differ in format (dense vs quantized, bit width, present keys) is
-    left unfused. Returns a new tree; ``params`` is not modified.
-    """
-
-    def fuse(block: Params, names: tuple[str, ...], fused: str) -> Params:
-        parts: list[Params] = [block[n] for n in names if isinstance(block.get(n), dict)]
-        if len(parts) != len(names):
-            return block
-        keys = set(parts[0])
-        if any(set(p) != keys for p in parts) or any(
-            p[k].dtype != parts[0][k].dtype or p[k].shape[1:] != parts[0][k].shape[1:] for p in parts for k in keys
-        ):
-            return block
-        out = {k: v for k, v in block.items() if k not in names}
-        out[fused] = {k: mx.concatenate([p[k] for p in parts], axis=0) for k in keys}
-        return out
-
-    layers = []
-    for layer in params["layers"]:
-        layer = dict(layer)
-        layer["self_attn"] = fuse(layer["self_attn"], ("q_proj", "k_proj", "v_proj"), "qkv_proj")
-        layer["mlp"] = fuse(layer["mlp"], ("gate_proj", "up_proj"), "gate_up_proj")
-        layers.append(layer)
-    return {**params, "layers": layers}
-
-
-def _rope(x: mx.array, offset: int | mx.array, args: ModelArgs) -> mx.array:
-    """Rotary embedding (Su et al. 2021). offset: int 0 or int32 [B] start positions."""
-    return mx.fast.rope(
-        x,
-        args.dim_per_head,
-        traditional=args.rope_traditional,
-        base=args.rope_theta,
-        scale=1.0,
-        offset=offset,
-    )
-
-
-def _attention_scale(args: ModelArgs) -> float:
-    """1/sqrt(D), the scaled dot-product attention scale (Vaswani et al. 2017)."""
-    return 1.0 / math.sqrt(args.dim_per_head)
-
-
 def _final_logits(params: Params, h: mx.array, args: ModelArgs) -> mx.array:
     """h [B, H] -> float32 logits [B, V]."""
     h = mx.fast.rms_norm(h, params["norm"]["weight"], args.rms_norm_eps)
@@ -188,91 +207,118 @@ def _final_logits(params: Params, h: mx.array, args: ModelArgs) -> mx.array:
     return linear(h, head, args.quant_group_size).astype(mx.float32)
 
 
+def _embed(params: Params, tokens: mx.array, args: ModelArgs) -> mx.array:
+    """tokens int32 [B, L] -> x [B, L, H]."""
+    return embed(tokens, params["embed_tokens"], args.quant_group_size)
+
+
 # ---------------------------------------------------------------------------------------
-# One transformer block, two ways to attend, the two step functions
+# One transformer block, and the three step functions over any family's blocks
 # ---------------------------------------------------------------------------------------
 
-#: One layer's attention and cache update, the only part prefill and decode do differently:
-#: (q [B, Hq, L, D], k and v [B, Hkv, L, D] after RoPE, the layer's cache keys and values
-#: [B, Hkv, C, D]) -> (output [B, Hq, L, D], the new cache keys, the new cache values).
-Attend = Callable[[mx.array, mx.array, mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array]]
+#: One decoder block: (its parameters, x [B, L, H], RoPE offset int 0 or int32 [B], its cache
+#: keys and values [B, Hkv, S, D], its :data:`models.attention.Attend`, args, layer index)
+#: -> (x [B, L, H], new keys, new values).
+Block = Callable[[Params, mx.array, Any, mx.array, mx.array, Attend, Any, int], tuple[mx.array, mx.array, mx.array]]
+
+
+def attention_residual(
+    layer: Params, x: mx.array, offset: int | mx.array, keys: mx.array, values: mx.array, attend: Attend, args, i: int
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The attention half of a pre-norm block: x + o_proj(attention(RoPE(q), RoPE(k), v)) over
+    ``input_layernorm(x)``, layer ``i``'s RoPE being ``args.rope(i)``. Returns (x [B, L, H],
+    new keys, new values)."""
+    B, L, _ = x.shape
+    h = mx.fast.rms_norm(x, layer["input_layernorm"]["weight"], args.rms_norm_eps)
+    q, k, v = project_qkv(layer["self_attn"], h, args)
+    rope = args.rope(i)
+    o, keys, values = attend(rope(q, offset), rope(k, offset), v, keys, values)
+    o = o.transpose(0, 2, 1, 3).reshape(B, L, -1)
+    return x + linear(o, layer["self_attn"]["o_proj"], args.quant_group_size), keys, values
 
 
 def _block(
-    layer: Params,
-    x: mx.array,
-    offset: int | mx.array,
-    keys: mx.array,
-    values: mx.array,
-    attend: Attend,
-    args: ModelArgs,
+    layer: Params, x: mx.array, offset: int | mx.array, keys: mx.array, values: mx.array, attend: Attend, args, i: int
 ) -> tuple[mx.array, mx.array, mx.array]:
     """One pre-norm decoder block (mlx-lm's ``llama.TransformerBlock``): norm -> attention ->
-    residual -> norm -> MLP -> residual.
+    residual -> norm -> MLP -> residual."""
+    x, keys, values = attention_residual(layer, x, offset, keys, values, attend, args, i)
+    h = mx.fast.rms_norm(x, layer["post_attention_layernorm"]["weight"], args.rms_norm_eps)
+    return x + swiglu_mlp(layer["mlp"], h, args.quant_group_size), keys, values
 
-    x [B, L, H]; offset: RoPE start position, int 0 or int32 [B]; keys/values: this layer's
-    cache [B, Hkv, C, D]. Returns (x [B, L, H], new keys, new values).
-    """
-    B, L, _ = x.shape
-    g, eps = args.quant_group_size, args.rms_norm_eps
-    h = mx.fast.rms_norm(x, layer["input_layernorm"]["weight"], eps)
-    q, k, v = _project_qkv(layer["self_attn"], h, args)
-    q, k = _rope(q, offset, args), _rope(k, offset, args)
-    o, keys, values = attend(q, k, v, keys, values)
-    o = o.transpose(0, 2, 1, 3).reshape(B, L, -1)
-    x = x + linear(o, layer["self_attn"]["o_proj"], g)
-    h = mx.fast.rms_norm(x, layer["post_attention_layernorm"]["weight"], eps)
-    return x + _mlp(layer["mlp"], h, g), keys, values
+
+@dataclass(frozen=True)
+class Decoder:
+    """What distinguishes a decoder family's forward pass: its embedding (tokens int32
+    [B, L] -> x [B, L, H]), its :data:`Block` and its head (h [B, H] -> float32 logits
+    [B, V]). The step functions below run any family's."""
+
+    embed: Callable[[Params, mx.array, Any], mx.array]
+    block: Block
+    logits: Callable[[Params, mx.array, Any], mx.array]
+
+
+LLAMA = Decoder(_embed, _block, _final_logits)
 
 
 def _blocks(
-    params: Params, x: mx.array, offset: int | mx.array, cache: KVCache, attend: Attend, args: ModelArgs
+    decoder: Decoder, params: Params, x: mx.array, offset, cache: KVCache, attention, args
 ) -> tuple[mx.array, KVCache]:
-    """Every layer's :func:`_block` in turn. x [B, L, H] -> (x [B, L, H], the new cache)."""
+    """Every layer's block in turn, layer i attending with ``attention(args.window(i))``.
+    x [B, L, H] -> (x [B, L, H], the new cache)."""
     new_keys, new_values = [], []
-    for layer, keys, values in zip(params["layers"], cache.keys, cache.values, strict=True):
-        x, keys, values = _block(layer, x, offset, keys, values, attend, args)
+    for i, (layer, keys, values) in enumerate(zip(params["layers"], cache.keys, cache.values, strict=True)):
+        x, keys, values = decoder.block(layer, x, offset, keys, values, attention(args.window(i)), args, i)
         new_keys.append(keys)
         new_values.append(values)
     return x, KVCache(new_keys, new_values)
 
 
-def _attend_prompt(
-    q: mx.array, k: mx.array, v: mx.array, keys: mx.array, values: mx.array, *, scale: float
-) -> tuple[mx.array, mx.array, mx.array]:
-    """Prefill's :data:`Attend`: causal attention within the prompt (a real query only sees
-    earlier, real keys), and k/v [B, Hkv, T, D] written at cache positions 0..T-1."""
-    o = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
-    return o, _write_prefix(keys, k), _write_prefix(values, v)
+def run_chunk(
+    decoder: Decoder, params: Params, tokens: mx.array, offsets: mx.array, lengths: mx.array, cache: KVCache, args
+) -> tuple[mx.array, KVCache]:
+    """:func:`prefill_chunk` for ``decoder``'s family."""
+    T = tokens.shape[1]
+    x = decoder.embed(params, tokens, args)  # [B, T, H]
+    positions = offsets[:, None] + mx.arange(T)[None, :]  # [B, T]
+    x, cache = _blocks(decoder, params, x, offsets, cache, CacheAttention(positions, args.attention_scale), args)
+    last = mx.take_along_axis(x, (lengths - 1).astype(mx.int32)[:, None, None], axis=1)  # [B, 1, H]
+    return decoder.logits(params, last[:, 0, :], args), cache
 
 
-def _write_prefix(buf: mx.array, new: mx.array) -> mx.array:
-    """Write new [B, Hkv, T, D] into buf [B, Hkv, C, D] at positions 0..T-1 (C >= T)."""
-    T, C = new.shape[2], buf.shape[2]
-    if T == C:
-        return new.astype(buf.dtype)
-    return mx.concatenate([new.astype(buf.dtype), buf[:, :, T:, :]], axis=2)
+def run_prefill(
+    decoder: Decoder, params: Params, tokens: mx.array, lengths: mx.array, cache: KVCache, args
+) -> tuple[mx.array, KVCache]:
+    """:func:`prefill` for ``decoder``'s family."""
+    x = decoder.embed(params, tokens, args)  # [B, T, H]
+    x, cache = _blocks(decoder, params, x, 0, cache, PromptAttention(tokens.shape[1], args.attention_scale), args)
+    last = mx.take_along_axis(x, (lengths - 1).astype(mx.int32)[:, None, None], axis=1)  # [B, 1, H]
+    return decoder.logits(params, last[:, 0, :], args), cache
 
 
-def _attend_cache(
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    keys: mx.array,
-    values: mx.array,
-    *,
-    index: mx.array,
-    mask: mx.array,
-    scale: float,
-) -> tuple[mx.array, mx.array, mx.array]:
-    """Decode's and a prompt chunk's :data:`Attend`: row b's k/v [B, Hkv, L, D] scattered at its
-    positions (index: int32 [B, 1, L, 1]; decode L = 1), then attention over the whole cache,
-    query l of row b masked to positions 0..its own (mask: bool [B, 1, L, C]): for a chunk, the
-    cached prefix and the chunk's earlier tokens."""
-    keys = mx.put_along_axis(keys, mx.broadcast_to(index, k.shape), k.astype(keys.dtype), axis=2)
-    values = mx.put_along_axis(values, mx.broadcast_to(index, v.shape), v.astype(values.dtype), axis=2)
-    o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-    return o, keys, values
+def run_decode(
+    decoder: Decoder, params: Params, tokens: mx.array, positions: mx.array, cache: KVCache, args
+) -> tuple[mx.array, KVCache]:
+    """:func:`decode` for ``decoder``'s family."""
+    x = decoder.embed(params, tokens[:, None], args)  # [B, 1, H]
+    attention = CacheAttention(positions[:, None], args.attention_scale)
+    x, cache = _blocks(decoder, params, x, positions, cache, attention, args)
+    return decoder.logits(params, x[:, 0, :], args), cache
+
+
+def run_verify(
+    decoder: Decoder, params: Params, tokens: mx.array, positions: mx.array, cache: KVCache, args
+) -> tuple[mx.array, KVCache]:
+    """:func:`verify` for ``decoder``'s family: a chunk at each row's position that returns
+    every position's logits [B, L, V]. Its cache layouts must be linear (a ring layer would be
+    written past its size: :class:`models.attention.CacheAttention` writes several tokens per
+    row linearly), so families with sliding-window rings export no ``verify``."""
+    L = tokens.shape[1]
+    x = decoder.embed(params, tokens, args)  # [B, L, H]
+    at = positions[:, None] + mx.arange(L)[None, :]  # [B, L]
+    x, cache = _blocks(decoder, params, x, positions, cache, CacheAttention(at, args.attention_scale), args)
+    B, _, H = x.shape
+    return decoder.logits(params, x.reshape(B * L, H), args).reshape(B, L, -1), cache
 
 
 def prefill_chunk(
@@ -289,7 +335,7 @@ def prefill_chunk(
         tokens: int32 [B, T], each row's next prompt tokens, right-padded to the chunk bucket T.
         offsets: int32 [B], where each row's chunk starts (tokens already in its cache).
         lengths: int32 [B], real tokens in each row's chunk (1 <= lengths <= T).
-        cache: KV cache [B, Hkv, C, D] per layer, with offsets[b] + T <= C for every row.
+        cache: a linear KV cache [B, Hkv, C, D] per layer, with offsets[b] + T <= C for every row.
         args: hyper-parameters (static).
 
     Returns:
@@ -297,15 +343,7 @@ def prefill_chunk(
         chunk's keys and values written at offsets[b]..offsets[b]+T-1). Positions written for
         padding (>= offsets + lengths) are garbage that decode masks and later overwrites.
     """
-    T, C = tokens.shape[1], cache.capacity
-    x = embed(tokens, params["embed_tokens"], args.quant_group_size)  # [B, T, H]
-    positions = offsets[:, None] + mx.arange(T)[None, :]  # [B, T]
-    index = positions.astype(mx.int32)[:, None, :, None]  # [B, 1, T, 1]
-    mask = (mx.arange(C)[None, None, :] <= positions[:, :, None])[:, None, :, :]  # [B, 1, T, C]
-    attend = partial(_attend_cache, index=index, mask=mask, scale=_attention_scale(args))
-    x, cache = _blocks(params, x, offsets, cache, attend, args)
-    last = mx.take_along_axis(x, (lengths - 1).astype(mx.int32)[:, None, None], axis=1)  # [B, 1, H]
-    return _final_logits(params, last[:, 0, :], args), cache
+    return run_chunk(LLAMA, params, tokens, offsets, lengths, cache, args)
 
 
 def prefill(
@@ -325,11 +363,7 @@ def prefill(
         Keys written for padded positions (>= length) are garbage; decode masks them out
         by position, and each later token overwrites one of them.
     """
-    x = embed(tokens, params["embed_tokens"], args.quant_group_size)  # [B, T, H]
-    attend = partial(_attend_prompt, scale=_attention_scale(args))
-    x, cache = _blocks(params, x, 0, cache, attend, args)
-    last = mx.take_along_axis(x, (lengths - 1).astype(mx.int32)[:, None, None], axis=1)  # [B, 1, H]
-    return _final_logits(params, last[:, 0, :], args), cache
+    return run_prefill(LLAMA, params, tokens, lengths, cache, args)
 
 
 def decode(
@@ -342,20 +376,46 @@ def decode(
         tokens: int32 [B], each row's newest token.
         positions: int32 [B], the position of that token (= tokens already in the cache).
             Must be < C. Empty slots pass 0 and a dummy token; their result is ignored.
-        cache: KV cache [B, Hkv, C, D] per layer.
+        cache: KV cache [B, Hkv, C, D] per layer; a sliding layer may hold a ring of
+            min(W, C) positions instead (:mod:`models.attention`).
         args: hyper-parameters (static).
 
     Returns:
         (logits float32 [B, V], the cache with each row's key/value written at its position).
-        Row b attends to cache positions 0..positions[b] only, so padding rows, stale entries
-        and other rows never influence it.
+        Row b attends to cache positions 0..positions[b] only (its last W in a sliding
+        layer), so padding rows, stale entries and other rows never influence it.
     """
-    x = embed(tokens[:, None], params["embed_tokens"], args.quant_group_size)  # [B, 1, H]
-    mask = (mx.arange(cache.capacity)[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, C]
-    index = positions.astype(mx.int32)[:, None, None, None]  # [B, 1, 1, 1]
-    attend = partial(_attend_cache, index=index, mask=mask, scale=_attention_scale(args))
-    x, cache = _blocks(params, x, positions, cache, attend, args)
-    return _final_logits(params, x[:, 0, :], args), cache
+    return run_decode(LLAMA, params, tokens, positions, cache, args)
+
+
+def verify(
+    params: Params, tokens: mx.array, positions: mx.array, cache: KVCache, *, args: ModelArgs
+) -> tuple[mx.array, KVCache]:
+    """Score each row's last accepted token and its proposed continuation in one step
+    (speculative decoding's verification pass: Leviathan et al. 2023, "Fast Inference from
+    Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language
+    Model Decoding with Speculative Sampling").
+
+    :func:`prefill_chunk` at the decode cache's (B, C), returning the logits of every
+    position rather than of the last one.
+
+    Args:
+        params: the model's parameter tree.
+        tokens: int32 [B, K+1]: row b's newest token, then up to K proposed tokens, padded
+            (rows that propose fewer, or nothing, ride along; their padding is ignored).
+        positions: int32 [B], the position of each row's newest token (= tokens in its cache);
+            positions[b] + K < C for every row, empty slots included (they pass 0).
+        cache: KV cache [B, Hkv, C, D] per layer.
+        args: hyper-parameters (static).
+
+    Returns:
+        (logits float32 [B, K+1, V]: entry j scores the token after tokens[b, j]; the cache
+        with tokens[b, j]'s key and value written at positions[b] + j). Query j of row b
+        attends to positions 0..positions[b] + j, so a rejected proposal's key and value are
+        garbage past the row's new position, masked until a later step overwrites them: a
+        rejection is undone by position arithmetic alone.
+    """
+    return run_verify(LLAMA, params, tokens, positions, cache, args)
 
 
 def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
@@ -365,3 +425,6 @@ def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.arra
     if args.tie_word_embeddings:
         weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
     return weights
+
+
+__all__ = ["ModelArgs", "decode", "fuse_projections", "prefill", "prefill_chunk", "sanitize"]

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import mlx.core as mx
 
+from models.attention import CacheAttention, PromptAttention
 from models.kv_cache import KVCache
 from models.layers import Params, embed, linear
-from models.llama import ModelArgs, _attend_cache, _attend_prompt, _attention_scale, _blocks
+from models.llama import LLAMA, ModelArgs, _blocks
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ def _run(
     tokens: mx.array,
     offset: int | mx.array,
     cache: KVCache,
-    attend: Callable,
+    attention: Callable,
     last_rows: Callable[[mx.array], mx.array],
     args: ModelArgs,
     stage: Stage,
@@ -185,7 +185,7 @@ def _run(
     else:
         dtype = params["layers"][0]["input_layernorm"]["weight"].dtype  # the compute dtype
         x = mx.distributed.recv((B, L, args.hidden_size), dtype, stage.rank + 1, group=group)
-    x, cache = _blocks(params, x, offset, cache, attend, args)
+    x, cache = _blocks(LLAMA, params, x, offset, cache, attention, args)
     if not stage.last:
         return mx.distributed.send(x, stage.rank - 1, group=group), cache
     h = mx.fast.rms_norm(last_rows(x), params["norm"]["weight"], args.rms_norm_eps)
@@ -211,8 +211,8 @@ def prefill(
     """:func:`models.llama.prefill` for one stage: tokens int32 [B, T], lengths int32 [B],
     the stage's cache (its layers only) of capacity C >= T. Returns (rank 0: float32 logits
     [B, V]; other ranks: the sent hidden states [B, T, H], to evaluate), the stage's cache."""
-    attend = partial(_attend_prompt, scale=_attention_scale(args))
-    return _run(params, tokens, 0, cache, attend, _rows_at(lengths), args, stage, group)
+    attention = PromptAttention(tokens.shape[1], args.attention_scale)
+    return _run(params, tokens, 0, cache, attention, _rows_at(lengths), args, stage, group)
 
 
 def prefill_chunk(
@@ -229,12 +229,9 @@ def prefill_chunk(
     """:func:`models.llama.prefill_chunk` for one stage: tokens int32 [B, T] from offsets int32
     [B], lengths int32 [B] real tokens per row, the stage's cache with offsets + T <= C.
     Returns as :func:`prefill`."""
-    T, C = tokens.shape[1], cache.capacity
-    positions = offsets[:, None] + mx.arange(T)[None, :]  # [B, T]
-    index = positions.astype(mx.int32)[:, None, :, None]  # [B, 1, T, 1]
-    mask = (mx.arange(C)[None, None, :] <= positions[:, :, None])[:, None, :, :]  # [B, 1, T, C]
-    attend = partial(_attend_cache, index=index, mask=mask, scale=_attention_scale(args))
-    return _run(params, tokens, offsets, cache, attend, _rows_at(lengths), args, stage, group)
+    positions = offsets[:, None] + mx.arange(tokens.shape[1])[None, :]  # [B, T]
+    attention = CacheAttention(positions, args.attention_scale)
+    return _run(params, tokens, offsets, cache, attention, _rows_at(lengths), args, stage, group)
 
 
 def decode(
@@ -250,7 +247,5 @@ def decode(
     """:func:`models.llama.decode` for one stage: tokens int32 [B], positions int32 [B] (< C),
     the stage's cache. Returns (rank 0: float32 logits [B, V]; other ranks: the sent hidden
     states [B, 1, H], to evaluate), the stage's cache."""
-    mask = (mx.arange(cache.capacity)[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, C]
-    index = positions.astype(mx.int32)[:, None, None, None]  # [B, 1, 1, 1]
-    attend = partial(_attend_cache, index=index, mask=mask, scale=_attention_scale(args))
-    return _run(params, tokens[:, None], positions, cache, attend, lambda x: x[:, 0, :], args, stage, group)
+    attention = CacheAttention(positions[:, None], args.attention_scale)
+    return _run(params, tokens[:, None], positions, cache, attention, lambda x: x[:, 0, :], args, stage, group)

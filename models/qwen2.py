@@ -1,7 +1,21 @@
 """Qwen2 (``model_type: qwen2``): the Llama step functions with biases on the Q/K/V
-projections, which the checkpoint carries as ``*.bias`` and :func:`models.llama.linear`
-adds when present."""
+projections, which the checkpoint carries as ``*.bias`` and :func:`models.layers.linear`
+adds when present. Sliding-window layers and the ``attention_bias``/``mlp_bias`` flags are
+refused (mlx-lm's qwen2 and qwen3 ignore them, so there is no reference to match)."""
 
-from models.llama import ModelArgs, decode, prefill, prefill_chunk, sanitize
+from dataclasses import dataclass
+from typing import ClassVar
 
-__all__ = ["ModelArgs", "decode", "prefill", "prefill_chunk", "sanitize"]
+from models import llama
+from models.config_check import Supports
+from models.llama import decode, prefill, prefill_chunk, sanitize, verify
+
+
+@dataclass(frozen=True)
+class ModelArgs(llama.ModelArgs):
+    """:class:`models.llama.ModelArgs` without sliding-window layers or bias flags."""
+
+    supports: ClassVar[Supports] = Supports(biases=False)
+
+
+__all__ = ["ModelArgs", "decode", "prefill", "prefill_chunk", "sanitize", "verify"]

@@ -1,7 +1,9 @@
 """Qwen3 (``model_type: qwen3``): the Llama step functions with per-head RMSNorm of queries
 and keys before RoPE (``self_attn.q_norm``/``k_norm``), applied by
-:func:`models.llama._project_qkv` when present; ``head_dim`` comes from the config."""
+:func:`models.llama.project_qkv` when present; ``head_dim`` comes from the config.
+Sliding-window layers are refused (mlx-lm's qwen3 ignores them)."""
 
-from models.llama import ModelArgs, decode, prefill, prefill_chunk, sanitize
+from models.llama import decode, prefill, prefill_chunk, sanitize, verify
+from models.qwen2 import ModelArgs
 
-__all__ = ["ModelArgs", "decode", "prefill", "prefill_chunk", "sanitize"]
+__all__ = ["ModelArgs", "decode", "prefill", "prefill_chunk", "sanitize", "verify"]

@@ -53,9 +53,28 @@ def sample(
     keys = mx.where(seeded[:, None], keys, fresh)
     split = mx.vmap(mx.random.split)(keys)  # [B, 2, 2]
     noise_keys, next_keys = split[:, 0], split[:, 1]
-    uniform = mx.vmap(lambda k: mx.random.uniform(shape=(V,), key=k))(noise_keys)  # [B, V]
-    gumbel = -mx.log(-mx.log(uniform))
+    filtered = filter_logits(logits, temperature, top_p, top_k, min_p)
+    sampled = mx.argmax(filtered + gumbel(noise_keys, V), axis=-1)
+    tokens = mx.where(temperature > 0, sampled, mx.argmax(logits, axis=-1))
+    return tokens.astype(mx.int32), next_keys
 
+
+def gumbel(keys: mx.array, vocab: int) -> mx.array:
+    """Standard Gumbel noise float32 [B, vocab], row b drawn from key ``keys[b]`` (uint32 [B, 2])
+    as ``-log(-log(U))`` with U uniform (Gumbel 1954)."""
+    uniform = mx.vmap(lambda k: mx.random.uniform(shape=(vocab,), key=k))(keys)  # [B, V]
+    return -mx.log(-mx.log(uniform))
+
+
+def filter_logits(
+    logits: mx.array, temperature: mx.array, top_p: mx.array, top_k: mx.array, min_p: mx.array
+) -> mx.array:
+    """The sampled distribution of :func:`sample` as logits: ``logits / temperature`` with the
+    tokens that top-k, then top-p on the renormalized remainder, then min-p filter out at
+    -inf, so that ``softmax`` of the result is the distribution a row samples from (and
+    speculative decoding's target distribution p). Shapes and parameters as :func:`sample`;
+    returns float32 [B, V]."""
+    V = logits.shape[-1]
     scaled = logits / mx.maximum(temperature, 1e-5)[:, None]
     ordered = mx.sort(scaled, axis=-1)[:, ::-1]  # descending
     rank = mx.arange(V)[None, :]
@@ -68,10 +87,7 @@ def sample(
     # min-p on the temperature-scaled distribution: p_i >= min_p * p_max  <=>  s_i >= s_max + log(min_p).
     floor = ordered[:, :1] + mx.log(mx.maximum(min_p, 1e-30))[:, None]
     threshold = mx.maximum(threshold, mx.where(min_p[:, None] > 0, floor, -mx.inf))
-    filtered = mx.where(scaled >= threshold, scaled, -mx.inf)
-    sampled = mx.argmax(filtered + gumbel, axis=-1)
-    tokens = mx.where(temperature > 0, sampled, mx.argmax(logits, axis=-1))
-    return tokens.astype(mx.int32), next_keys
+    return mx.where(scaled >= threshold, scaled, -mx.inf)
 
 
 def process(

@@ -1,10 +1,16 @@
 """Tokenizer and chat template rebuilt from GGUF metadata, with `tokenizers` and `jinja2`.
 
-GGUF stores a byte-level BPE vocabulary as ``tokenizer.ggml.tokens`` (id order),
-``tokenizer.ggml.merges`` ("a b" strings, rank order) and ``tokenizer.ggml.token_type``
-(1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte: llama.cpp's
-``llama_token_type``). ``tokenizer.ggml.pre`` names the pre-tokenizer; the regexes below
-are the ones llama.cpp (llama-vocab.cpp) and the models' own ``tokenizer.json`` use.
+GGUF stores a byte-level BPE vocabulary (``tokenizer.ggml.model: gpt2``) as
+``tokenizer.ggml.tokens`` (id order), ``tokenizer.ggml.merges`` ("a b" strings, rank order)
+and ``tokenizer.ggml.token_type`` (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused,
+6 byte: llama.cpp's ``llama_token_type``). ``tokenizer.ggml.pre`` names the pre-tokenizer;
+the regexes below are the ones llama.cpp (llama-vocab.cpp) and the models' own
+``tokenizer.json`` use.
+
+A SentencePiece vocabulary (``tokenizer.ggml.model: llama``, Gemma's: tokens, scores and
+types, no merges) is rebuilt by transformers' GGUF tokenizer conversion
+(``convert_gguf_tokenizer``, which derives the merges and Gemma's normalizer), not here:
+an optional dependency, ``pip install 'stepserve[gguf]'``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,12 @@ _LLAMA3_SPLIT = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _CONTROL, _USER_DEFINED = 3, 4
+#: Architectures whose SentencePiece GGUF vocabulary is rebuilt (tested against the model).
+SENTENCEPIECE_ARCHITECTURES = ("gemma3",)
+#: Control tokens that end a turn, whatever the GGUF's eos id (llama.cpp's llama-vocab.cpp
+#: treats these texts as end-of-turn too).
+_STOP_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<end_of_turn>")
+GGUF_TOKENIZER_INSTALL = "pip install 'stepserve[gguf]' (transformers' GGUF tokenizer conversion)"
 
 
 class TokenizerError(ValueError):
@@ -52,6 +64,45 @@ def _scalar(value: Any) -> Any:
 def _as_list(value: Any) -> list[Any]:
     """A GGUF array value (an ``mx.array`` or a list) as a list."""
     return value.tolist() if hasattr(value, "tolist") else list(value)
+
+
+def _sentencepiece(metadata: dict[str, Any], path: Path | str) -> Tokenizer:
+    """A SentencePiece GGUF vocabulary as a ``tokenizers.Tokenizer``, by transformers' own GGUF
+    conversion (its key mapping and its builder for the file's architecture).
+
+    Raises:
+        TokenizerError: an architecture not in :data:`SENTENCEPIECE_ARCHITECTURES`, or
+            transformers is not installed.
+    """
+    arch = _scalar(metadata.get("general.architecture"))
+    if arch not in SENTENCEPIECE_ARCHITECTURES:
+        raise TokenizerError(
+            f"{path}: a SentencePiece ('llama') tokenizer is supported for architectures "
+            f"{', '.join(SENTENCEPIECE_ARCHITECTURES)}, not '{arch}'"
+        )
+    try:  # transformers >= 5 keeps it here; 4.x in integrations.ggml
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    except ImportError:
+        try:
+            from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer  # type: ignore
+        except ImportError as exc:
+            raise TokenizerError(
+                f"{path}: rebuilding its SentencePiece tokenizer needs {GGUF_TOKENIZER_INSTALL}"
+            ) from exc
+    renames = GGUF_TOKENIZER_MAPPING["tokenizer"]
+    found = {name: metadata[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in metadata}
+    tokenizer, _ = convert_gguf_tokenizer(arch, {k: _plain(v) for k, v in found.items()})
+    return tokenizer
+
+
+def _plain(value: Any) -> Any:
+    """A metadata value as Python: a string, a scalar, or a list (from ``mx.load``'s arrays
+    or :func:`models.gguf_header.read_gguf_header`'s lists)."""
+    if isinstance(value, str):
+        return value
+    if getattr(value, "size", 2) == 1 or not hasattr(value, "__iter__"):
+        return _scalar(value)
+    return _as_list(value)
 
 
 def _bpe(vocab: dict[str, int], merges: list[str], pre: str) -> Tokenizer:
@@ -97,17 +148,22 @@ class ChatTokenizer:
             return _scalar(metadata.get(key, default))
 
         kind = get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise TokenizerError(f"{path}: tokenizer model '{kind}' is not supported; only byte-level BPE ('gpt2')")
+        if kind not in ("gpt2", "llama"):
+            raise TokenizerError(
+                f"{path}: tokenizer model '{kind}' is not supported; byte-level BPE ('gpt2') or SentencePiece ('llama')"
+            )
         tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
         raw_types = metadata.get("tokenizer.ggml.token_type")  # int32 array, 1 (normal) when absent
         types = [1] * len(tokens) if raw_types is None else [int(t) for t in _as_list(raw_types)]
         vocab = {tok: i for i, tok in enumerate(tokens)}
-        tok = _bpe(vocab, metadata["tokenizer.ggml.merges"], str(get("tokenizer.ggml.pre", "gpt2")))
         specials = [tokens[i] for i, t in enumerate(types) if t == _CONTROL]
-        users = [tokens[i] for i, t in enumerate(types) if t == _USER_DEFINED]
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in users])
+        if kind == "llama":
+            tok = _sentencepiece(metadata, path)
+        else:
+            tok = _bpe(vocab, metadata["tokenizer.ggml.merges"], str(get("tokenizer.ggml.pre", "gpt2")))
+            users = [tokens[i] for i, t in enumerate(types) if t == _USER_DEFINED]
+            tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+            tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in users])
         eos = get("tokenizer.ggml.eos_token_id")
         if eos is None:
             raise TokenizerError(f"{path}: GGUF metadata has no tokenizer.ggml.eos_token_id")
@@ -115,7 +171,7 @@ class ChatTokenizer:
         stops.update(
             int(get(k)) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if get(k) is not None
         )
-        stops.update(vocab[t] for t in ("<|endoftext|>", "<|im_end|>", "<|eot_id|>") if t in specials)
+        stops.update(vocab[t] for t in _STOP_TEXTS if t in specials)
         bos = get("tokenizer.ggml.bos_token_id")
         return cls(
             tokenizer=tok,
@@ -127,9 +183,12 @@ class ChatTokenizer:
         )
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of a raw prompt; special-token text (``<|im_start|>``) maps to its id."""
+        """Token ids of a raw prompt; special-token text (``<|im_start|>``) maps to its id.
+        With ``add_bos``, BOS is prepended unless the text already starts with it (a chat
+        template that writes ``{{ bos_token }}``, as Gemma's does: transformers'
+        ``apply_chat_template`` does not add a second one either)."""
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        if self.add_bos and self.bos_token_id is not None:
+        if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id, *ids]
         return ids
 
@@ -181,11 +240,16 @@ class ChatTokenizer:
         """Bytes of the longest token in the vocabulary, added tokens included.
 
         Byte-level BPE vocabulary entries spell one character per byte (GPT-2's
-        byte-to-unicode table), so an entry's length is its byte count; added tokens are
-        plain text and are measured in UTF-8.
+        byte-to-unicode table), so an entry's length is its byte count; any other vocabulary
+        (SentencePiece: ``▁`` for a space, ``<0x41>`` for a byte) and added tokens are plain
+        text, measured in UTF-8 (never fewer bytes than the text they decode to).
         """
         added = [t.content for t in self.tokenizer.get_added_tokens_decoder().values()]
-        base = max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=False))
+        vocab = self.tokenizer.get_vocab(with_added_tokens=False)
+        if isinstance(self.tokenizer.decoder, decoders.ByteLevel):
+            base = max(len(t) for t in vocab)
+        else:
+            base = max(len(t.encode()) for t in vocab)
         return max([base, *(len(t.encode()) for t in added)])
 
 

@@ -51,6 +51,10 @@ class ModelSettings(BaseModel):
     max_sequences: int | None = Field(default=None, ge=1)
     warmup_prompt_tokens: int | None = Field(default=None, ge=0)
     warmup_batch: int | None = Field(default=None, ge=1)
+    speculative: Literal["off", "lookup", "draft"] | None = None
+    draft_model: Path | None = None
+    speculative_tokens: int | None = Field(default=None, ge=1, le=16)
+    speculative_max_batch: int | None = Field(default=None, ge=1)
 
     @field_validator("batch_buckets", "prompt_buckets", "capacity_buckets")
     @classmethod
@@ -74,6 +78,10 @@ class ServedModel:
     max_sequences: int | None  # None until start-up derives it from the memory budget
     warmup_prompt_tokens: int | None  # None: every prompt length
     warmup_batch: int | None  # None: max_sequences
+    speculative: Literal["off", "lookup", "draft"] = "off"
+    draft_model: Path | None = None
+    speculative_tokens: int = 4
+    speculative_max_batch: int | None = None  # None: calibrated at warm-up
 
 
 # ModelSettings field -> the top-level Settings field it inherits from.
@@ -89,6 +97,10 @@ _INHERITED = {
     "max_sequences": "max_sequences",
     "warmup_prompt_tokens": "warmup_prompt_tokens",
     "warmup_batch": "warmup_batch",
+    "speculative": "speculative",
+    "draft_model": "draft_model",
+    "speculative_tokens": "speculative_tokens",
+    "speculative_max_batch": "speculative_max_batch",
 }
 
 
@@ -145,6 +157,26 @@ class Settings(BaseSettings):
         ge=1,
         description="warm-up covers up to this many concurrent requests; unset: max_sequences on a GPU, 4 on the CPU",
     )
+    speculative: Literal["off", "lookup", "draft"] = Field(
+        "off",
+        description="speculative decoding: 'lookup' proposes tokens copied from the prompt and output so far "
+        "(n-gram matching, no extra model), 'draft' a smaller model's tokens (draft_model); a verify step checks "
+        "them exactly; 'off': none (docs/SPECULATIVE.md)",
+    )
+    draft_model: Path | None = Field(
+        None,
+        description="with speculative = 'draft': the draft model (GGUF file or model directory) sharing the "
+        "model's tokenizer",
+    )
+    speculative_tokens: int = Field(
+        4, ge=1, le=16, description="tokens proposed per row and step at most (the verify step's width less one)"
+    )
+    speculative_max_batch: int | None = Field(
+        None,
+        ge=1,
+        description="speculate in batch buckets up to this one without measuring; unset: warm-up measures a verify "
+        "step against a plain step per warmed batch bucket and speculates only where it can pay",
+    )
     warmup_rehearsal: bool = Field(
         True,
         description="after compiling, run a few dummy requests through the engine so the eager paths (slot inserts, "
@@ -196,8 +228,9 @@ class Settings(BaseSettings):
     models: list[ModelSettings] = Field(
         [],
         description="several models, each a JSON object ([[models]] tables in TOML): 'name', and any of path, "
-        "compile, dtype, weights, *_buckets, max_sequences, warmup_prompt_tokens, warmup_batch, which default "
-        "to the top-level settings; empty: the one model set by model and model_name",
+        "compile, dtype, weights, *_buckets, max_sequences, warmup_prompt_tokens, warmup_batch, speculative, "
+        "draft_model, speculative_tokens, speculative_max_batch, which default to the top-level settings; "
+        "empty: the one model set by model and model_name",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     distributed: CliImplicitFlag[bool] = Field(
@@ -267,6 +300,16 @@ class Settings(BaseSettings):
                 raise ValueError(f"two models are named '{spec.name}'; names must be unique")
             names.add(spec.name)
             assert spec.prompt_buckets and spec.capacity_buckets  # served_models() resolves every field
+            if spec.speculative == "draft" and spec.draft_model is None:
+                raise ValueError(
+                    f"model '{spec.name}': speculative = 'draft' needs draft_model (the path of a smaller model with "
+                    "the same tokenizer); set draft_model, or speculative = 'lookup' to speculate without one"
+                )
+            if spec.draft_model is not None and spec.speculative != "draft":
+                raise ValueError(
+                    f"model '{spec.name}': draft_model is set but speculative is '{spec.speculative}'; set "
+                    "speculative = 'draft' to use it, or remove draft_model"
+                )
             if spec.prompt_buckets[-1] > spec.capacity_buckets[-1]:
                 raise ValueError(
                     f"model '{spec.name}': the largest prompt bucket ({spec.prompt_buckets[-1]}) exceeds the largest "

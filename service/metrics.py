@@ -7,7 +7,7 @@ Each app builds its own ``CollectorRegistry`` so tests and several apps never co
 from __future__ import annotations
 
 import importlib.metadata
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -21,6 +21,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 COMPILE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+TOKENS_PER_STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,18 @@ class StepStat:
     rows: int
     bucket_rows: int
     seconds: float
+
+
+@dataclass
+class SpecStat:
+    """One verify step of speculative decoding (service/engine/speculative.py): per row that
+    proposed, its proposed and accepted tokens; per live row, the tokens it emitted."""
+
+    model: str
+    method: str  # "lookup" or "draft"
+    proposed: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    tokens_per_row: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -239,6 +252,36 @@ class Metrics:
             namespace=ns,
             registry=reg,
         )
+        self.spec_proposed = Counter(
+            "speculative_proposed_tokens_total",
+            "Tokens proposed to speculative decoding's verify steps",
+            ["model", "method"],
+            namespace=ns,
+            registry=reg,
+        )
+        self.spec_accepted = Counter(
+            "speculative_accepted_tokens_total",
+            "Proposed tokens the target model accepted",
+            ["model", "method"],
+            namespace=ns,
+            registry=reg,
+        )
+        self.spec_acceptance = Histogram(
+            "speculative_acceptance_ratio",
+            "Accepted / proposed tokens of one row in one verify step",
+            ["model", "method"],
+            namespace=ns,
+            registry=reg,
+            buckets=RATIO_BUCKETS,
+        )
+        self.spec_tokens = Histogram(
+            "speculative_tokens_per_step",
+            "Tokens one row emitted in one verify step (1 without an accepted proposal)",
+            ["model", "method"],
+            namespace=ns,
+            registry=reg,
+            buckets=TOKENS_PER_STEP_BUCKETS,
+        )
         self.active_memory = Gauge("mlx_active_memory_bytes", "MLX memory in use", namespace=ns, registry=reg)
         self.active_memory.set_function(mx.get_active_memory)
         self.peak_memory = Gauge("mlx_peak_memory_bytes", "MLX peak memory since start", namespace=ns, registry=reg)
@@ -274,6 +317,24 @@ class Metrics:
             self.timeouts.labels(model, reason)
         for kind in ("host", "wait"):
             self.engine_seconds.labels(model, kind)
+
+    def init_speculative(self, model: str, method: str) -> None:
+        """Create a speculating model's counters and histograms at zero (see :meth:`init_model`:
+        a series born between two scrapes has no rate until its next increase)."""
+        for metric in (self.spec_proposed, self.spec_accepted, self.spec_acceptance, self.spec_tokens):
+            metric.labels(model, method)
+
+    def record_speculation(self, stat: SpecStat) -> None:
+        """Record one verify step's proposals, acceptances and tokens per row."""
+        labels = (stat.model, stat.method)
+        self.spec_proposed.labels(*labels).inc(sum(stat.proposed))
+        self.spec_accepted.labels(*labels).inc(sum(stat.accepted))
+        ratio = self.spec_acceptance.labels(*labels)
+        for proposed, accepted in zip(stat.proposed, stat.accepted, strict=True):
+            ratio.observe(accepted / proposed)
+        tokens = self.spec_tokens.labels(*labels)
+        for n in stat.tokens_per_row:
+            tokens.observe(n)
 
     def record_lookup(self, model: str, phase: str, bucket: str, hit: bool) -> None:
         """Count one compile-cache lookup."""

@@ -38,8 +38,9 @@ def server() -> ServerProcess:
 
 @pytest.fixture(scope="session")
 def eager_server() -> ServerProcess:
-    """The same model with `--compile off` (the eager baseline)."""
-    yield from _serving(["--compile", "off"])
+    """The same model with `--compile off` (the eager baseline; it runs every step eagerly, so
+    it warms nothing up)."""
+    yield from _serving(["--compile", "off", "--warmup-prompt-tokens", "0"])
 
 
 def pytest_collection_modifyitems(items):

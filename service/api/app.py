@@ -21,11 +21,14 @@ from service.api.state import AppState
 from service.config import ServedModel, Settings
 from service.engine.compile_cache import CompileCache
 from service.engine.core import Engine
+from service.engine.draft import DraftProposer
+from service.engine.lookup import PromptLookup
 from service.engine.prefix_cache import PrefixCache
+from service.engine.speculative import Speculator
 from service.engine.warmup import WarmupSpec
 from service.metrics import Metrics
 from service.process.group import RankInfo
-from service.process.startup import buckets_of, load_models, warmup_extent
+from service.process.startup import buckets_of, draft_name, load_models, warmup_extent
 from service.process.watchdog import EngineWatchdog
 
 log = logging.getLogger("stepserve")
@@ -50,7 +53,8 @@ def create_app(
     async def lifespan(app: FastAPI):
         loaded = models or load_models(settings)
         for spec in specs:
-            state.engines[spec.name] = _start_engine(settings, spec, loaded[spec.name], metrics, progress)
+            draft = loaded.get(draft_name(spec.name))
+            state.engines[spec.name] = _start_engine(settings, spec, loaded[spec.name], metrics, progress, draft)
         watchdog.start()
         try:
             yield
@@ -88,8 +92,10 @@ def _start_engine(
     model: LoadedModel,
     metrics: Metrics,
     progress: Callable[[int, str], None] | None,
+    draft: LoadedModel | None = None,
 ) -> Engine:
-    """Build ``model``'s engine and start its thread, which warms up, then serves."""
+    """Build ``model``'s engine (with speculative decoding as ``spec`` says; ``draft``: its
+    draft model) and start its thread, which warms up, then serves."""
     cache = CompileCache(spec.compile, metrics.record_lookup, metrics.record_compile)
     buckets = buckets_of(spec)
     prefix = PrefixCache(settings.prefix_block_tokens, settings.prefix_cache_bytes)
@@ -104,6 +110,12 @@ def _start_engine(
         settings.max_batched_tokens,
         prefix,
     )
+    if spec.speculative != "off":
+        proposer = (
+            PromptLookup() if draft is None else DraftProposer(draft, buckets, cache, engine.scheduler.chunk_tokens)
+        )
+        Speculator(proposer, spec.speculative_tokens, spec.speculative_max_batch).attach(engine.runner)
+        metrics.init_speculative(model.name, proposer.method)
     log.info(
         "model %s: %s, %.0f MB, %s weights, %s compute, compile %s",
         model.name,

@@ -17,9 +17,12 @@ def main(argv: list[str]) -> int:
     * ``steps …``: one prefill and decode step per dtype, weight format and compile mode
       (:mod:`service.bench.steps`);
     * ``profile …``: where a decode step's time goes (:mod:`service.bench.profile`);
+    * ``ab …``: two running servers, the same requests alternating (:mod:`service.bench.ab`);
     * ``pipeline …``: one process against pipeline ranks per decode step (:mod:`service.bench.pipeline`);
     * ``group …``: one ``stepserve serve`` against a ``stepserve launch`` group, through HTTP
       (:mod:`service.bench.group`);
+    * ``moe …``: a random Qwen3-MoE's decode step against mlx-lm's (:mod:`service.bench.moe`);
+    * ``gguf-storage …``: a K-quant GGUF kept dense or re-quantized (:mod:`service.bench.gguf_storage`);
     * ``… --micro …``: plain against compiled, in-process (:mod:`service.bench.micro`);
     * ``… --side-by-side …``: stepserve against its peers (:mod:`service.bench.compare`);
     * ``… --workload long-arrival …``: stalls while a long prompt prefills
@@ -32,6 +35,10 @@ def main(argv: list[str]) -> int:
         from service.bench.steps import main as steps
 
         return steps(argv[1:])
+    if argv[:1] == ["ab"]:
+        from service.bench.ab import main as ab
+
+        return ab(argv[1:])
     if argv[:1] == ["profile"]:
         from service.bench.profile import main as profile
 
@@ -44,6 +51,14 @@ def main(argv: list[str]) -> int:
         from service.bench.group import main as group
 
         return group(argv[1:])
+    if argv[:1] == ["gguf-storage"]:
+        from service.bench.gguf_storage import main as gguf_storage
+
+        return gguf_storage(argv[1:])
+    if argv[:1] == ["moe"]:
+        from service.bench.moe import main as moe
+
+        return moe(argv[1:])
     if "--micro" in argv:
         from service.bench.micro import main as micro
 

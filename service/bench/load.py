@@ -8,6 +8,11 @@ after another. Workloads (``--workload``):
 * ``chat-shared-prefix``: ``POST /v1/chat/completions``, every request with the same long
   system prompt (about ``--system-tokens`` tokens, generated here) and its own short user
   turn, none repeated within a run;
+* ``copy``: ``POST /v1/chat/completions``, copy-heavy tasks where the answer quotes the prompt
+  (speculative decoding's prompt lookup pays here): edit a given passage (one word replaced
+  throughout, the rest unchanged) or repeat a given text word for word, the passages
+  (about ``--system-tokens`` tokens) generated here, a different one per request;
+* ``chat``: ``POST /v1/chat/completions``, open-ended questions (nothing to copy);
 * ``long-arrival`` and ``first-burst`` are forms of their own (``--workload NAME --help``).
 
 Reported per level: aggregate tokens/s (all completion tokens over the level's wall time),
@@ -48,7 +53,7 @@ from service.bench.common import (
     stream_request,
 )
 
-LOAD_WORKLOADS = ("essays", "chat-shared-prefix")
+LOAD_WORKLOADS = ("essays", "chat-shared-prefix", "copy", "chat")
 WORKLOADS = (*LOAD_WORKLOADS, "long-arrival", "first-burst")
 PROMPTS = essay_prompts()
 
@@ -71,6 +76,29 @@ def system_prompt(tokens: int) -> str:
         parts.append(f"When you speak of the {a}, mention the {b} and the {c}; keep the answer short, kind and exact.")
         i += 1
     return " ".join(parts)
+
+
+def passage(index: int, tokens: int) -> str:
+    """A plain-English passage of about ``tokens`` tokens (:func:`estimate_tokens`), sentences
+    built from :data:`WORDS` and :data:`ESSAY_TOPICS`; a different one for each ``index``."""
+    parts: list[str] = []
+    i = index * 7
+    while estimate_tokens(" ".join(parts)) < tokens:
+        a, b, c = WORDS[i % len(WORDS)], WORDS[(i * 3 + 1) % len(WORDS)], WORDS[(i * 5 + 2) % len(WORDS)]
+        topic = ESSAY_TOPICS[(i + index) % len(ESSAY_TOPICS)]
+        parts.append(f"By the {a} near the {b}, a keeper of the {c} wrote a long letter about {topic}.")
+        i += 1
+    return " ".join(parts)
+
+
+def copy_task(index: int, tokens: int) -> str:
+    """The user turn of copy-heavy request ``index``: even ones edit a passage (one word replaced
+    throughout), odd ones repeat it word for word."""
+    text = passage(index, tokens)
+    if index % 2:
+        return f"Repeat the following text exactly, word for word, and nothing else:\n\n{text}"
+    old = WORDS[index % len(WORDS)]
+    return f"Rewrite the following text with every '{old}' replaced by 'tower', changing nothing else:\n\n{text}"
 
 
 MASKS, MASK_SECONDS = "stepserve_grammar_masks_total", "stepserve_grammar_mask_seconds_total"
@@ -109,6 +137,12 @@ class Workload:
         """Path and JSON body of one request: for essays, prompt ``slot`` of the set (cycling);
         for chat, the next user turn of this run (``slot`` is not used)."""
         stream = {"max_tokens": self.max_tokens, "temperature": 0, "stream": True}
+        if self.name in ("copy", "chat"):
+            turn = next(self._turns)
+            topic = ESSAY_TOPICS[turn % len(ESSAY_TOPICS)]
+            user = copy_task(turn, self.system_tokens) if self.name == "copy" else f"Tell me about {topic}."
+            body = {"model": self.model, "messages": [{"role": "user", "content": user}], **stream}
+            return "/v1/chat/completions", body | {"stream_options": {"include_usage": True}}
         if self.name == "chat-shared-prefix":
             turn = next(self._turns)
             user = f"Visitor {turn} asks: what do you know about {ESSAY_TOPICS[turn % len(ESSAY_TOPICS)]}?"
@@ -125,7 +159,10 @@ class Workload:
 
     def describe(self) -> dict:
         """The workload's settings for the JSON result."""
-        info = {"workload": self.name, "api": "openai" if self.system else self.api, "max_tokens": self.max_tokens}
+        openai = self.system or self.name in ("copy", "chat")
+        info = {"workload": self.name, "api": "openai" if openai else self.api, "max_tokens": self.max_tokens}
+        if self.name == "copy":
+            info["passage_tokens_estimate"] = estimate_tokens(passage(0, self.system_tokens))
         if self.constrained:
             info["constrained_streams"] = self.constrained
         if self.system:
@@ -283,7 +320,8 @@ def add_workload_flags(parser: argparse.ArgumentParser, choices: tuple[str, ...]
         "--system-tokens",
         type=int,
         default=400,
-        help="chat-shared-prefix: the shared system prompt's size in tokens, about (CPU ~400, GPU ~1500)",
+        help="chat-shared-prefix: the shared system prompt's size in tokens, about (CPU ~400, GPU ~1500); "
+        "copy: each passage's",
     )
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request at most")
 

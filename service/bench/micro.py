@@ -76,7 +76,7 @@ def decode_steps(capacities: list[int], batch: int, repeats: int) -> list[dict]:
                 model.params,
                 mx.zeros((batch,), mx.int32),
                 mx.full((batch,), capacity // 2, mx.int32),
-                runner.new_kv(batch, capacity),
+                runner.new_kv(batch, capacity, ring=True),
             )
             times[policy] = median_ms(step, args, repeats)
         rows.append(

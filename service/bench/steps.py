@@ -34,7 +34,7 @@ def measure(
     runner = ModelRunner(model, buckets, quiet_compile_cache(compiled))
     decode = runner.step_fn("decode", batch, capacity)
     tokens, positions = mx.zeros((batch,), mx.int32), mx.full((batch,), capacity // 2, mx.int32)
-    decode_args = (model.params, tokens, positions, runner.new_kv(batch, capacity))
+    decode_args = (model.params, tokens, positions, runner.new_kv(batch, capacity, ring=True))
     decode_s = warm_median_seconds(decode, decode_args, repeats)
     prefill_s = None
     if prompt:

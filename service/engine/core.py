@@ -16,7 +16,7 @@ from functools import cached_property
 
 from models.loader import LoadedModel
 from models.tokenizer import ChatTokenizer
-from service.engine import warmup
+from service.engine import spec_warmup, warmup
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
 from service.engine.grammar import TokenGrammar
@@ -144,7 +144,11 @@ class Engine:
     def compile_choices(self) -> dict[str, str]:
         """``{"decode b1x256": "compiled" | "eager", ...}`` for every step function built so far."""
         choices = self.runner.compiled.choices().items()
-        return {f"{k.phase} {k.bucket}": "compiled" if c else "eager" for k, c in choices}
+        own = self.model.name  # a draft model's steps are named with its model
+        return {
+            f"{'' if k.model == own else k.model + ' '}{k.phase} {k.bucket}": "compiled" if c else "eager"
+            for k, c in choices
+        }
 
     @cached_property
     def grammars(self) -> TokenGrammar:
@@ -237,12 +241,16 @@ class Engine:
         if self.ready.is_set():  # the warm-up rehearsal's steps are not served traffic
             for stat in out.steps:
                 self.metrics.record_step(stat)
+            for spec in out.spec:
+                self.metrics.record_speculation(spec)
             self._record_moves(out.moves)
         for seq, message in out.failed:
             log.error("request %s failed: %s", seq.request_id, message)
             self._finish(seq, FinishReason.ERROR, message)
         stop_ids = self.model.tokenizer.stop_token_ids
         for seq, token in out.tokens:
+            if seq.finish_reason is not None:  # a verify step's tokens after the one it stopped at
+                continue
             seq.append(token, stop_ids, self.capacity_limit)
             if seq.finish_reason is not None:
                 self._finish(seq)
@@ -286,6 +294,8 @@ class Engine:
         start = time.perf_counter()
         steps = warmup.plan(self.buckets, spec)
         warmup.run(self.runner, steps, progress)
+        if self.runner.speculator is not None:  # its verify (and draft) steps, and its calibration
+            spec_warmup.warm(self.runner, self.runner.speculator, steps, progress)
         if spec.rehearse and steps:
             self.rehearsed = warmup.rehearse(self, spec)
         if isinstance(self.model.tokenizer, ChatTokenizer):  # (tests' toy tokenizers have none)

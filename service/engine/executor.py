@@ -26,8 +26,9 @@ from functools import partial
 
 import mlx.core as mx
 
-from models import llama, pipeline, sampling
-from models.kv_cache import KVCache
+from models import pipeline, sampling
+from models.architectures import architecture
+from models.kv_cache import KVCache, Windows
 from models.loader import LoadedModel
 from service.engine import warmup
 from service.engine.compile_cache import CompileCache, StepKey, StepSpec
@@ -50,7 +51,10 @@ class Executor:
         a = model.args
         self._dtype_name = str(model.dtype).rsplit(".", 1)[-1]
         if model.stage is None:
-            steps = {"prefill": llama.prefill, "chunk": llama.prefill_chunk, "decode": llama.decode}
+            arch = architecture(a.model_type)
+            steps = {"prefill": arch.prefill, "chunk": arch.prefill_chunk, "decode": arch.decode}
+            if hasattr(arch, "verify"):
+                steps["verify"] = arch.verify
             bound = {phase: partial(fn, args=a) for phase, fn in steps.items()}
         else:
             steps = {"prefill": pipeline.prefill, "chunk": pipeline.prefill_chunk, "decode": pipeline.decode}
@@ -62,6 +66,10 @@ class Executor:
             "process": StepSpec(sampling.process),
             "logprobs": StepSpec(sampling.logprobs),
         }
+        windows = a.windows
+        if windows is not None and model.stage is not None:
+            windows = windows[model.stage.start : model.stage.stop]
+        self.windows: Windows | None = windows if windows and any(w is not None for w in windows) else None
         self.vocab = a.vocab_size
         self.wait_seconds = 0.0  # seconds spent waiting for the device's results (monotonic)
 
@@ -74,19 +82,32 @@ class Executor:
         key = StepKey(self.model.name, phase, batch, size, self._dtype_name, capacity)
         return self.compiled.get(key, self._specs[phase])
 
-    def new_kv(self, batch: int, capacity: int) -> KVCache:
+    def register(self, phase: str, spec: StepSpec) -> None:
+        """Add a step function (``phase``) that :meth:`step_fn` compiles per bucket (this
+        process only: a speculative verify step or a draft model's steps)."""
+        self._specs[phase] = spec
+
+    def new_kv(self, batch: int, capacity: int, ring: bool = False) -> KVCache:
         """A zeroed KV cache [batch, Hkv, capacity, D] per layer of this process, in the compute
-        dtype, on this process only (for dummy inputs; :meth:`alloc` is the operation)."""
+        dtype, on this process only (for dummy inputs; :meth:`alloc` is the operation). With
+        ``ring`` (a decode cache) a sliding-window layer holds min(window, capacity) positions."""
         a = self.model.args
         return KVCache.allocate(
-            self.model.layers, batch, a.num_key_value_heads, capacity, a.dim_per_head, self.model.dtype
+            self.model.layers,
+            batch,
+            a.num_key_value_heads,
+            capacity,
+            a.dim_per_head,
+            self.model.dtype,
+            self.windows if ring else None,
         )
 
     # -- operations --------------------------------------------------------------------------
 
-    def alloc(self, batch: int, capacity: int) -> KVCache:
-        """A zeroed KV cache [batch, Hkv, capacity, D] per layer (a decode or staging cache)."""
-        return self.new_kv(batch, capacity)
+    def alloc(self, batch: int, capacity: int, ring: bool = False) -> KVCache:
+        """A zeroed KV cache [batch, Hkv, capacity, D] per layer: a decode cache (``ring``:
+        sliding-window layers as rings) or a linear staging cache."""
+        return self.new_kv(batch, capacity, ring)
 
     def prefill(self, tokens: list[list[int]], lengths: list[int]) -> tuple[mx.array, KVCache]:
         """Prefill B prompts right-padded to T tokens (``tokens``: B lists of T ids; ``lengths``:
@@ -112,8 +133,9 @@ class Executor:
         return fn(self.model.params, tokens, mx.array(positions, mx.int32), kv)
 
     def resize(self, kv: KVCache, capacity: int) -> KVCache:
-        """``kv`` at another capacity (one copy; see :meth:`models.kv_cache.KVCache.resized`)."""
-        return kv.resized(capacity)
+        """The decode cache ``kv`` at another capacity (one copy; its rings stay rings: see
+        :meth:`models.kv_cache.KVCache.resized`)."""
+        return kv.resized(capacity, self.windows)
 
     def reorder(self, kv: KVCache, rows: list[int]) -> KVCache:
         """A cache whose row i is row ``rows[i]`` of ``kv`` (live rows moved to the front)."""
@@ -127,16 +149,12 @@ class Executor:
         pad = [(0, batch - kv.batch), (0, 0), (0, 0), (0, 0)]
         return KVCache([mx.pad(k, pad) for k in kv.keys], [mx.pad(v, pad) for v in kv.values])
 
-    def insert_rows(self, kv: KVCache, source: KVCache, slots: list[int], rows: list[int]) -> None:
-        """Copy rows ``rows`` of ``source`` [B', Hkv, C', D] into rows ``slots`` of ``kv``, in
-        place: one indexed copy per layer and keys/values for the whole group (on a GPU each
-        copy is a kernel launch). Only the first ``min(C', C)`` positions are copied: a slot's
-        positions past its sequence hold garbage that attention masks away."""
-        n = min(source.capacity, kv.capacity)
-        dst, src = _index(slots), _index(rows)
-        for layer in range(len(kv.keys)):
-            kv.keys[layer][dst, :, :n] = source.keys[layer][src, :, :n]
-            kv.values[layer][dst, :, :n] = source.values[layer][src, :, :n]
+    def insert_rows(self, kv: KVCache, source: KVCache, slots: list[int], rows: list[int], lengths: list[int]) -> None:
+        """Copy rows ``rows`` of a linear (prefill or staging) cache ``source`` [B', Hkv, C',
+        D], row i holding positions 0..lengths[i]-1, into rows ``slots`` of the decode cache
+        ``kv``, in place (:meth:`models.kv_cache.KVCache.insert_rows`: one indexed copy per layer
+        for the rows that fit linearly; a wrapped ring gets each row's latest positions)."""
+        kv.insert_rows(slots, source, rows, lengths)
 
     def save_blocks(self, kv: KVCache, row: int, starts: list[int], block_tokens: int) -> list[mx.array]:
         """The prefix cache's new blocks: for each start s, positions [s, s + block_tokens) of
@@ -195,10 +213,3 @@ class Executor:
         """Called with what an engine step raised before its requests are failed: in one process
         the engine goes on; a pipeline group's rank 0 raises ``GroupLost`` instead, since its
         ranks may no longer be in step (and a collective after a failed one would hang)."""
-
-
-def _index(rows: list[int]) -> slice | mx.array:
-    """Rows as an index: a slice when they are consecutive (a plain copy), else an int32 array."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return slice(rows[0], rows[0] + len(rows))
-    return mx.array(rows, mx.int32)

@@ -207,9 +207,9 @@ class GroupLeader(Executor):
     # -- operations: broadcast, then run here ----------------------------------------------
 
     @_guarded
-    def alloc(self, batch: int, capacity: int) -> KVCache:
-        self._send(Op.ALLOC, [self._new_handle(), batch, capacity])
-        return self._bind(super().alloc(batch, capacity))
+    def alloc(self, batch: int, capacity: int, ring: bool = False) -> KVCache:
+        self._send(Op.ALLOC, [self._new_handle(), batch, capacity, int(ring)])
+        return self._bind(super().alloc(batch, capacity, ring))
 
     @_guarded
     def prefill(self, tokens: list[list[int]], lengths: list[int]) -> tuple[mx.array, KVCache]:
@@ -250,9 +250,9 @@ class GroupLeader(Executor):
         return self._rebind(kv, super().resize_batch(kv, batch))
 
     @_guarded
-    def insert_rows(self, kv: KVCache, source: KVCache, slots: list[int], rows: list[int]) -> None:
-        self._send(Op.INSERT, [self._handle(kv), self._handle(source), *slots, *rows])
-        super().insert_rows(kv, source, slots, rows)
+    def insert_rows(self, kv: KVCache, source: KVCache, slots: list[int], rows: list[int], lengths: list[int]) -> None:
+        self._send(Op.INSERT, [self._handle(kv), self._handle(source), *slots, *rows, *lengths])
+        super().insert_rows(kv, source, slots, rows, lengths)
 
     @_guarded
     def save_blocks(self, kv: KVCache, row: int, starts: list[int], block_tokens: int) -> list[mx.array]:
@@ -374,7 +374,7 @@ class Follower:
         self.store[handle] = obj
 
     def _alloc(self, ints: list[int], _: mx.array) -> None:
-        self._put(ints[0], self.executor.alloc(ints[1], ints[2]))
+        self._put(ints[0], self.executor.alloc(ints[1], ints[2], bool(ints[3])))
 
     def _prefill(self, ints: list[int], data: mx.array) -> None:
         handle, B, T = ints
@@ -398,8 +398,8 @@ class Follower:
 
     def _insert(self, ints: list[int], _: mx.array) -> None:
         dst, src, *rest = ints
-        n = len(rest) // 2
-        self.executor.insert_rows(self._kv(dst), self._kv(src), rest[:n], rest[n:])
+        n = len(rest) // 3
+        self.executor.insert_rows(self._kv(dst), self._kv(src), rest[:n], rest[n : 2 * n], rest[2 * n :])
 
     def _save_blocks(self, ints: list[int], _: mx.array) -> None:
         src, row, block_tokens, first, *starts = ints

@@ -11,20 +11,24 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from models.kv_cache import KVCache
 from models.loader import LoadedModel
 from service.engine.buckets import BucketTable
-from service.engine.compile_cache import CompileCache
+from service.engine.compile_cache import CompileCache, StepSpec
 from service.engine.executor import Executor
 from service.engine.group import executor_for
 from service.engine.prefill import Prefiller
 from service.engine.prefix_cache import PrefixCache
 from service.engine.processors import ProcessorInputs
 from service.engine.sequence import Sequence, TokenLogprob
-from service.metrics import StepStat
+from service.metrics import SpecStat, StepStat
+
+if TYPE_CHECKING:
+    from service.engine.speculative import Speculator
 
 log = logging.getLogger("stepserve.engine")
 
@@ -48,6 +52,7 @@ class RunnerOutput:
     moves: list[str] = field(default_factory=list)
     masks: int = 0  # grammar masks computed (rows x steps)
     mask_seconds: float = 0.0  # host seconds spent computing them
+    spec: list[SpecStat] = field(default_factory=list)  # one per verify step (service.engine.speculative)
 
 
 @dataclass
@@ -101,6 +106,7 @@ class ModelRunner:
         self.prefix = prefix if prefix is not None else PrefixCache(block_tokens=buckets.prompt[0], budget_bytes=0)
         self.prefix.ops = self.executor  # a group's ranks each keep their own layers' blocks
         self.prefiller = Prefiller(self, chunk_tokens, self.prefix, max(prefill_tokens, chunk_tokens))
+        self.speculator: Speculator | None = None  # speculative decoding, when configured (it sets this)
 
     # -- executing the scheduler's plan --------------------------------------------------
 
@@ -155,6 +161,8 @@ class ModelRunner:
         token is dropped when read back. Requests that reach ``max_tokens`` or the capacity
         limit are known in advance and not queued again.
         """
+        if self.speculator is not None and (spec := self.speculator.decode(self)) is not None:
+            return spec  # a verify step, read back (docs: service/engine/speculative.py)
         out = RunnerOutput()
         previous = self._inflight
         early = None
@@ -168,6 +176,32 @@ class ModelRunner:
         if previous is not None:
             self._read_back(previous, out)
         return out
+
+    @property
+    def in_flight(self) -> bool:
+        """A pipelined decode step is queued and not read back yet."""
+        return self._inflight is not None
+
+    def drain(self) -> RunnerOutput:
+        """Read back the decode step in flight without queueing another (a speculative step
+        needs every token on the host first)."""
+        out, previous, self._inflight = RunnerOutput(), self._inflight, None
+        if previous is not None:
+            self._read_back(previous, out)
+        return out
+
+    def fit_slots(self, live: list[Sequence], extra: int = 0) -> list[str]:
+        """Re-bucket the decode cache for ``live`` with room for ``extra`` more positions per
+        row (:meth:`fit`) and rebuild the slot table. Returns the bucket moves made."""
+        return self._fit(live, extra=extra)
+
+    def key_of(self, seq: Sequence | None) -> mx.array | None:
+        """A seeded request's current PRNG key (uint32 [2]); None for unseeded rows and empty slots."""
+        return self._keys.get(seq.request_id) if seq is not None else None
+
+    def register(self, phase: str, spec: StepSpec) -> None:
+        """Add a step function (``phase``) that :meth:`step_fn` compiles per bucket (:meth:`Executor.register`)."""
+        self.executor.register(phase, spec)
 
     def release(self, seq: Sequence) -> None:
         """Free a finished request's slot and PRNG key (thread-safe enough for the watchdog:
@@ -196,7 +230,8 @@ class ModelRunner:
             self.slots = []
             self.reset()
             return None
-        out.moves += self._fit(live)
+        # With speculation on, plain steps keep a verify step's room too: no capacity move back and forth.
+        out.moves += self._fit(live, extra=self.speculator.tokens if self.speculator is not None else 0)
         rows = list(self.slots)  # a snapshot: slots change before this step is read back
         logits = self.decode(rows, _input_tokens(rows, prev, pending))
         if before_select is not None:
@@ -267,9 +302,9 @@ class ModelRunner:
             if seq is not None and seq.finish_reason is None:  # else: it ended after this step was queued
                 out.tokens.append((seq, token))
 
-    def _fit(self, live: list[Sequence], joining: list[Sequence] | None = None) -> list[str]:
+    def _fit(self, live: list[Sequence], joining: list[Sequence] | None = None, extra: int = 0) -> list[str]:
         """Re-bucket the decode cache and rebuild the slot table from each row's slot."""
-        moves = self.fit(live, joining or [])
+        moves = self.fit(live, joining or [], extra)
         self.slots = [None] * self._cache().batch
         for seq in live:
             self.slots[seq.slot] = seq
@@ -292,10 +327,10 @@ class ModelRunner:
         miss (:meth:`Executor.step_fn`: on this process only)."""
         return self.executor.step_fn(phase, batch, size, capacity)
 
-    def new_kv(self, batch: int, capacity: int) -> KVCache:
+    def new_kv(self, batch: int, capacity: int, ring: bool = False) -> KVCache:
         """A zeroed KV cache [batch, Hkv, capacity, D] per layer in the compute dtype, on this
-        process only (:meth:`Executor.new_kv`)."""
-        return self.executor.new_kv(batch, capacity)
+        process only; ``ring``: sliding-window layers as rings (:meth:`Executor.new_kv`)."""
+        return self.executor.new_kv(batch, capacity, ring)
 
     # -- sampling ------------------------------------------------------------------------
 
@@ -357,19 +392,20 @@ class ModelRunner:
 
     # -- the decode batch ----------------------------------------------------------------
 
-    def fit(self, live: Iterable[Sequence], joining: Iterable[Sequence] = ()) -> list[str]:
+    def fit(self, live: Iterable[Sequence], joining: Iterable[Sequence] = (), extra: int = 0) -> list[str]:
         """Re-bucket the decode cache for the ``live`` sequences plus ``joining`` arrivals.
 
         Moves live rows into slots 0..n-1 when the batch bucket shrinks and resizes the
         capacity to the smallest bucket holding every row's next position (arrivals
-        included). Each change is one copy of the cache. Returns the moves made: "batch"
-        and/or "capacity".
+        included) and ``extra`` positions after it (a verify step's proposals). Each change is
+        one copy of the cache. Returns the moves made: "batch" and/or "capacity".
         """
         live, joining = sorted(live, key=lambda s: s.slot), list(joining)
         B = self.buckets.batch_for(max(len(live) + len(joining), 1))
-        C = self.buckets.capacity_for(max((s.position + 1 for s in live + joining), default=1))
+        need = max((s.position + 1 for s in live + joining), default=1)
+        C = self.buckets.capacity_for(min(need + extra, max(need, self.buckets.capacity[-1])))  # extra: if it fits
         if self.kv is None:
-            self.kv = self.executor.alloc(B, C)
+            self.kv = self.executor.alloc(B, C, ring=True)
             return []
         kv, moves, before = self.kv, [], self.kv.batch
         if B < kv.batch or any(s.slot >= B for s in live):
@@ -402,7 +438,7 @@ class ModelRunner:
         for seq in seqs:
             if seq.position >= kv.capacity:
                 raise ValueError(f"sequence at position {seq.position} does not fit capacity {kv.capacity}")
-        self.executor.insert_rows(kv, prompt_kv, slots, rows)
+        self.executor.insert_rows(kv, prompt_kv, slots, rows, [seq.position for seq in seqs])
         for seq, slot in zip(seqs, slots, strict=True):
             seq.slot = slot
 

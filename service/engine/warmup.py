@@ -100,7 +100,8 @@ def dummy_inputs(executor: Executor, phase: str, batch: int, size: int, capacity
     if phase == "prefill":
         return params, mx.zeros((batch, size), mx.int32), mx.ones((batch,), mx.int32), executor.new_kv(batch, size)
     if phase == "decode":
-        return params, mx.zeros((batch,), mx.int32), mx.zeros((batch,), mx.int32), executor.new_kv(batch, size)
+        zeros = mx.zeros((batch,), mx.int32)
+        return params, zeros, zeros, executor.new_kv(batch, size, ring=True)
     if phase == "greedy":
         return (mx.zeros((1, vocab), mx.float32),)
     ones, logits = mx.ones((batch,), mx.float32), mx.zeros((batch, vocab), mx.float32)
@@ -172,6 +173,15 @@ def rehearse(engine: Engine, spec: WarmupSpec) -> list[str]:
             request(near_edge, 4, 200)
         ],
     }
+    if runner.speculator is not None:  # verify steps (forced on: what they build is built whatever warm-up measured)
+        words = [1 + (500 + 11 * i) % (vocab - 1) for i in range(4)]
+        copy = max(8, min(short_top, 24))
+        scenarios["speculative decoding: repetitive prompts, greedy and seeded (verify steps)"] = [
+            request(1, 6, 0, temperature=0.6 * i, seed=i or None) for i in range(min(rows, 2))
+        ]
+        for seq in scenarios["speculative decoding: repetitive prompts, greedy and seeded (verify steps)"]:
+            seq.prompt_ids = (words * copy)[:copy]
+        runner.speculator.forced = True
     done = []
     for name, seqs in scenarios.items():
         for seq in seqs:
@@ -184,4 +194,6 @@ def rehearse(engine: Engine, spec: WarmupSpec) -> list[str]:
         log.info("warm-up rehearsal: %s", name)
     runner.prefix.evict(runner.prefix.nbytes)
     runner.prefix.take_stat(engine.model.name)
+    if runner.speculator is not None:
+        runner.speculator.forced = False
     return done

@@ -111,6 +111,7 @@ def start_group(settings: Settings, group: mx.distributed.Group) -> GroupStart:
     layout, error = None, None
     try:
         layout = model_layout(path, dtype, weights)
+        error = unsupported(layout.args.model_type, spec.speculative)
     except Exception as exc:  # reported by every rank below
         error = str(exc)
     reports = _exchange(group, [budget // KIB], error, settings, "the model's layout")
@@ -141,6 +142,27 @@ def start_group(settings: Settings, group: mx.distributed.Group) -> GroupStart:
         )
     final = settings.model_copy(update={"max_sequences": least})
     return GroupStart(group, final, cast(LoadedModel, model), ranks)
+
+
+#: The model types whose layers :mod:`models.pipeline` runs as stages (the Llama decoder).
+PIPELINE_TYPES = ("llama", "mistral", "smollm", "qwen2", "qwen3")
+
+
+def unsupported(model_type: str | None, speculative: str) -> str | None:
+    """Why a group cannot serve this model with these settings, or None: only the Llama
+    decoder's types are split into stages (Gemma 3's sliding-window rings and Qwen3-MoE's
+    experts are not), and speculative decoding's verify step runs in one process only."""
+    if model_type not in PIPELINE_TYPES:
+        return (
+            f"--distributed: model_type '{model_type}' cannot be split into pipeline stages "
+            f"(supported: {', '.join(PIPELINE_TYPES)}); serve it in one process"
+        )
+    if speculative != "off":
+        return (
+            f"--distributed: speculative = '{speculative}' is not supported in a pipeline group; "
+            "set speculative = 'off'"
+        )
+    return None
 
 
 def split(layout: ModelLayout, settings: Settings, budgets: list[int], size: int, dtype_size: int) -> list[Stage]:

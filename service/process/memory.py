@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from models.kv_cache import layer_sizes
 from models.loader import LoadedModel
 from service.engine.buckets import BucketTable
 from service.engine.core import Engine
@@ -72,10 +73,26 @@ class MemoryAdmissionError(RuntimeError):
 
 
 def kv_bytes_per_position(model: LoadedModel) -> int:
-    """Bytes one row's KV cache takes per position in this process: keys and values of every
-    layer it holds (all, or a pipeline stage's), 2 x layers x Hkv x D x the compute dtype's size."""
+    """Bytes one row of a linear (prefill or staging) KV cache takes per position in this
+    process: keys and values of every layer it holds (all, or a pipeline stage's),
+    2 x layers x Hkv x D x the compute dtype's size."""
+    return _row_bytes(model, 1, ring=False)
+
+
+def decode_row_bytes(model: LoadedModel, capacity: int) -> int:
+    """Bytes one row of the decode KV cache takes at ``capacity`` positions in this process:
+    each held full layer's keys and values at ``capacity``, a sliding-window layer's at
+    min(window, ``capacity``) (its ring, as :meth:`models.llama.ModelArgs.kv_bytes`)."""
+    return _row_bytes(model, capacity, ring=True)
+
+
+def _row_bytes(model: LoadedModel, capacity: int, ring: bool) -> int:
+    """One row's KV bytes at ``capacity`` over the layers this process holds."""
     a = model.args
-    return 2 * model.layers * a.num_key_value_heads * a.dim_per_head * model.dtype.size
+    sizes = layer_sizes(a.num_hidden_layers, capacity, a.windows if ring else None)
+    if model.stage is not None:
+        sizes = sizes[model.stage.start : model.stage.stop]
+    return 2 * sum(sizes) * a.num_key_value_heads * a.dim_per_head * model.dtype.size
 
 
 def prefill_bytes(
@@ -107,8 +124,8 @@ def worst_case(
 ) -> MemoryEstimate:
     """The most ``model`` can hold: ``max_running`` rows at the largest capacity bucket, the
     largest prefill step (:func:`prefill_bytes`) and the prefix cache's whole budget."""
-    per_position, C = kv_bytes_per_position(model), buckets.capacity[-1]
-    decode = buckets.batch_for(max_running) * C * per_position
+    C = buckets.capacity[-1]
+    decode = buckets.batch_for(max_running) * decode_row_bytes(model, C)
     prefill = prefill_bytes(model, buckets, max_running, C, chunk_tokens, max_batched_tokens)
     return MemoryEstimate(model.name, model.nbytes, decode, prefill, prefix_cache_bytes)
 
@@ -123,7 +140,7 @@ def load_bytes(engine: Engine, rows: list[tuple[int, int]]) -> int:
     buckets, sched = engine.buckets, engine.scheduler
     running = min(len(rows), sched.max_running)
     capacity = buckets.capacity_for(min(max(p + m for p, m in rows), buckets.capacity[-1]))
-    decode = buckets.batch_for(running) * capacity * kv_bytes_per_position(engine.model)
+    decode = buckets.batch_for(running) * decode_row_bytes(engine.model, capacity)
     longest = max(p for p, _ in rows)
     prefill = prefill_bytes(engine.model, buckets, running, longest, sched.chunk_tokens, sched.max_batched_tokens)
     return engine.model.nbytes + 2 * decode + prefill

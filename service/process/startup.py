@@ -9,7 +9,7 @@ from typing import Literal
 import mlx.core as mx
 
 from models.blas import OPENBLAS_FIX, cpu_blas
-from models.gguf import default_model_path
+from models.gguf import ModelLoadError, default_model_path
 from models.loader import LoadedModel, WeightsMode, device_name, load_model
 from service.config import ServedModel, Settings
 from service.engine.buckets import BucketTable
@@ -43,18 +43,39 @@ def weights_mode(setting: Literal["auto", "quantized", "dequantized"]) -> Weight
 
 
 def load_models(settings: Settings) -> dict[str, LoadedModel]:
-    """Load every configured model (the default GGUF where no path is set), in order.
+    """Load every configured model (the default GGUF where no path is set), in order, and the
+    draft model of each that speculates with one, as ``"NAME/draft"`` (:func:`draft_name`).
 
     Raises:
-        ModelLoadError: a file is missing, unreadable or unsupported (the message names it).
+        ModelLoadError: a file is missing, unreadable or unsupported (the message names it),
+            a draft's vocabulary differs from its model's, or a model with sliding-window layers
+            is set to speculate.
     """
     log_cpu_blas()
-    return {
-        spec.name: load_model(
-            spec.path or default_model_path(), spec.name, compute_dtype(spec.dtype), weights_mode(spec.weights)
-        )
-        for spec in settings.served_models()
-    }
+    models = {}
+    for spec in settings.served_models():
+        dtype, weights = compute_dtype(spec.dtype), weights_mode(spec.weights)
+        models[spec.name] = load_model(spec.path or default_model_path(), spec.name, dtype, weights)
+        if spec.speculative != "off" and models[spec.name].args.windows is not None:
+            raise ModelLoadError(
+                f"model '{spec.name}': speculative = '{spec.speculative}' is not implemented for models with "
+                f"sliding-window layers (their decode cache is a ring a verify step cannot write); set "
+                f"speculative = 'off' for it"
+            )
+        if spec.speculative == "draft" and spec.draft_model is not None:
+            draft = load_model(spec.draft_model, draft_name(spec.name), dtype, weights)
+            if draft.args.vocab_size != models[spec.name].args.vocab_size:
+                raise ModelLoadError(
+                    f"draft_model {spec.draft_model}: a vocabulary of {draft.args.vocab_size} tokens, but model "
+                    f"'{spec.name}' has {models[spec.name].args.vocab_size}; a draft must share its model's tokenizer"
+                )
+            models[draft.name] = draft
+    return models
+
+
+def draft_name(model: str) -> str:
+    """The name a model's draft model is loaded (and its compiled steps labelled) under."""
+    return f"{model}/draft"
 
 
 def buckets_of(spec: ServedModel) -> BucketTable:
@@ -63,8 +84,8 @@ def buckets_of(spec: ServedModel) -> BucketTable:
 
 
 def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> Settings:
-    """Check every model's worst case (:func:`service.process.memory.worst_case`) against the
-    budget and resolve ``max_sequences`` where it is unset.
+    """Check every model's worst case (:func:`service.process.memory.worst_case`, a draft
+    model's included) against the budget and resolve ``max_sequences`` where it is unset.
 
     The budget is ``memory_budget_bytes``, else ``mlx_memory_limit_bytes``, else MLX's own
     memory limit (``mx.get_memory_limit()``). A model without ``max_sequences`` gets the
@@ -94,10 +115,22 @@ def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> Settings
             )
             for s in specs
         ]
-        total = sum(e.total for e in estimates)
+        drafts = [  # a draft's weights, its cache mirroring the model's, and its catch-up prefill
+            memory.worst_case(
+                models[draft_name(s.name)],
+                buckets_of(s),
+                resolved[s.name],
+                settings.prefill_chunk_tokens,
+                settings.max_batched_tokens,
+            )
+            for s in specs
+            if draft_name(s.name) in models
+        ]
+        everything = estimates + drafts
+        total = sum(e.total for e in everything)
         if total <= limit:
             break
-    lines = "; ".join(e.describe() for e in estimates)
+    lines = "; ".join(e.describe() for e in everything)
     for spec, e in zip(specs, estimates, strict=True):
         how = "set" if spec.max_sequences else f"the most whose worst case fits {name} {limit / 1e9:.2f} GB"
         log.info("model %s: max_sequences %d (%s); worst case %s", spec.name, resolved[spec.name], how, e.describe())

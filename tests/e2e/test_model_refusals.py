@@ -7,20 +7,14 @@ import subprocess
 
 import pytest
 
-from tests.support import STEPSERVE, write_dir
+from tests.support import STEPSERVE, tiny_config, write_dir, write_lm_dir
 
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
+DYNAMIC_ROPE = {"rope_type": "dynamic", "factor": 2.0}  # NTK scaling that depends on the length: not implemented
 
 
 @pytest.mark.parametrize(
     "key,value",
-    [("rope_scaling", LLAMA3_ROPE), ("final_logit_softcapping", 30.0), ("hidden_act", "gelu")],
+    [("rope_scaling", DYNAMIC_ROPE), ("final_logit_softcapping", 30.0), ("hidden_act", "gelu")],
 )
 def test_unimplemented_config_key_fails_start_up_with_exit_2(tmp_path, key, value):
     write_dir(tmp_path / "model", **{key: value})
@@ -32,3 +26,23 @@ def test_unimplemented_config_key_fails_start_up_with_exit_2(tmp_path, key, valu
     )
     assert result.returncode == 2, result.stderr
     assert key in result.stderr and "config.json" in result.stderr and "supported" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "model_type,keys,named",
+    [
+        ("gemma3_text", {"model_type": "gemma2"}, "model_type 'gemma2' is not supported; supported: gemma3_text"),
+        ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention=true is not implemented"),
+        ("qwen3_moe", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling="),
+    ],
+)
+def test_unknown_model_types_and_other_architectures_keys_fail_start_up(tmp_path, model_type, keys, named):
+    write_lm_dir(tmp_path / "model", tiny_config(model_type, **keys), reference=tiny_config(model_type))
+    result = subprocess.run(
+        [STEPSERVE, "serve", "--model", str(tmp_path / "model"), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert named in result.stderr and "config.json" in result.stderr

@@ -132,3 +132,16 @@ def test_a_follower_replays_rank_0_and_frees_what_rank_0_dropped(monkeypatch):
         mine = follower.store[handle]
         mine = mine.keys[0] if isinstance(mine, KVCache) else mine
         assert mx.array_equal(mine, array).item(), handle
+
+
+def test_a_group_refuses_models_and_settings_its_stages_cannot_run():
+    """Gemma 3's sliding-window rings and Qwen3-MoE's experts are not pipeline stages, and a
+    verify step runs in one process only: each is refused at start with the fix named."""
+    from service.process.group import unsupported
+
+    assert unsupported("llama", "off") is None and unsupported("qwen3", "off") is None
+    for model_type in ("gemma3_text", "qwen3_moe"):
+        message = unsupported(model_type, "off")
+        assert message is not None and model_type in message and "one process" in message
+    message = unsupported("llama", "lookup")
+    assert message is not None and "speculative = 'off'" in message

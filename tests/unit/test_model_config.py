@@ -1,6 +1,6 @@
-"""Never a silent wrong model: every config key (or GGUF metadata key) that changes the math
-is either implemented, and then matches mlx-lm on a tiny random model, or refused at load
-with a ModelLoadError naming the file, the key, its value and what is supported."""
+"""Never a silent wrong model: required shape keys, tensors a config promises, GGUF metadata
+keys that change the math, and quantized checkpoints' group sizes (the config.json key
+matrix of every architecture is tests/unit/test_config_keys.py)."""
 
 from __future__ import annotations
 
@@ -50,65 +50,7 @@ def assert_matches_mlx_lm(directory: Path, reference) -> None:
     assert worst < max(ATOL, 1e-4) * 10
 
 
-# -- implemented: loads and computes what mlx-lm computes --------------------------------------------
-
-LLAMA31_ROPE = {
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-    "rope_type": "llama3",
-}
-
-
-@pytest.mark.parametrize(
-    "model_type,model_keys,extra",
-    [
-        # attention_bias/mlp_bias: linear() adds the bias tensors the checkpoint carries.
-        ("llama", {"attention_bias": True, "mlp_bias": True}, {}),
-        ("llama", {}, {"rope_scaling": {"rope_type": "default"}, "hidden_act": "silu", "pretraining_tp": 1}),
-        ("mistral", {}, {"sliding_window": None}),  # Mistral v0.2+
-        # Qwen2.5: a window that is switched off, and one switched on for no layer.
-        ("qwen2", {}, {"use_sliding_window": False, "sliding_window": 4, "max_window_layers": 0}),
-        ("qwen2", {}, {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2}),
-        ("qwen3", {}, {"sliding_window": None, "use_sliding_window": False, "layer_types": ["full_attention"] * 2}),
-        # transformers >= 5 nests rope_theta (and the RoPE type) under rope_parameters.
-        ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 5000.0}, "rope_theta": None}, {}),
-    ],
-)
-def test_implemented_keys_match_mlx_lm(tmp_path, model_type, model_keys, extra):
-    reference = write_dir(tmp_path / "model", model_type, model_keys, **extra)
-    assert_matches_mlx_lm(tmp_path / "model", reference)
-
-
-# -- not implemented: refused at load, naming the file, the key, the value and what is supported ---
-
-REFUSED = [
-    ("llama", {"rope_scaling": LLAMA31_ROPE}, "rope_scaling", '"rope_type": "llama3"'),  # Llama 3.1/3.2
-    ("llama", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling", '"linear"'),
-    ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling", '"yarn"'),
-    ("llama", {"rope_parameters": {**LLAMA31_ROPE, "rope_theta": 5e5}}, "rope_parameters", '"llama3"'),
-    ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor", "0.5"),
-    ("llama", {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "rope_parameters", "0.5"),
-    ("mistral", {"sliding_window": 4096}, "sliding_window", "4096"),  # Mistral v0.1
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}, "use_sliding_window", "true"),
-    ("llama", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}, "layer_types", "sliding"),
-    ("llama", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping", "50.0"),
-    ("llama", {"final_logit_softcapping": 30.0}, "final_logit_softcapping", "30.0"),
-    ("llama", {"hidden_act": "gelu"}, "hidden_act", '"gelu"'),
-    ("llama", {"hidden_activation": "gelu_pytorch_tanh"}, "hidden_activation", "gelu_pytorch_tanh"),
-    ("llama", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config", "gptq"),
-]
-
-
-@pytest.mark.parametrize("model_type,extra,key,value", REFUSED)
-def test_unimplemented_keys_are_refused_at_load(tmp_path, model_type, extra, key, value):
-    write_dir(tmp_path / "model", model_type, **extra)
-    with pytest.raises(ModelLoadError) as refused:
-        load_model(tmp_path / "model", "tiny", mx.float32)
-    message = str(refused.value)
-    assert str(tmp_path / "model" / "config.json") in message
-    assert key in message and value in message and "not implemented (supported: " in message
+# The architecture x key matrix (implemented and matched, or refused) is tests/unit/test_config_keys.py.
 
 
 def test_a_missing_shape_key_is_refused_not_defaulted(tmp_path):

@@ -136,6 +136,7 @@ def test_unsupported_model_type_names_the_supported_ones(tmp_path, converted):
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps({**TINY, "model_type": "gpt2"}))
     with pytest.raises(
-        ModelLoadError, match=r"model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3"
+        ModelLoadError,
+        match=r"model_type 'gpt2' is not supported; supported: gemma3_text, llama, mistral, qwen2, qwen3, qwen3_moe",
     ):
         load_model(directory, "x", mx.float32)

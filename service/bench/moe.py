@@ -1,0 +1,144 @@
+"""``stepserve bench moe``: the decode step of a random Qwen3-MoE, stepserve's against mlx-lm's
+own model in the same pipelined loop.
+
+A tiny-width but full-depth model (by default Qwen3-30B-A3B's depth and routing: 48 layers,
+128 experts, 8 per token; hidden 256, experts 128 wide) is built with mlx-lm's own
+``qwen3_moe`` classes from a fixed seed, quantized as mlx-community's 4-bit checkpoints are
+(``--bits 4``, group 64; the router at 8 bits) or left dense (``--bits 0``), and saved as a
+model directory. stepserve loads that directory as it would any (``models.loader``, the
+compute dtype and weight format of the device unless given) and times its compiled decode
+step plus greedy selection (:func:`service.bench.profile.profile_stepserve`); mlx-lm's model
+object, in the same dtype, runs the same pipelined loop with its own KV cache
+(:func:`service.bench.profile.profile_peer_model`). Each row reports both and
+``mlx_lm_over_stepserve`` (> 1: stepserve's step is faster). Only the weights are random:
+routing over random experts spreads tokens over them as a trained router roughly does, so
+the step's cost (which experts' rows each token gathers) is representative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+
+from service.bench.common import device_defaults, machine_info
+
+
+def moe_config(args: argparse.Namespace) -> dict:
+    """The ``config.json`` of the benchmark's Qwen3-MoE (every layer sparse)."""
+    return {
+        "model_type": "qwen3_moe",
+        "hidden_size": args.hidden,
+        "num_hidden_layers": args.layers,
+        "intermediate_size": args.hidden * 4,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "num_experts": args.experts,
+        "num_experts_per_tok": args.top_k,
+        "moe_intermediate_size": args.expert_width,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": args.vocab,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+        "eos_token_id": 0,
+    }
+
+
+def build(config: dict, bits: int, directory: Path):
+    """mlx-lm's random model of ``config`` (seed 0), quantized at ``bits`` (0: dense), saved
+    into ``directory`` with a word-level tokenizer; returns the mlx-lm model."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen3_moe
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    mx.random.seed(0)
+    model = qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(config))
+    if bits:
+        quantization: dict = {"group_size": 64, "bits": bits}
+
+        def predicate(path: str, module) -> bool | dict:
+            if path.endswith("mlp.gate"):  # as mlx-lm's qwen3_moe.quant_predicate
+                quantization[path] = {"group_size": 64, "bits": 8}
+                return {"group_size": 64, "bits": 8}
+            return hasattr(module, "to_quantized")
+
+        nn.quantize(model, group_size=64, bits=bits, class_predicate=predicate)
+        config = {**config, "quantization": quantization}
+    mx.eval(model.parameters())
+    directory.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(directory / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (directory / "config.json").write_text(json.dumps(config))
+    vocab = {f"t{i}": i for i in range(config["vocab_size"])}
+    Tokenizer(WordLevel(vocab, unk_token="t1")).save(str(directory / "tokenizer.json"))
+    return model
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stepserve bench moe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--expert-width", type=int, default=128, help="moe_intermediate_size")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--bits", type=int, default=4, choices=[0, 4, 8], help="expert weight bits (0: dense)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--capacity", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    parser.add_argument("--weights", choices=["quantized", "dequantized"], default=None)
+    parser.add_argument("--out", type=Path)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """``stepserve bench moe [options]``: print one JSON line per batch and write them all to
+    ``--out``. Returns 0."""
+    from models.loader import load_model
+    from service.bench.profile import profile_peer_model, profile_stepserve
+
+    args = _parser().parse_args(argv)
+    default_dtype, default_weights = device_defaults()
+    dtype, weights = args.dtype or default_dtype, args.weights or default_weights
+    config = moe_config(args)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        peer = build(config, args.bits, Path(tmp) / "model")
+        peer.set_dtype(getattr(mx, dtype))
+        ours = load_model(Path(tmp) / "model", "moe", getattr(mx, dtype), weights)
+        for batch in args.batch:
+            stepserve = profile_stepserve(ours, batch, args.capacity, args.steps, args.repeats)
+            mlx_lm = profile_peer_model(peer, batch, args.capacity, args.steps)
+            ratio = mlx_lm["pipelined_step_s"] / stepserve["pipelined_step_s"]
+            row = {"batch": batch, "capacity": args.capacity, "stepserve": stepserve, "mlx_lm": mlx_lm}
+            rows.append(row | {"mlx_lm_over_stepserve": ratio})
+            print(json.dumps(rows[-1]), flush=True)
+    result = {
+        "command": "stepserve bench moe " + " ".join(argv),
+        **machine_info(in_process=True),
+        "dtype": dtype,
+        "weights": weights,
+        "bits": args.bits,
+        "config": config,
+        "weights_bytes": ours.nbytes,
+        "rows": rows,
+    }
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    return 0
