@@ -119,6 +119,8 @@ def test_a_stage_of_the_default_gguf_reads_its_tensors_only():
     mx.reset_peak_memory()
     before = mx.get_active_memory()
     loaded = load_stage(path, first, mx.float32, "dequantized")
-    assert mx.get_active_memory() - before == loaded.nbytes == first.nbytes
+    assert loaded.nbytes == first.nbytes
+    # What stays allocated is the stage (within a page: the suite's other tests may leave a scalar behind).
+    assert abs(mx.get_active_memory() - before - loaded.nbytes) < 4096
     assert mx.get_peak_memory() - before < 0.7 * whole  # the stage dequantized plus its Q4_1 tensors, never the file
     assert loaded.tokenizer is None and len(loaded.params["layers"]) == first.stop - first.start == 15
