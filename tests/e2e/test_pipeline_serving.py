@@ -259,7 +259,7 @@ def test_a_rank_whose_stage_does_not_fit_fails_the_start_naming_it(tiny):
     # One sequence at capacity 4096 (D 16, 2 KV heads: 256 bytes per layer and position): rank
     # 1's three layers need 7.8 MB at worst (weights, the decode cache twice, a chunk's scores),
     # rank 0's two 5.6 MB; each may use 6.7 MB.
-    args = [*FAULT_ARGS, "--capacity-buckets", "4096", "--max-sequences", "1", "--prefix-cache-bytes", "0"]
+    args = [*FAULT_ARGS, "--max-sequences", "1", "--prefix-cache-bytes", "0"]  # capacity 4096
     group = launch(tiny, [*args, "--memory-budget-bytes", "6700000"])
     try:
         status = group.process.wait(120)
