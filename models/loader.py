@@ -122,8 +122,22 @@ def load_model(
         args = args_from_metadata(metadata, tensors, path)
         params = params_from_tensors(tensors, args, path)
         tokenizer = tokenizer_from_gguf(metadata, path)
+    params = ready_params(params, path, args.quant_group_size, dtype, weights, fuse)
+    return LoadedModel(name, path, args, params, tokenizer, dtype, weights, time.perf_counter() - start)
+
+
+def ready_params(
+    params: Params, path: Path, group_size: int, dtype: mx.Dtype, weights: WeightsMode, fuse: bool
+) -> Params:
+    """Loaded parameters as served: converted (:func:`prepare_params`), fused when asked
+    (:func:`models.llama.fuse_projections`) and evaluated, so that the file's bytes are read now.
+
+    Raises:
+        ModelLoadError: naming ``path``, when a tensor cannot be converted or the file is
+            truncated or corrupt (the read fails at evaluation).
+    """
     try:
-        params = prepare_params(params, dtype, weights, args.quant_group_size)
+        params = prepare_params(params, dtype, weights, group_size)
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
     if fuse:
@@ -132,4 +146,4 @@ def load_model(
         mx.eval(params)
     except Exception as exc:  # a truncated file fails here, when the bytes are read
         raise ModelLoadError(f"model file {path} could not be read ({exc}); the file is truncated or corrupt") from exc
-    return LoadedModel(name, path, args, params, tokenizer, dtype, weights, time.perf_counter() - start)
+    return params

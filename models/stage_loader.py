@@ -28,8 +28,8 @@ from models.gguf_header import GGUFLayoutError
 from models.gguf_tensors import GGUFTensorError, placeholders, read_index, read_tensors
 from models.hf import load_dir
 from models.layers import Params
-from models.llama import ModelArgs, fuse_projections
-from models.loader import WeightsMode, prepare_params
+from models.llama import ModelArgs
+from models.loader import WeightsMode, prepare_params, ready_params
 from models.pipeline import Stage, plan_stages, stage_params
 from models.tokenizer import ChatTokenizer
 
@@ -167,14 +167,5 @@ def load_stage(
     args, params, tokenizer = _whole_tree(path, stage)
     if stage.stop > args.num_hidden_layers:
         raise ModelLoadError(f"{path}: stage {stage} asks for layers beyond its {args.num_hidden_layers}")
-    try:
-        params = prepare_params(stage_params(params, stage), dtype, weights, args.quant_group_size)
-    except ValueError as exc:
-        raise ModelLoadError(f"{path}: {exc}") from exc
-    if fuse:
-        params = fuse_projections(params)
-    try:
-        mx.eval(params)
-    except Exception as exc:  # a truncated safetensors file fails here, when the bytes are read
-        raise ModelLoadError(f"model file {path} could not be read ({exc}); the file is truncated or corrupt") from exc
+    params = ready_params(stage_params(params, stage), path, args.quant_group_size, dtype, weights, fuse)
     return StageModel(path, args, stage, params, tokenizer, dtype, weights, time.perf_counter() - start)

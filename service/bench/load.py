@@ -106,7 +106,8 @@ TTFT, QUEUE = "stepserve_time_to_first_token_seconds", "stepserve_queue_time_sec
 SERVER_SIDE = [f"{TTFT}_sum", f"{TTFT}_count", f"{QUEUE}_sum", f"{QUEUE}_count"]
 ENGINE = "stepserve_engine_seconds_total"
 
-# The schema of the constrained streams (--constrained): JSON notes, long enough to fill max_tokens.
+# The schema of the constrained streams (--constrained): JSON notes (the default model closes them after
+# about 18 tokens, so those streams keep sending requests while the free ones run: see run_level).
 NOTES = {
     "type": "object",
     "properties": {"title": {"type": "string"}, "notes": {"type": "array", "items": {"type": "string"}}},
@@ -177,33 +178,56 @@ class Workload:
 async def run_level(url: str, concurrency: int, requests_per_stream: int, workload: Workload) -> dict:
     """Run one concurrency level: ``concurrency`` client streams, each sending
     ``requests_per_stream`` requests of ``workload`` back to back (stream i's j-th request is
-    slot ``i + j * concurrency``).
+    slot ``i + j * concurrency``). With ``workload.constrained`` = K, streams 0..K-1 ask for
+    JSON and keep sending requests until the free streams are done (their answers are short,
+    so a fixed count would leave the batch with fewer rows, and no constrained ones, for most
+    of the level: the issue's measure is a batch that keeps K constrained rows).
 
-    Returns :func:`~service.bench.common.level_figures` with ``concurrency``; a request that
-    failed (a non-200 answer, an error event or an httpx.HTTPError) counts in ``errors`` only.
+    Returns :func:`~service.bench.common.level_figures` with ``concurrency`` (and, when K > 0,
+    ``constrained_requests``); a request that failed (a non-200 answer, an error event or an
+    httpx.HTTPError) counts in ``errors`` only.
     """
     records: list[Stream] = []
-    errors = 0
+    errors, constrained_requests = 0, 0
+    free_left = concurrency - min(workload.constrained, concurrency)
+    free_done = asyncio.Event()
+    if free_left == 0:
+        free_done.set()
+
+    async def send(client: httpx.AsyncClient, slot: int) -> None:
+        nonlocal errors
+        path, body = workload.request(slot)
+        try:
+            record = await stream_request(client, path, body)
+        except httpx.HTTPError:
+            record = None
+        if record is None or record.error:
+            errors += 1
+        else:
+            records.append(record)
 
     async def stream(client: httpx.AsyncClient, index: int) -> None:
-        nonlocal errors
+        nonlocal free_left, constrained_requests
+        if index < workload.constrained and free_left > 0:
+            j = 0
+            while not free_done.is_set():
+                await send(client, index + j * concurrency)
+                j, constrained_requests = j + 1, constrained_requests + 1
+            return
         for j in range(requests_per_stream):
-            path, body = workload.request(index + j * concurrency)
-            try:
-                record = await stream_request(client, path, body)
-            except httpx.HTTPError:
-                record = None
-            if record is None or record.error:
-                errors += 1
-            else:
-                records.append(record)
+            await send(client, index + j * concurrency)
+        if index >= workload.constrained:
+            free_left -= 1
+            if free_left == 0:
+                free_done.set()
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
         start = time.perf_counter()
         await asyncio.gather(*(stream(client, i) for i in range(concurrency)))
         elapsed = time.perf_counter() - start
-    return {"concurrency": concurrency, **level_figures(records, errors, elapsed)}
+    extra = {"constrained_requests": constrained_requests} if workload.constrained else {}
+    return {"concurrency": concurrency, **level_figures(records, errors, elapsed), **extra}
 
 
 def run(url: str, levels: list[int], requests_per_stream: int, workload: Workload, warmup_requests: int = 0) -> dict:

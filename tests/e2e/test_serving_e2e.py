@@ -239,6 +239,17 @@ def test_bench_smoke(server, tmp_path):
     assert out.with_suffix(".png").stat().st_size > 1000 and report["plot"] == str(out.with_suffix(".png"))
 
 
+def test_bench_keeps_its_constrained_streams_busy_until_the_free_ones_finish(server, tmp_path):
+    out = tmp_path / "constrained.json"
+    command = [STEPSERVE, "bench", "--url", server.url, "--api", "openai", "--concurrency", "3"]
+    command += ["--requests", "1", "--max-tokens", "24", "--constrained", "1", "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    level = json.loads(out.read_text())["levels"][0]
+    assert level["errors"] == 0 and level["constrained_requests"] >= 1 and level["grammar_masks"] > 0, level
+    assert level["requests"] == 2 + level["constrained_requests"]  # the free streams' one each, and the JSON ones
+
+
 def test_compile_auto_chooses_per_bucket_and_answers_the_same(server):
     # Few buckets: auto times each bucket's step compiled and eager at warm-up.
     small = ["--capacity-buckets", "[256,512]", "--batch-buckets", "[1,2]", "--warmup-batch", "2"]
