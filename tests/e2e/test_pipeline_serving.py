@@ -189,7 +189,7 @@ def signal_mid_stream(model: Path, rank: int, sig: int, args: tuple[str, ...] = 
     token, and poll /readyz until `stepserve launch` exits. Returns the stream's events, the
     /readyz answers ("down" once nothing listens), the exit status, seconds from the signal
     to the first 503 and to the exit, and the log."""
-    group = launch(model, [*FAULT_ARGS, *args], kill_after=2)
+    group = launch(model, [*FAULT_ARGS, *args], kill_after=8)  # rank 0 ends its requests first, even when slow
     group.wait_ready()
     pids = {r["rank"]: r["pid"] for r in httpx.get(f"{group.url}/readyz").json()["group"]}
     events: list = []
