@@ -122,28 +122,35 @@ def load_model(
         args = args_from_metadata(metadata, tensors, path)
         params = params_from_tensors(tensors, args, path)
         tokenizer = tokenizer_from_gguf(metadata, path)
-    params = ready_params(params, path, args.quant_group_size, dtype, weights, fuse)
+    params = served_params(params, path, args.quant_group_size, dtype, weights, fuse)
+    read_params(params, path)
     return LoadedModel(name, path, args, params, tokenizer, dtype, weights, time.perf_counter() - start)
 
 
-def ready_params(
+def served_params(
     params: Params, path: Path, group_size: int, dtype: mx.Dtype, weights: WeightsMode, fuse: bool
 ) -> Params:
-    """Loaded parameters as served: converted (:func:`prepare_params`), fused when asked
-    (:func:`models.llama.fuse_projections`) and evaluated, so that the file's bytes are read now.
+    """Loaded parameters as served, still lazy: converted (:func:`prepare_params`) and fused
+    when asked (:func:`models.llama.fuse_projections`). The caller rebinds its name to the
+    result before :func:`read_params`, so the file's tensors are freed as they are converted.
 
     Raises:
-        ModelLoadError: naming ``path``, when a tensor cannot be converted or the file is
-            truncated or corrupt (the read fails at evaluation).
+        ModelLoadError: naming ``path``, when a tensor cannot be converted.
     """
     try:
         params = prepare_params(params, dtype, weights, group_size)
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
-    if fuse:
-        params = fuse_projections(params)
+    return fuse_projections(params) if fuse else params
+
+
+def read_params(params: Params, path: Path) -> None:
+    """Evaluate ``params`` now, so that the file's bytes are read at load time.
+
+    Raises:
+        ModelLoadError: naming ``path``, when the file is truncated or corrupt (the read fails here).
+    """
     try:
         mx.eval(params)
     except Exception as exc:  # a truncated file fails here, when the bytes are read
         raise ModelLoadError(f"model file {path} could not be read ({exc}); the file is truncated or corrupt") from exc
-    return params

@@ -29,7 +29,7 @@ from models.gguf_tensors import GGUFTensorError, placeholders, read_index, read_
 from models.hf import load_dir
 from models.layers import Params
 from models.llama import ModelArgs
-from models.loader import WeightsMode, prepare_params, ready_params
+from models.loader import WeightsMode, prepare_params, read_params, served_params
 from models.pipeline import Stage, plan_stages, stage_params
 from models.tokenizer import ChatTokenizer
 
@@ -167,5 +167,6 @@ def load_stage(
     args, params, tokenizer = _whole_tree(path, stage)
     if stage.stop > args.num_hidden_layers:
         raise ModelLoadError(f"{path}: stage {stage} asks for layers beyond its {args.num_hidden_layers}")
-    params = ready_params(stage_params(params, stage), path, args.quant_group_size, dtype, weights, fuse)
+    params = served_params(stage_params(params, stage), path, args.quant_group_size, dtype, weights, fuse)
+    read_params(params, path)
     return StageModel(path, args, stage, params, tokenizer, dtype, weights, time.perf_counter() - start)
