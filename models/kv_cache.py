@@ -102,6 +102,18 @@ class KVCache(NamedTuple):
             [fit(v, s) for v, s in zip(self.values, sizes, strict=True)],
         )
 
+    def reordered(self, rows: list[int]) -> KVCache:
+        """A copy whose row i is row ``rows[i]`` of this cache (one gather per layer)."""
+        order = mx.array(rows, mx.int32)
+        return KVCache([k[order] for k in self.keys], [v[order] for v in self.values])
+
+    def batch_resized(self, batch: int) -> KVCache:
+        """This cache padded with empty rows, or cut, to ``batch`` rows."""
+        if batch < self.batch:
+            return KVCache([k[:batch] for k in self.keys], [v[:batch] for v in self.values])
+        pad = [(0, batch - self.batch), (0, 0), (0, 0), (0, 0)]
+        return KVCache([mx.pad(k, pad) for k in self.keys], [mx.pad(v, pad) for v in self.values])
+
     def insert_row(self, slot: int, src: KVCache, row: int, length: int) -> None:
         """Copy row ``row`` of a linear cache ``src`` (a prefill or staging cache holding
         positions 0..length-1) into row ``slot`` of this cache, in place (the buffers' list

@@ -147,11 +147,14 @@ class ModelArgs:
         """Layer ``layer``'s rotary embedding (the same for every layer here)."""
         return cached_rope(self.dim_per_head, self.rope_theta, self.rope_traditional, self.rope_scaling)
 
-    def kv_bytes(self, capacity: int, itemsize: int, ring: bool = True) -> int:
+    def kv_bytes(self, capacity: int, itemsize: int, ring: bool = True, layers: range | None = None) -> int:
         """Bytes of one row's KV cache at ``capacity`` positions: keys and values of every
-        layer, Hkv x D x ``itemsize`` per position, sliding layers holding min(W, C)
-        positions when ``ring`` (a decode cache), C otherwise (prefill and staging caches)."""
+        layer (or of ``layers``, a pipeline stage's), Hkv x D x ``itemsize`` per position,
+        sliding layers holding min(W, C) positions when ``ring`` (a decode cache), C otherwise
+        (prefill and staging caches)."""
         sizes = layer_sizes(self.num_hidden_layers, capacity, self.windows if ring else None)
+        if layers is not None:
+            sizes = sizes[layers.start : layers.stop]
         return 2 * sum(sizes) * self.num_key_value_heads * self.dim_per_head * itemsize
 
 

@@ -58,9 +58,7 @@ class DraftProposer:
         if kv is None or all(w < 0 for w in where):
             self.kv = self.runner.new_kv(batch, capacity)
         else:
-            order = mx.array([max(w, 0) for w in where], mx.int32)
-            kv = KVCache([k[order] for k in kv.keys], [v[order] for v in kv.values]).resized(capacity)
-            self.kv = kv
+            self.kv = kv.reordered([max(w, 0) for w in where]).resized(capacity)
         self._keep(rows, tuple(s for s, w in zip(rows, where, strict=True) if s is not None and w < 0))
 
     def _keep(self, rows: list[Sequence | None], fresh: tuple[Sequence, ...] = ()) -> None:

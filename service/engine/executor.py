@@ -138,16 +138,12 @@ class Executor:
         return kv.resized(capacity, self.windows)
 
     def reorder(self, kv: KVCache, rows: list[int]) -> KVCache:
-        """A cache whose row i is row ``rows[i]`` of ``kv`` (live rows moved to the front)."""
-        order = mx.array(rows, mx.int32)
-        return KVCache([k[order] for k in kv.keys], [v[order] for v in kv.values])
+        """A cache whose row i is row ``rows[i]`` of ``kv`` (:meth:`KVCache.reordered`)."""
+        return kv.reordered(rows)
 
     def resize_batch(self, kv: KVCache, batch: int) -> KVCache:
-        """``kv`` padded (with empty rows) or cut to ``batch`` rows."""
-        if batch < kv.batch:
-            return KVCache([k[:batch] for k in kv.keys], [v[:batch] for v in kv.values])
-        pad = [(0, batch - kv.batch), (0, 0), (0, 0), (0, 0)]
-        return KVCache([mx.pad(k, pad) for k in kv.keys], [mx.pad(v, pad) for v in kv.values])
+        """``kv`` padded (with empty rows) or cut to ``batch`` rows (:meth:`KVCache.batch_resized`)."""
+        return kv.batch_resized(batch)
 
     def insert_rows(self, kv: KVCache, source: KVCache, slots: list[int], rows: list[int], lengths: list[int]) -> None:
         """Copy rows ``rows`` of a linear (prefill or staging) cache ``source`` [B', Hkv, C',

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from models.kv_cache import layer_sizes
 from models.loader import LoadedModel
 from service.engine.buckets import BucketTable
 from service.engine.core import Engine
@@ -88,11 +87,9 @@ def decode_row_bytes(model: LoadedModel, capacity: int) -> int:
 
 def _row_bytes(model: LoadedModel, capacity: int, ring: bool) -> int:
     """One row's KV bytes at ``capacity`` over the layers this process holds."""
-    a = model.args
-    sizes = layer_sizes(a.num_hidden_layers, capacity, a.windows if ring else None)
-    if model.stage is not None:
-        sizes = sizes[model.stage.start : model.stage.stop]
-    return 2 * sum(sizes) * a.num_key_value_heads * a.dim_per_head * model.dtype.size
+    stage = model.stage
+    layers = range(stage.start, stage.stop) if stage is not None else None
+    return model.args.kv_bytes(capacity, model.dtype.size, ring, layers)
 
 
 def prefill_bytes(
