@@ -223,10 +223,11 @@ class Engine:
             self._record_moves(self.runner.join([s for s in plan.prefill if s.finish_reason is None]))
         busy = self.runner.busy
         self._apply(self.runner.decode_requests())
-        if self.runner.masks and self.ready.is_set():
-            self.metrics.grammar_masks.labels(self.model.name).inc(self.runner.masks)
-            self.metrics.grammar_mask_seconds.labels(self.model.name).inc(self.runner.mask_seconds)
-        self.runner.masks, self.runner.mask_seconds = 0, 0.0
+        selector = self.runner.selector
+        if selector.masks and self.ready.is_set():
+            self.metrics.grammar_masks.labels(self.model.name).inc(selector.masks)
+            self.metrics.grammar_mask_seconds.labels(self.model.name).inc(selector.mask_seconds)
+        selector.masks, selector.mask_seconds = 0, 0.0
         worked = bool(plan.prefill or plan.aborted or busy)
         if worked and self.ready.is_set():
             wait = self.runner.wait_seconds - waited

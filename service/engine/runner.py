@@ -23,7 +23,7 @@ from service.engine.executor import Executor
 from service.engine.group import executor_for
 from service.engine.prefill import Prefiller
 from service.engine.prefix_cache import PrefixCache
-from service.engine.processors import ProcessorInputs
+from service.engine.selector import TokenSelector
 from service.engine.sequence import Sequence, TokenLogprob
 from service.metrics import SpecStat, StepStat
 
@@ -96,13 +96,12 @@ class ModelRunner:
         self.executor = executor if executor is not None else executor_for(model, cache)
         self.kv: KVCache | None = None
         self.vocab = model.args.vocab_size
-        self.processor_inputs = ProcessorInputs(model.args.vocab_size)
+        self.selector = TokenSelector(model.args.vocab_size, self.step_fn)
         self.capacity_limit = buckets.capacity[-1]
         self.slots: list[Sequence | None] = []  # slot s holds the request with seq.slot == s
         self._keys: dict[str, mx.array] = {}  # request id -> its PRNG key (seeded rows only)
         self._inflight: _DecodeStep | None = None
         self._last_read_back = 0.0
-        self.masks, self.mask_seconds = 0, 0.0  # grammar masks computed so far, and their host seconds
         self.prefix = prefix if prefix is not None else PrefixCache(block_tokens=buckets.prompt[0], budget_bytes=0)
         self.prefix.ops = self.executor  # a group's ranks each keep their own layers' blocks
         self.prefiller = Prefiller(self, chunk_tokens, self.prefix, max(prefill_tokens, chunk_tokens))
@@ -337,42 +336,8 @@ class ModelRunner:
     def select(
         self, logits: mx.array, rows: list[Sequence | None], keys: list[mx.array | None]
     ) -> tuple[mx.array, list[mx.array | None], tuple[mx.array, mx.array, mx.array] | None]:
-        """Pick one token per row of ``logits`` [B, V] with each row's parameters.
-
-        ``keys[i]`` is row i's PRNG key (uint32 [2]) or None (unseeded or empty row).
-        Returns (tokens int32 [B], the rows' next keys, logprobs or None), all lazy: the caller
-        evaluates them (the engine with ``mx.async_eval``), so keys never chain unevaluated for
-        long. Each part runs only when some row needs it: the logits processors (penalties, a
-        logit bias, a grammar's mask; inputs built here on the host), the sampler of batch
-        bucket B (else the shapeless greedy step), the logprobs
-        (:func:`models.sampling.logprobs`, of the unprocessed logits).
-        """
-        B = logits.shape[0]
-        live = [s for s in rows if s is not None]
-        raw = logits
-        if any(s.params.processed for s in live):
-            mx.async_eval(logits)  # the forward pass runs while the host builds the processors' inputs
-            inputs, masks, seconds = self.processor_inputs.build(rows, B)
-            self.masks, self.mask_seconds = self.masks + masks, self.mask_seconds + seconds
-            logits = self.step_fn("process", B)(logits, *inputs)
-        lp = None
-        if all(s.params.temperature == 0 for s in live):
-            tokens, next_keys = self.step_fn("greedy")(logits), keys
-        else:
-            zero_key = mx.zeros((2,), mx.uint32)
-            temperature = mx.array([s.params.temperature if s else 0.0 for s in rows], mx.float32)
-            top_p = mx.array([s.params.top_p if s else 1.0 for s in rows], mx.float32)
-            top_k = [min(s.params.top_k or self.vocab, self.vocab) if s else self.vocab for s in rows]
-            min_p = mx.array([s.params.min_p if s else 0.0 for s in rows], mx.float32)
-            seeded = mx.array([k is not None for k in keys])
-            key_rows = mx.stack([k if k is not None else zero_key for k in keys])
-            tokens, nk = self.step_fn("sample", B)(
-                logits, temperature, top_p, mx.array(top_k, mx.int32), min_p, key_rows, seeded
-            )
-            next_keys = [nk[i] if k is not None else None for i, k in enumerate(keys)]
-        if any(s.params.logprobs is not None for s in live):
-            lp = self.step_fn("logprobs", B)(raw, tokens)
-        return tokens, next_keys, lp
+        """Pick one token per row of ``logits`` [B, V] (:meth:`TokenSelector.select`)."""
+        return self.selector.select(logits, rows, keys)
 
     # -- prefill -------------------------------------------------------------------------
 
