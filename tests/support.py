@@ -53,6 +53,7 @@ class ServerProcess:
     port: int
     log_path: Path
     readyz_codes: list[int] = field(default_factory=list)
+    ready_metrics: str = ""  # /metrics as it was when /readyz first answered 200
 
     @classmethod
     def start(cls, args: list[str], env: dict | None = None) -> ServerProcess:
@@ -91,13 +92,15 @@ class ServerProcess:
                     continue
                 self.readyz_codes.append(code)
                 if code == 200:
+                    self.ready_metrics = client.get("/metrics").text
                     return
                 time.sleep(0.05)
         raise TimeoutError(f"stepserve not ready after {START_TIMEOUT_S} s:\n{self.log()}")
 
-    def metric(self, name: str, **labels) -> float:
-        """Sum of a metric's samples whose labels include ``labels`` (0 when absent)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+    def metric(self, name: str, text: str | None = None, **labels) -> float:
+        """Sum of a metric's samples whose labels include ``labels`` (0 when absent), read
+        from ``/metrics`` now or from ``text``."""
+        text = text if text is not None else httpx.get(f"{self.url}/metrics", timeout=30).text
         return sum(
             sample.value
             for family in text_string_to_metric_families(text)

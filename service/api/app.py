@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -12,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from models.loader import LoadedModel, device_name
 from service import __version__
 from service.api import openai as openai_api
-from service.api import security
+from service.api import rehearsal, security
 from service.api.docs import install_docs
 from service.api.errors import install_error_handlers
 from service.api.middleware import BodyLimitMiddleware, StatusCountMiddleware
@@ -54,7 +56,10 @@ def create_app(
         loaded = models or load_models(settings)
         for spec in specs:
             draft = loaded.get(draft_name(spec.name))
-            state.engines[spec.name] = _start_engine(settings, spec, loaded[spec.name], metrics, progress, draft)
+            rehearsal = _http_rehearsal(app, spec.name, loaded[spec.name], settings)
+            state.engines[spec.name] = _start_engine(
+                settings, spec, loaded[spec.name], metrics, progress, draft, rehearsal
+            )
         watchdog.start()
         try:
             yield
@@ -93,6 +98,7 @@ def _start_engine(
     metrics: Metrics,
     progress: Callable[[int, str], None] | None,
     draft: LoadedModel | None = None,
+    http_rehearsal: Callable[[], Future[list[str]]] | None = None,
 ) -> Engine:
     """Build ``model``'s engine (with speculative decoding as ``spec`` says; ``draft``: its
     draft model) and start its thread, which warms up, then serves."""
@@ -135,5 +141,14 @@ def _start_engine(
         settings.max_batched_tokens,
         settings.warmup_rehearsal,
     )
-    engine.start(warmup, progress)
+    engine.start(warmup, progress, http_rehearsal)
     return engine
+
+
+def _http_rehearsal(app: FastAPI, name: str, model: LoadedModel, settings: Settings) -> Callable[[], Future[list[str]]]:
+    """What starts ``name``'s HTTP rehearsal (:func:`service.api.rehearsal.run`) on the running
+    event loop, from the engine thread."""
+    loop = asyncio.get_running_loop()
+    chat = bool(getattr(model.tokenizer, "chat_template", None))
+    key = settings.api_key.get_secret_value() if settings.api_key else None
+    return lambda: asyncio.run_coroutine_threadsafe(rehearsal.run(app, name, chat, key), loop)

@@ -11,6 +11,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from service.api.errors import send_error
+from service.api.rehearsal import REHEARSAL
 from service.metrics import Metrics
 
 COUNTED_PATHS = ("/infer", "/v1/completions", "/v1/chat/completions")
@@ -148,7 +149,7 @@ class StatusCountMiddleware:
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] not in COUNTED_PATHS:
+        if scope["type"] != "http" or scope["path"] not in COUNTED_PATHS or REHEARSAL.get():
             return await self.app(scope, receive, send)
 
         async def counting_send(message):

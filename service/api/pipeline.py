@@ -21,6 +21,7 @@ from models.tokenizer import TokenizerError
 from service.api import security
 from service.api.errors import ApiError, client_closed
 from service.api.events import EventSink, Generation
+from service.api.rehearsal import REHEARSAL
 from service.api.state import AppState
 from service.api.tools import render_messages
 from service.engine.core import Engine
@@ -59,7 +60,7 @@ def resolve_engine(state: AppState, name: str | None) -> Engine:
         )
     if state.draining:
         raise ApiError(503, "server is shutting down", type="unavailable")
-    if not engine.ready.is_set():
+    if not engine.ready.is_set() and not REHEARSAL.get():  # (the app's own warm-up requests come before ready)
         raise ApiError(503, f"model '{engine.model.name}' is not ready: {engine.not_ready_reason}", type="unavailable")
     return engine
 
@@ -170,6 +171,7 @@ def start(state: AppState, engine: Engine, ids: list[int], params: SamplingParam
     events: asyncio.Queue[Event] = asyncio.Queue()
     emit = partial(EventSink.of(asyncio.get_running_loop()).put, events)  # called on the engine thread
     seq = Sequence(ids, params, engine.model.tokenizer.detokenizer(), emit)
+    seq.warmup = REHEARSAL.get()
     timeout_s = state.settings.request_timeout_s
     seq.deadline = deadline = seq.arrival + timeout_s
     try:

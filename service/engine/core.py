@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from functools import cached_property
 
 from models.loader import LoadedModel
@@ -77,6 +78,7 @@ class Engine:
         self.warmup_buckets = 0
         self._prefix_evict = 0  # bytes of prefix-cache blocks admission asked to free
         self.rehearsed: list[str] = []  # what the warm-up rehearsal ran (see warmup.rehearse)
+        self._http_rehearsal: Callable[[], Future[list[str]]] | None = None
         self.failure: str | None = None  # why the engine thread ended, when it had to (a lost pipeline group)
         metrics.init_model(model.name)
         metrics.running.labels(model.name).set_function(lambda: self.scheduler.num_running)
@@ -84,8 +86,19 @@ class Engine:
 
     # -- the API for handlers, shutdown, the watchdog and admission (thread-safe) ----------
 
-    def start(self, spec: WarmupSpec, progress: Callable[[int, str], None] | None = None) -> None:
-        """Start the engine thread; it warms up first, then sets :attr:`ready`."""
+    def start(
+        self,
+        spec: WarmupSpec,
+        progress: Callable[[int, str], None] | None = None,
+        http_rehearsal: Callable[[], Future[list[str]]] | None = None,
+    ) -> None:
+        """Start the engine thread; it warms up first, then sets :attr:`ready`.
+
+        ``http_rehearsal``: starts the app's own rehearsal requests (:mod:`service.api.rehearsal`)
+        on its event loop; with ``spec.rehearse`` the thread serves them after its own
+        rehearsal and before it is ready.
+        """
+        self._http_rehearsal = http_rehearsal
         self._thread = threading.Thread(
             target=self._main, args=(spec, progress), name=f"stepserve-engine-{self.model.name}", daemon=True
         )
@@ -287,6 +300,22 @@ class Engine:
             self._finish(seq, reason, message)
         self.runner.abort()
 
+    def _serve_rehearsal(self, requests: Future[list[str]]) -> list[str]:
+        """Step until the app's rehearsal requests are answered; returns what they were."""
+        while not requests.done() and not self._stop.is_set():
+            if not self.step():
+                self.scheduler.wait_for_work(IDLE_WAIT_S)
+        self.runner.prefix.evict(self.runner.prefix.nbytes)
+        self.runner.prefix.take_stat(self.model.name)
+        if not requests.done():
+            return []
+        if (exc := requests.exception()) is not None:  # a bug to fix, but no reason not to serve
+            log.warning("HTTP rehearsal failed: %s: %s", type(exc).__name__, exc)
+            return [f"HTTP rehearsal failed: {type(exc).__name__}"]
+        for line in requests.result():
+            log.info("warm-up rehearsal: %s", line)
+        return requests.result()
+
     def _record_moves(self, moves: list[str]) -> None:
         for kind in moves:
             self.metrics.bucket_moves.labels(self.model.name, kind).inc()
@@ -301,6 +330,8 @@ class Engine:
             self.rehearsed = warmup.rehearse(self, spec)
         if isinstance(self.model.tokenizer, ChatTokenizer):  # (tests' toy tokenizers have none)
             self.grammars  # noqa: B018  # built now, not under the first structured request
+        if spec.rehearse and steps and self._http_rehearsal is not None:
+            self.rehearsed += self._serve_rehearsal(self._http_rehearsal())
         self.warmup_seconds, self.warmup_buckets = time.perf_counter() - start, len(steps)
         for key, compiled in self.runner.compiled.choices().items():
             self.metrics.compiled_step.labels(key.model, key.phase, key.bucket).set(int(compiled))

@@ -37,6 +37,25 @@ def test_readyz_is_503_until_warmup_is_done(server):
     assert ready["warmed"] > 0 and ready["compiled"] == ready["warmed"]  # compile on: every bucket compiled
 
 
+def test_warmup_sends_every_route_a_request_before_ready_and_counts_none(server):
+    """The first clients find FastAPI's route handling, the chat template, the SSE writers and
+    a first grammar already built (the HTTP rehearsal), and the metrics count only them."""
+    with server.client() as client:
+        rehearsed = client.get("/readyz").json()["models"]["SmolLM2-135M-Instruct"]["rehearsed"]
+    http = [line for line in rehearsed if line.startswith("HTTP ")]
+    for route in ("/infer", "/infer streamed", "/v1/completions", "/v1/chat/completions streamed"):
+        assert f"HTTP {route}" in http
+    assert any("JSON object" in line for line in http) and any("tool call" in line for line in http)
+    assert not [line for line in http if "answered" in line or "failed" in line]  # each answered 200
+    for name in (
+        "stepserve_requests_total",
+        "stepserve_generation_tokens_total",
+        "stepserve_prompt_tokens_total",
+        "stepserve_grammar_masks_total",
+    ):
+        assert server.metric(name, server.ready_metrics) == 0, name
+
+
 def test_capital_of_france(server):
     with server.client() as client:
         reply = client.post("/infer", json=CHAT)

@@ -1,0 +1,85 @@
+"""The HTTP half of warm-up: before ``/readyz`` turns 200, the app sends each route a few
+requests through its own ASGI stack, so what the first clients would otherwise build — FastAPI's
+per-route request handling, request validation, the chat template's Jinja compile, the
+tokenizer's vocabulary scan for the prompt-size bound, the SSE writers, a grammar's first
+compile — is built now, not under the first burst (:mod:`service.engine.warmup` rehearses the
+engine's own step the same way).
+
+Rehearsal requests carry :data:`REHEARSAL` (a context variable set for the in-process client's
+task): routes accept them before the model is ready, and they are left out of every metric.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextvars import ContextVar
+from typing import Any
+
+import httpx
+
+log = logging.getLogger("stepserve.api")
+
+REHEARSAL: ContextVar[bool] = ContextVar("stepserve_rehearsal", default=False)
+
+_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look a word up.",
+        "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
+    },
+}
+
+
+def plan(model: str, chat: bool) -> list[tuple[str, str, dict[str, Any]]]:
+    """The rehearsal requests for ``model``: ``(what, path, JSON body)``, each at most two
+    tokens out. ``chat``: the model has a chat template (the chat routes are rehearsed too)."""
+    short = {"model": model, "max_tokens": 2}
+    prompt = {**short, "prompt": "Hello"}
+    messages = {**short, "messages": [{"role": "user", "content": "Hello"}]}
+    steps = [
+        ("/infer", "/infer", prompt),
+        ("/infer streamed", "/infer", {**prompt, "stream": True}),
+        ("/v1/completions", "/v1/completions", prompt),
+        ("/v1/completions streamed, logprobs", "/v1/completions", {**prompt, "stream": True, "logprobs": 2}),
+    ]
+    if chat:
+        steps += [
+            ("/v1/chat/completions", "/v1/chat/completions", messages),
+            ("/v1/chat/completions streamed", "/v1/chat/completions", {**messages, "stream": True}),
+            (
+                "/v1/chat/completions, a JSON object",
+                "/v1/chat/completions",
+                {**messages, "response_format": {"type": "json_object"}},
+            ),
+            (
+                "/v1/chat/completions, a required tool call, streamed",
+                "/v1/chat/completions",
+                {**messages, "tools": [_TOOL], "tool_choice": "required", "stream": True},
+            ),
+        ]
+    return steps
+
+
+async def run(app, model: str, chat: bool, api_key: str | None) -> list[str]:
+    """Send :func:`plan`'s requests to ``app`` in process (``httpx.ASGITransport``: the whole
+    middleware stack and the routes, not the socket) and return one line per request.
+
+    A request that does not answer 200 is logged as a warning and reported; it does not stop
+    the server from becoming ready (the same request from a client gets the same answer).
+    """
+    token = REHEARSAL.set(True)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    done = []
+    try:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://rehearsal", headers=headers) as client:
+            for what, path, body in plan(model, chat):
+                response = await client.post(path, json=body, timeout=None)
+                if response.status_code != 200:
+                    log.warning("HTTP rehearsal: %s answered %d: %s", what, response.status_code, response.text[:300])
+                    what += f" (answered {response.status_code})"
+                done.append(f"HTTP {what}")
+    finally:
+        REHEARSAL.reset(token)
+    return done
