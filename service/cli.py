@@ -145,6 +145,7 @@ def _load(settings: Settings):
     logging.basicConfig(
         level=settings.log_level.upper(), format=f"%(asctime)s %(levelname)s {where}%(name)s: %(message)s"
     )
+    sys.setswitchinterval(settings.switch_interval_s)
     if settings.mlx_memory_limit_bytes:
         import mlx.core as mx
 

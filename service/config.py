@@ -209,6 +209,13 @@ class Settings(BaseSettings):
         600.0, gt=0, description="seconds; a request still running after this ends with 'timeout'"
     )
     shutdown_grace_s: float = Field(30.0, ge=0, description="seconds running requests get to finish after SIGTERM")
+    switch_interval_s: float = Field(
+        0.005,
+        gt=0,
+        le=0.1,
+        description="seconds; Python's thread switch interval (sys.setswitchinterval): how long the engine thread "
+        "may keep the GIL while the HTTP event loop waits for it (Python's default: 0.005)",
+    )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="request bodies larger than this many bytes get 413")
     max_sequences: int | None = Field(
         None,

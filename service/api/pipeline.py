@@ -77,7 +77,7 @@ def check_messages(messages: list) -> None:
             )
 
 
-TOKENIZE_IN_THREAD_CHARS = 4096  # longer texts are tokenized on a worker thread (see prompt_ids)
+TOKENIZE_IN_THREAD_CHARS = 16384  # longer texts are tokenized on a worker thread (see prompt_ids)
 
 
 async def prompt_ids(
@@ -92,7 +92,10 @@ async def prompt_ids(
 
     A text of more than ``TOKENIZE_IN_THREAD_CHARS`` characters is tokenized on a worker
     thread (``tokenizers`` releases the GIL while it encodes), so a long retrieval-augmented
-    prompt does not hold every stream's events on the event loop while it is tokenized.
+    prompt does not hold every stream's events on the event loop while it is tokenized. Shorter
+    ones (a few milliseconds at most) are tokenized at once: the trip to a worker thread and
+    back costs two GIL hand-offs, each up to the switch interval (``switch_interval_s``) when
+    the engine thread is busy in Python.
 
     Raises ApiError 400 when the template fails, a token id is outside the vocabulary, or the
     prompt exceeds the largest capacity bucket.

@@ -40,6 +40,7 @@ SAMPLES = {
     "prefix_block_tokens": ("16", 16),
     "request_timeout_s": ("1.5", 1.5),
     "shutdown_grace_s": ("0", 0.0),
+    "switch_interval_s": ("0.001", 0.001),
     "max_body_bytes": ("4096", 4096),
     "max_sequences": ("2", 2),
     "memory_budget_bytes": ("1000000", 1_000_000),
