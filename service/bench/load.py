@@ -113,6 +113,29 @@ NOTES = {
     "properties": {"title": {"type": "string"}, "notes": {"type": "array", "items": {"type": "string"}}},
     "required": ["title", "notes"],
 }
+# --constrained-schema report: a longer structured answer (sections of points, at least 4 x 3), which the
+# default model does not close within 128 tokens: its streams send about as many requests as the free ones,
+# so the comparison with free text isolates what constraining a row costs per step.
+REPORT = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "sections": {
+            "type": "array",
+            "minItems": 4,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "heading": {"type": "string"},
+                    "points": {"type": "array", "minItems": 3, "items": {"type": "string"}},
+                },
+                "required": ["heading", "points"],
+            },
+        },
+    },
+    "required": ["title", "sections"],
+}
+SCHEMAS = {"notes": NOTES, "report": REPORT}
 
 
 @dataclass
@@ -126,6 +149,7 @@ class Workload:
     model: str | None = None
     system_tokens: int = 400  # chat-shared-prefix: the system prompt's size, estimated
     constrained: int = 0  # essays on openai: this many streams of each level ask for JSON (response_format)
+    schema: str = "notes"  # the constrained streams' JSON schema: a key of SCHEMAS
     streams: int = 1  # the level's streams (set by run)
     system: str = field(init=False, default="")
     _turns: Iterator[int] = field(init=False, default_factory=count, repr=False)
@@ -154,7 +178,8 @@ class Workload:
         if self.api == "openai":
             body = {"prompt": prompt, "model": self.model, **stream, "stream_options": {"include_usage": True}}
             if slot % self.streams < self.constrained:
-                body["response_format"] = {"type": "json_schema", "json_schema": {"name": "notes", "schema": NOTES}}
+                schema = {"name": self.schema, "schema": SCHEMAS[self.schema]}
+                body["response_format"] = {"type": "json_schema", "json_schema": schema}
             return "/v1/completions", body
         return "/infer", {"prompt": prompt, **stream, **({"model": self.model} if self.model else {})}
 
@@ -165,7 +190,7 @@ class Workload:
         if self.name == "copy":
             info["passage_tokens_estimate"] = estimate_tokens(passage(0, self.system_tokens))
         if self.constrained:
-            info["constrained_streams"] = self.constrained
+            info |= {"constrained_streams": self.constrained, "constrained_schema": self.schema}
         if self.system:
             info |= {
                 "system_tokens_requested": self.system_tokens,
@@ -371,6 +396,13 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         help="essays with --api openai: this many streams of each level send response_format (a JSON schema)",
     )
+    parser.add_argument(
+        "--constrained-schema",
+        choices=sorted(SCHEMAS),
+        default="notes",
+        help="the constrained streams' schema: 'notes' (short answers, about 18 tokens on the default model) or "
+        "'report' (sections of points, longer than 128 tokens: as many requests per token as free text)",
+    )
     parser.add_argument("--model", help="model name to send (required by some OpenAI servers)")
     parser.add_argument("--out", type=Path, help="write the JSON result here, and the plot next to it (.png)")
     return parser
@@ -380,7 +412,8 @@ def main(argv: list[str]) -> int:
     """``stepserve bench [options]``: run the load, print the table to stderr and the JSON
     to stdout; with ``--out`` write the JSON and a PNG plot beside it. Returns 0."""
     args = _parser().parse_args(argv)
-    workload = Workload(args.workload, args.api, args.max_tokens, args.model, args.system_tokens, args.constrained)
+    workload = Workload(args.workload, args.api, args.max_tokens, args.model, args.system_tokens)
+    workload.constrained, workload.schema = args.constrained, args.constrained_schema
     result = run(args.url, args.concurrency, args.requests, workload, args.warmup_requests)
     if args.out:
         plot = plot_levels({result["url"]: result}, args.out.with_suffix(".png"), f"stepserve bench: {result['url']}")

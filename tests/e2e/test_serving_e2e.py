@@ -301,3 +301,18 @@ def test_side_by_side_smoke(tmp_path):
     ours = report["results"]["stepserve"]["levels"][0]
     assert ours["warmup_compile_misses"] == 0 and ours["compile_misses"] == 0, "stepserve compiled after its warm-up"
     assert (tmp_path / "side-by-side.png").stat().st_size > 1000
+
+
+def test_the_bench_report_schema_keeps_a_constrained_row_as_long_as_a_free_one(server):
+    """`--constrained-schema report` exists so that constrained streams send as many requests
+    per token as free ones: on the default model its JSON is still open at 128 tokens."""
+    from service.bench.load import Workload
+
+    workload = Workload("essays", "openai", 128, None, streams=1, constrained=1, schema="report")
+    path, body = workload.request(0)
+    assert body["response_format"]["json_schema"]["name"] == "report"
+    with server.client() as client:
+        answer = client.post(path, json=body | {"stream": False, "stream_options": None}).json()
+    assert answer["choices"][0]["finish_reason"] == "length", answer
+    assert answer["usage"]["completion_tokens"] == 128
+    assert answer["choices"][0]["text"].lstrip().startswith('{"title"')
