@@ -255,7 +255,6 @@ async def _sse(gen: Generation, fmt: ResponseFormat, first: Event) -> AsyncItera
     try:
         event = first
         while not isinstance(event, FinalEvent):
-            # The events already queued go out in one write (a client or a loop behind the engine).
             # The events already queued go out in one write (a client or a loop behind the engine);
             # a disconnect ends this generator while it awaits (Starlette cancels it).
             batch = [event, *gen.ready()]

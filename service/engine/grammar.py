@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import llguidance
@@ -30,6 +31,7 @@ from models.tokenizer import ChatTokenizer
 # JSON output as OpenAI's and vLLM's JSON modes write it: no whitespace freedom (a small model
 # would otherwise spend tokens on newlines), the usual separators.
 _JSON_OPTIONS = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept per model (clients tend to send the same few schemas)
 
 
 class GrammarError(ValueError):
@@ -37,7 +39,9 @@ class GrammarError(ValueError):
 
 
 class TokenGrammar:
-    """Compiles grammars for one model's tokenizer (build once per model; thread-safe).
+    """Compiles grammars for one model's tokenizer (build once per model; thread-safe), and
+    keeps the last ``GRAMMAR_CACHE_SIZE`` compiled (by schema or grammar text), so a schema a
+    client sends again is not compiled again.
 
     Args:
         tokenizer: the model's tokenizer; its stop tokens are the grammar's end of sequence.
@@ -53,6 +57,7 @@ class TokenGrammar:
         # its masks to the logits width and never allows the ids past the tokenizer's vocabulary.
         self._tokenizer = llguidance.LLTokenizer(tokenizer.tokenizer.to_str(), n_vocab=vocab_size, eos_token=stops)
         self._lock = threading.Lock()
+        self._compiled: OrderedDict[tuple, Grammar] = OrderedDict()  # LRU of GRAMMAR_CACHE_SIZE
 
     def json_object(self) -> Grammar:
         """Any JSON object."""
@@ -69,12 +74,15 @@ class TokenGrammar:
         """
         if not isinstance(schema, dict):
             raise GrammarError("schema: must be a JSON object")
+        source = json.dumps(schema, sort_keys=True)
+        if (cached := self._cached(("schema", source, strict))) is not None:
+            return cached
         options = {**_JSON_OPTIONS, **({} if strict else {"lenient": True})}
         try:
-            text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)  # type: ignore[arg-type]  # a TypedDict
+            text = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=options)  # type: ignore[arg-type]  # a TypedDict
         except (ValueError, TypeError, RuntimeError) as exc:
             raise GrammarError(f"schema: {exc}") from exc
-        return self._compile(text, "schema")
+        return self._keep(("schema", source, strict), self._compile(text, "schema"))
 
     def lark(self, text: str) -> Grammar:
         """A Lark grammar in llguidance's dialect (``%json {...}`` embeds a JSON schema).
@@ -82,21 +90,37 @@ class TokenGrammar:
         Raises:
             GrammarError: the grammar does not compile.
         """
+        if (cached := self._cached(("lark", text))) is not None:
+            return cached
         try:
             grammar = llguidance.LLMatcher.grammar_from_lark(text)
         except (ValueError, TypeError, RuntimeError) as exc:
             raise GrammarError(f"grammar: {exc}") from exc
-        return self._compile(grammar, "grammar")
+        return self._keep(("lark", text), self._compile(grammar, "grammar"))
+
+    def _cached(self, key: tuple) -> Grammar | None:
+        """The grammar compiled for ``key`` before, marked most recently used; None if none."""
+        with self._lock:
+            if (grammar := self._compiled.get(key)) is not None:
+                self._compiled.move_to_end(key)
+            return grammar
+
+    def _keep(self, key: tuple, grammar: Grammar) -> Grammar:
+        with self._lock:
+            self._compiled[key] = grammar
+            while len(self._compiled) > GRAMMAR_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return grammar
 
     def _compile(self, grammar: str, what: str) -> Grammar:
         with self._lock:
             is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
         if is_error:
             raise GrammarError(f"{what}: {_problem('; '.join(messages) or 'does not compile')}")
-        probe = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
-        if probe.is_error():
-            raise GrammarError(f"{what}: {_problem(probe.get_error())}")
-        return Grammar(self, grammar)
+        start = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if start.is_error():
+            raise GrammarError(f"{what}: {_problem(start.get_error())}")
+        return Grammar(start, self.words)
 
 
 def _problem(message: str) -> str:
@@ -111,14 +135,16 @@ def _problem(message: str) -> str:
 
 
 class Grammar:
-    """A compiled grammar; :meth:`matcher` gives each request its own state."""
+    """A compiled grammar: a matcher at its start, never advanced; :meth:`matcher` gives each
+    request its own copy (compiled grammars are shared across requests: see
+    :class:`TokenGrammar`'s cache)."""
 
-    def __init__(self, owner: TokenGrammar, grammar: str):
-        self._owner, self._grammar = owner, grammar
+    def __init__(self, start: llguidance.LLMatcher, words: int):
+        self._start, self._words = start, words
 
     def matcher(self) -> Matcher:
-        """A fresh matcher at the grammar's start."""
-        return Matcher(llguidance.LLMatcher(self._owner._tokenizer, self._grammar, log_level=0), self._owner.words)
+        """A fresh matcher at the grammar's start (a copy: microseconds, not a compile)."""
+        return Matcher(self._start.deep_copy(), self._words)
 
 
 _EXECUTOR: llguidance.LLExecutor | None = None

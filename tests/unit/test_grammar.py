@@ -150,3 +150,16 @@ def test_masks_filled_together_equal_masks_filled_one_by_one(grammars, tok):
     together = np.zeros_like(one)
     fill_masks([(a, 0), (b, 2)], together)
     assert (together == one).all() and not together[1].any()
+
+
+def test_a_schema_sent_again_reuses_its_compiled_grammar_and_each_request_starts_fresh(grammars, tok):
+    """Clients send the same few schemas: the second request's schema (keys in another order)
+    is not compiled again, and its matcher starts at the grammar's start whatever the first
+    request's matcher has taken."""
+    first = grammars.json_schema(SCHEMA)
+    again = grammars.json_schema(dict(reversed(list(SCHEMA.items()))))
+    assert again is first and grammars.json_schema(SCHEMA, strict=False) is not first
+    brace = tok.encode("{")[0]
+    busy, fresh = first.matcher(), first.matcher()
+    assert busy.advance(brace) and not busy.advance(brace)  # "{{" is not JSON
+    assert fresh.advance(brace) and first.matcher().advance(brace)  # the others are still at the start
