@@ -7,18 +7,29 @@ A tiny-width but full-depth model (by default Qwen3-30B-A3B's depth and routing:
 (``--bits 4``, group 64; the router at 8 bits) or left dense (``--bits 0``), and saved as a
 model directory. stepserve loads that directory as it would any (``models.loader``, the
 compute dtype and weight format of the device unless given) and times its compiled decode
-step plus greedy selection (:func:`service.bench.profile.profile_stepserve`); mlx-lm's model
+step plus greedy selection (:func:`service.bench.profile.stepserve_timer`); mlx-lm's model
 object, in the same dtype, runs the same pipelined loop with its own KV cache
-(:func:`service.bench.profile.profile_peer_model`). Each row reports both and
-``mlx_lm_over_stepserve`` (> 1: stepserve's step is faster). Only the weights are random:
-routing over random experts spreads tokens over them as a trained router roughly does, so
-the step's cost (which experts' rows each token gathers) is representative.
+(:func:`service.bench.profile.peer_timer`). Only the weights are random: routing over random
+experts spreads tokens over them as a trained router roughly does, so the step's cost (which
+experts' rows each token gathers) is representative. Both loops keep the rows' tokens
+distinct (:func:`service.bench.profile.distinct_rows`): rows fed the same token would all
+take the same k experts.
+
+Both sides are set up (compiled, prefilled, warmed) once per batch, then timed in
+``--rounds`` interleaved rounds, stepserve then mlx-lm in each, so drift of the host over
+the run falls on both sides alike. Each row keeps every round's figures (``rounds``), each
+side's per-figure median over the rounds (``stepserve``, ``mlx_lm``), the ratio of the
+median pipelined step times ``mlx_lm_over_stepserve`` (> 1: stepserve's step is faster) and
+the smallest and largest per-round ratio (``ratio_min``, ``ratio_max``): their spread is the
+noise the ratio carries.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -101,19 +112,66 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--capacity", type=int, default=256)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per side and batch")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
     parser.add_argument("--weights", choices=["quantized", "dequantized"], default=None)
     parser.add_argument("--out", type=Path)
     return parser
 
 
+def summarize(rounds: list[dict]) -> dict:
+    """The figures of interleaved ``rounds`` ([{"stepserve": {figure: value}, "mlx_lm":
+    {figure: value}}], at least one): each side's median of each figure, the ratio of the
+    median pipelined step times (mlx-lm's over stepserve's) and the smallest and largest
+    per-round ratio; the rounds come back with their own ratio added."""
+    rounds = [r | {"mlx_lm_over_stepserve": _ratio(r["mlx_lm"], r["stepserve"])} for r in rounds]
+    median = {
+        side: {f: statistics.median(r[side][f] for r in rounds) for f in rounds[0][side]}
+        for side in ("stepserve", "mlx_lm")
+    }
+    ratios = [r["mlx_lm_over_stepserve"] for r in rounds]
+    return {
+        **median,
+        "mlx_lm_over_stepserve": _ratio(median["mlx_lm"], median["stepserve"]),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "rounds": rounds,
+    }
+
+
+def _ratio(mlx_lm: dict, stepserve: dict) -> float:
+    return mlx_lm["pipelined_step_s"] / stepserve["pipelined_step_s"]
+
+
+def _interleaved(ours, peer, batch: int, args: argparse.Namespace) -> list[dict]:
+    """``args.rounds`` rounds at ``batch``, stepserve's timed loop then mlx-lm's in each; a line
+    per round on stderr."""
+    from service.bench.profile import peer_timer, stepserve_timer
+
+    stepserve = stepserve_timer(ours, batch, args.capacity, args.steps, args.repeats)
+    mlx_lm = peer_timer(peer, batch, args.capacity, args.steps)
+    rounds = []
+    for i in range(args.rounds):
+        rounds.append({"stepserve": stepserve(), "mlx_lm": mlx_lm()})
+        ours_s, peer_s = (rounds[-1][side]["pipelined_step_s"] for side in ("stepserve", "mlx_lm"))
+        print(
+            f"batch {batch} round {i + 1}/{args.rounds}: stepserve {ours_s * 1e3:.2f} ms, "
+            f"mlx-lm {peer_s * 1e3:.2f} ms ({peer_s / ours_s:.2f}x)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return rounds
+
+
 def main(argv: list[str]) -> int:
     """``stepserve bench moe [options]``: print one JSON line per batch and write them all to
-    ``--out``. Returns 0."""
+    ``--out``. Returns 0; exits 2 (argparse) when ``--rounds`` is below 1."""
     from models.loader import load_model
-    from service.bench.profile import profile_peer_model, profile_stepserve
 
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     default_dtype, default_weights = device_defaults()
     dtype, weights = args.dtype or default_dtype, args.weights or default_weights
     config = moe_config(args)
@@ -123,11 +181,8 @@ def main(argv: list[str]) -> int:
         peer.set_dtype(getattr(mx, dtype))
         ours = load_model(Path(tmp) / "model", "moe", getattr(mx, dtype), weights)
         for batch in args.batch:
-            stepserve = profile_stepserve(ours, batch, args.capacity, args.steps, args.repeats)
-            mlx_lm = profile_peer_model(peer, batch, args.capacity, args.steps)
-            ratio = mlx_lm["pipelined_step_s"] / stepserve["pipelined_step_s"]
-            row = {"batch": batch, "capacity": args.capacity, "stepserve": stepserve, "mlx_lm": mlx_lm}
-            rows.append(row | {"mlx_lm_over_stepserve": ratio})
+            figures = summarize(_interleaved(ours, peer, batch, args))
+            rows.append({"batch": batch, "capacity": args.capacity, **figures})
             print(json.dumps(rows[-1]), flush=True)
     result = {
         "command": "stepserve bench moe " + " ".join(argv),
@@ -135,6 +190,7 @@ def main(argv: list[str]) -> int:
         "dtype": dtype,
         "weights": weights,
         "bits": args.bits,
+        "rounds": args.rounds,
         "config": config,
         "weights_bytes": ours.nbytes,
         "rows": rows,

@@ -12,6 +12,10 @@ model's (or ``--gguf``'s) decode step plus greedy token selection, compiled, fou
   with ``mx.async_eval`` before step ``t``'s tokens are read back, as mlx-lm's generator does
   (mean over ``--steps``). The gap ``sync - pipelined`` is host time the GPU sat idle.
 
+Row i starts from token i and feeds back its greedy token plus i (:func:`distinct_rows`), so
+the rows stay different as a batch of different requests is (a mixture of experts routes
+each to its own experts); the peer's loop does the same.
+
 ``--fuse on off`` times both parameter layouts (:func:`models.llama.fuse_projections`).
 With ``--peer``, mlx-lm's own model and KV cache (``mlx_lm.load`` of the converted default
 model, one cache of batch B at the same offset) run the pipelined loop too, as the reference.
@@ -24,6 +28,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -35,55 +40,74 @@ from service.engine.buckets import BucketTable
 from service.engine.runner import ModelRunner
 
 
-def profile_stepserve(model: LoadedModel, batch: int, capacity: int, steps: int, repeats: int) -> dict:
-    """Seconds per decode step of stepserve's compiled step at (batch, capacity), split as the
-    module docstring says, and tokens/s of the synchronous and pipelined loops."""
+def stepserve_timer(model: LoadedModel, batch: int, capacity: int, steps: int, repeats: int) -> Callable[[], dict]:
+    """Compile and warm stepserve's decode step plus greedy selection at (batch, capacity),
+    every row at position capacity/2; returns a function that times one round of it: seconds
+    per decode step split as the module docstring says, and tokens/s of the synchronous and
+    pipelined loops. Rounds reuse the compiled step and the KV cache (which no step advances)."""
     runner = ModelRunner(model, BucketTable((batch,), (16,), (capacity,)), quiet_compile_cache(True))
     decode, greedy = runner.step_fn("decode", batch, capacity), runner.step_fn("greedy")
     kv = runner.new_kv(batch, capacity, ring=True)
-    position = capacity // 2
-    py_tokens, py_positions = [0] * batch, [position] * batch
+    py_tokens, py_positions = list(range(batch)), [capacity // 2] * batch
 
     def build(tokens=None):
         toks = mx.array(py_tokens, mx.int32) if tokens is None else tokens
         logits, new_kv = decode(model.params, toks, mx.array(py_positions, mx.int32), kv)
-        return greedy(logits), new_kv
+        return distinct_rows(greedy(logits), logits.shape[-1]), new_kv
 
     mx.eval(build())  # compile and JIT the kernels
     mx.eval(build())
-    dispatch_times, eval_times = [], []
-    for _ in range(repeats):
+
+    def timed_round() -> dict:
+        dispatch_times, eval_times = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            graph = build()
+            t1 = time.perf_counter()
+            mx.eval(graph)
+            dispatch_times.append(t1 - t0)
+            eval_times.append(time.perf_counter() - t1)
         t0 = time.perf_counter()
-        graph = build()
-        t1 = time.perf_counter()
-        mx.eval(graph)
-        dispatch_times.append(t1 - t0)
-        eval_times.append(time.perf_counter() - t1)
+        for _ in range(steps):  # the engine's synchronous loop: read each step's tokens back
+            build()[0].tolist()
+        sync_step_s = (time.perf_counter() - t0) / steps
+        pipelined_step_s = _pipelined_seconds(build, build()[0], steps)
+        return {
+            "dispatch_s": statistics.median(dispatch_times),
+            "eval_s": statistics.median(eval_times),
+            "sync_step_s": sync_step_s,
+            "pipelined_step_s": pipelined_step_s,
+            "tok_s_sync": batch / sync_step_s,
+            "tok_s_pipelined": batch / pipelined_step_s,
+        }
 
-    t0 = time.perf_counter()
-    for _ in range(steps):  # the engine's synchronous loop: read each step's tokens back
-        tokens, kv_out = build()
-        tokens.tolist()
-    sync_step_s = (time.perf_counter() - t0) / steps
+    return timed_round
 
-    tokens, _ = build()
+
+def profile_stepserve(model: LoadedModel, batch: int, capacity: int, steps: int, repeats: int) -> dict:
+    """One round of :func:`stepserve_timer` (its compile and warm-up untimed)."""
+    return stepserve_timer(model, batch, capacity, steps, repeats)()
+
+
+def distinct_rows(tokens: mx.array, vocab: int) -> mx.array:
+    """Row i's token plus i, modulo ``vocab``: tokens [B] -> [B] (same dtype). Rows whose
+    greedy tokens coincide (a small random model's often do) still get different inputs."""
+    return (tokens + mx.arange(tokens.shape[0], dtype=tokens.dtype)) % vocab
+
+
+def _pipelined_seconds(step: Callable[[mx.array], tuple[mx.array, ...]], tokens: mx.array, steps: int) -> float:
+    """Seconds per step of ``steps`` steps, step ``t+1`` built from step ``t``'s still-lazy
+    tokens and queued with ``mx.async_eval`` before step ``t``'s tokens are read back, as
+    mlx-lm's generator does. ``step(tokens [B]) -> (next tokens [B], *other outputs)``."""
     mx.async_eval(tokens)
     t0 = time.perf_counter()
     for _ in range(steps):
-        nxt, kv_out = build(tokens)
-        mx.async_eval(nxt, kv_out)
+        nxt = step(tokens)
+        mx.async_eval(*nxt)
         tokens.tolist()
-        tokens = nxt
+        tokens = nxt[0]
     tokens.tolist()
-    pipelined_step_s = (time.perf_counter() - t0) / steps
-    return {
-        "dispatch_s": statistics.median(dispatch_times),
-        "eval_s": statistics.median(eval_times),
-        "sync_step_s": sync_step_s,
-        "pipelined_step_s": pipelined_step_s,
-        "tok_s_sync": batch / sync_step_s,
-        "tok_s_pipelined": batch / pipelined_step_s,
-    }
+    return (time.perf_counter() - t0) / steps
 
 
 def profile_peer(model_dir: Path, batch: int, capacity: int, steps: int) -> dict:
@@ -94,32 +118,38 @@ def profile_peer(model_dir: Path, batch: int, capacity: int, steps: int) -> dict
     return profile_peer_model(load(str(model_dir))[0], batch, capacity, steps)
 
 
-def profile_peer_model(peer, batch: int, capacity: int, steps: int) -> dict:
-    """:func:`profile_peer` for an mlx-lm model object already built (``peer``)."""
+def peer_timer(peer, batch: int, capacity: int, steps: int) -> Callable[[], dict]:
+    """Prefill mlx-lm's model object ``peer`` (batch rows of capacity/2 zeros into its own KV
+    cache) and warm its step (row i from token i, as :func:`stepserve_timer`); returns a
+    function that times one round of its pipelined loop (seconds per step and tokens/s). Each
+    round restarts at offset capacity/2, so every round attends over capacity/2 +- steps
+    positions, like the static cache."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(peer)
     offset = capacity // 2
     mx.eval(peer(mx.zeros((batch, offset), mx.int32), cache=cache))
 
-    def step(tokens):
-        return mx.argmax(peer(tokens[:, None], cache=cache)[:, -1, :], axis=-1)
+    def step(tokens: mx.array) -> tuple[mx.array]:
+        logits = peer(tokens[:, None], cache=cache)[:, -1, :]
+        return (distinct_rows(mx.argmax(logits, axis=-1), logits.shape[-1]),)
 
-    tokens = step(mx.zeros((batch,), mx.int32))
-    mx.eval(tokens)
-    for c in cache:  # keep the offset fixed at capacity/2 +- steps, like the static cache
-        c.offset = offset
-    tokens = step(tokens)
-    mx.async_eval(tokens)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        nxt = step(tokens)
-        mx.async_eval(nxt)
-        tokens.tolist()
-        tokens = nxt
-    tokens.tolist()
-    step_s = (time.perf_counter() - t0) / steps
-    return {"pipelined_step_s": step_s, "tok_s_pipelined": batch / step_s}
+    first = mx.arange(batch, dtype=mx.int32)
+    mx.eval(step(first))
+
+    def timed_round() -> dict:
+        for c in cache:
+            c.offset = offset
+        step_s = _pipelined_seconds(step, step(first)[0], steps)
+        return {"pipelined_step_s": step_s, "tok_s_pipelined": batch / step_s}
+
+    return timed_round
+
+
+def profile_peer_model(peer, batch: int, capacity: int, steps: int) -> dict:
+    """:func:`profile_peer` for an mlx-lm model object already built (``peer``): one round of
+    :func:`peer_timer`."""
+    return peer_timer(peer, batch, capacity, steps)()
 
 
 def _parser() -> argparse.ArgumentParser:
