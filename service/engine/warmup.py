@@ -130,8 +130,9 @@ def run(runner: ModelRunner, steps: list[Step], progress: Callable[[int, str], N
 
 def rehearse(engine: Engine, spec: WarmupSpec) -> list[str]:
     """Run dummy requests through ``engine.step()`` before ready, so the paths built eagerly on
-    first use — slot inserts, batch and capacity moves, chunked prefill, prefix-cache copies,
-    seeded sampling — are built now rather than under the first requests.
+    first use — slot inserts, batch moves down and up (arrivals joining a decoding batch: the
+    cache padded with live rows), capacity moves, chunked prefill, prefix-cache copies, seeded
+    sampling — are built now rather than under the first requests.
 
     Runs on the engine thread, before it serves; the requests are marked ``warmup`` (no
     metrics) and the prefix cache is emptied afterwards. Returns what ran, one line each.
@@ -150,42 +151,58 @@ def rehearse(engine: Engine, spec: WarmupSpec) -> list[str]:
         seq.warmup = True
         return seq
 
+    # Each scenario is a list of waves: a wave is submitted once the previous one is decoding.
+    growth = [b for b in buckets.batch if b <= rows]
+    arrivals, joined = [], 0
+    for b in growth:  # requests join a decoding batch until it holds each batch bucket in turn
+        arrivals.append([request(4 + i % 9, 2 * len(growth) + 4, 400 + i) for i in range(joined, b)])
+        joined = b
     scenarios = {
         f"a burst of {rows} short requests, greedy, sampled and seeded (batch moves up and down)": [
-            request(min(5 + 3 * i, short_top), 2 + i % 5, i, temperature=0.7 * (i % 2), seed=i if i % 2 else None)
-            for i in range(rows)
+            [
+                request(min(5 + 3 * i, short_top), 2 + i % 5, i, temperature=0.7 * (i % 2), seed=i if i % 2 else None)
+                for i in range(rows)
+            ]
         ],
-        f"a {long}-token prompt (prefill in chunks of {spec.chunk_tokens})": [request(long, 3, 100)],
+        f"requests joining a decoding batch, up to {rows} (batch moves up with live rows: {growth})": arrivals,
+        f"a {long}-token prompt (prefill in chunks of {spec.chunk_tokens})": [[request(long, 3, 100)]],
         "penalties, a logit bias and logprobs (the logits processors; steps read back before the next)": [
-            request(
-                6,
-                3,
-                300,
-                temperature=0.5,
-                presence_penalty=0.5,
-                repetition_penalty=1.1,
-                logit_bias=((1, 1.0),),
-                logprobs=2,
-            ),
+            [
+                request(
+                    6,
+                    3,
+                    300,
+                    temperature=0.5,
+                    presence_penalty=0.5,
+                    repetition_penalty=1.1,
+                    logit_bias=((1, 1.0),),
+                    logprobs=2,
+                )
+            ],
         ],
-        f"the same {long}-token prompt again (a prefix-cache hit, when the cache is on)": [request(long, 2, 100)],
+        f"the same {long}-token prompt again (a prefix-cache hit, when the cache is on)": [[request(long, 2, 100)]],
         f"a {near_edge}-token prompt that grows past its capacity bucket (a capacity move)": [
-            request(near_edge, 4, 200)
+            [request(near_edge, 4, 200)]
         ],
     }
     if runner.speculator is not None:  # verify steps (forced on: what they build is built whatever warm-up measured)
         words = [1 + (500 + 11 * i) % (vocab - 1) for i in range(4)]
         copy = max(8, min(short_top, 24))
-        scenarios["speculative decoding: repetitive prompts, greedy and seeded (verify steps)"] = [
-            request(1, 6, 0, temperature=0.6 * i, seed=i or None) for i in range(min(rows, 2))
-        ]
-        for seq in scenarios["speculative decoding: repetitive prompts, greedy and seeded (verify steps)"]:
+        speculating = [request(1, 6, 0, temperature=0.6 * i, seed=i or None) for i in range(min(rows, 2))]
+        for seq in speculating:
             seq.prompt_ids = (words * copy)[:copy]
+        scenarios["speculative decoding: repetitive prompts, greedy and seeded (verify steps)"] = [speculating]
         runner.speculator.forced = True
     done = []
-    for name, seqs in scenarios.items():
-        for seq in seqs:
-            engine.submit(seq)
+    for name, waves in scenarios.items():
+        seqs: list[Sequence] = []
+        for wave in waves:
+            for seq in wave:
+                engine.submit(seq)
+            seqs += wave
+            if len(waves) > 1:  # admitted, prefilled and decoding before the next wave arrives
+                engine.step()
+                engine.step()
         while not all(s.finish_reason is not None for s in seqs):
             engine.step()
         while runner.busy:  # a step still in flight for a row that already stopped

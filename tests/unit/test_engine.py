@@ -175,3 +175,33 @@ def test_a_request_cancelled_mid_prefill_frees_everything(params):
     engine.step()
     assert ended.is_set() and finals[0].finish_reason is FinishReason.CANCELLED
     assert seq.staging is None and engine.idle and not engine.runner.busy
+
+
+def test_the_rehearsal_grows_a_decoding_batch_through_each_batch_bucket(params, monkeypatch):
+    """Arrivals that join a batch already decoding pad its cache with the live rows in it (a
+    path with its own eager kernels, built on first use on a GPU): the warm-up rehearsal must
+    take it, up through every batch bucket it warms, before the engine is ready."""
+    from models.kv_cache import KVCache
+
+    moves = []
+    resized = KVCache.batch_resized
+
+    def spy(self, batch):
+        moves.append((self.batch, batch))
+        return resized(self, batch)
+
+    monkeypatch.setattr(KVCache, "batch_resized", spy)
+    model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
+    engine = Engine(
+        model,
+        BUCKETS,
+        CompileCache(True, lambda *a: None, lambda s: None),
+        Metrics(CollectorRegistry(), version="t", device="cpu"),
+    )
+    engine.start(WarmupSpec(prompt_tokens=8, batch=4))
+    try:
+        assert engine.ready.wait(60)
+    finally:
+        engine.stop()
+    assert (1, 2) in moves and (2, 4) in moves, moves
+    assert any("joining a decoding batch" in line for line in engine.rehearsed)

@@ -47,7 +47,7 @@ step() {  # name seconds-needed: run step_<name> unless done, or unless too litt
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $R/device.txt 2>&1
 
 SMALL=("${BASE[@]}" --prefix-cache-bytes 0)
-step_warm() { start warm 8090 "${BASE[@]}" && stop; }  # the prefix cache on: its copies are JIT-compiled too
+step_warm() { start warm 8090 "${SMALL[@]}" && stop; }  # the first bursts' own configuration
 burst() {  # name port concurrency: a fresh server (prefix cache off), a first burst right after /readyz
   python3 -m service.cli serve --port $2 "${SMALL[@]}" > $R/$1.log 2>&1 & echo $! > /tmp/srv.pid
   bench --workload first-burst --url http://127.0.0.1:$2 --concurrency $3 --max-tokens 32 --ready-timeout-s 200 \
@@ -56,7 +56,8 @@ burst() {  # name port concurrency: a fresh server (prefix cache off), a first b
 }
 step_burst8a() { burst burst8a 8100 8; stop; }
 step_burst8b() { burst burst8b 8101 8; stop; }
-step_burst32() { burst burst32 8102 32; stop; }
+step_burst32a() { burst burst32a 8102 32; stop; }
+step_burst32b() { burst burst32b 8103 32; stop; }
 step_prefix() {  # 8 chat streams sharing a 1,545-token prompt: the prefix cache on and off, at two switch intervals
   local port=8110
   for sw in 0.005 0.0005 0.005 0.0005; do
@@ -97,7 +98,8 @@ step_moe() {
 step warm 300
 step burst8a 60
 step burst8b 60
-step burst32 60
+step burst32a 60
+step burst32b 60
 step prefix 300
 step constrained 200
 step moe 150
