@@ -56,10 +56,7 @@ def create_app(
         loaded = models or load_models(settings)
         for spec in specs:
             draft = loaded.get(draft_name(spec.name))
-            rehearsal = _http_rehearsal(app, spec.name, loaded[spec.name], settings)
-            state.engines[spec.name] = _start_engine(
-                settings, spec, loaded[spec.name], metrics, progress, draft, rehearsal
-            )
+            state.engines[spec.name] = _start_engine(settings, spec, loaded[spec.name], metrics, progress, draft, app)
         watchdog.start()
         try:
             yield
@@ -98,7 +95,7 @@ def _start_engine(
     metrics: Metrics,
     progress: Callable[[int, str], None] | None,
     draft: LoadedModel | None = None,
-    http_rehearsal: Callable[[], Future[list[str]]] | None = None,
+    app: FastAPI | None = None,
 ) -> Engine:
     """Build ``model``'s engine (with speculative decoding as ``spec`` says; ``draft``: its
     draft model) and start its thread, which warms up, then serves."""
@@ -141,14 +138,19 @@ def _start_engine(
         settings.max_batched_tokens,
         settings.warmup_rehearsal,
     )
-    engine.start(warmup, progress, http_rehearsal)
+    http = None if app is None else _http_rehearsal(app, spec.name, model, settings, batch, buckets.capacity[-1])
+    engine.start(warmup, progress, http)
     return engine
 
 
-def _http_rehearsal(app: FastAPI, name: str, model: LoadedModel, settings: Settings) -> Callable[[], Future[list[str]]]:
-    """What starts ``name``'s HTTP rehearsal (:func:`service.api.rehearsal.run`) on the running
-    event loop, from the engine thread."""
+def _http_rehearsal(
+    app: FastAPI, name: str, model: LoadedModel, settings: Settings, streams: int, capacity: int
+) -> Callable[[], Future[list[str]]]:
+    """What starts ``name``'s HTTP rehearsal (:func:`service.api.rehearsal.run`: each route,
+    then a burst of ``streams`` requests, the warmed concurrency) on the running event loop,
+    from the engine thread."""
     loop = asyncio.get_running_loop()
     chat = bool(getattr(model.tokenizer, "chat_template", None))
     key = settings.api_key.get_secret_value() if settings.api_key else None
-    return lambda: asyncio.run_coroutine_threadsafe(rehearsal.run(app, name, chat, key), loop)
+    longest = max(2, min(200, capacity // 4))  # words: a few hundred tokens at most, well inside the capacity
+    return lambda: asyncio.run_coroutine_threadsafe(rehearsal.run(app, name, chat, key, streams, longest), loop)

@@ -11,6 +11,7 @@ task): routes accept them before the model is ready, and they are left out of ev
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextvars import ContextVar
 from typing import Any
@@ -61,9 +62,24 @@ def plan(model: str, chat: bool) -> list[tuple[str, str, dict[str, Any]]]:
     return steps
 
 
-async def run(app, model: str, chat: bool, api_key: str | None) -> list[str]:
+def burst(model: str, streams: int, longest_words: int) -> list[dict[str, Any]]:
+    """The bodies of a burst of ``streams`` concurrent, greedy, streamed completions, as a
+    client's first burst sends them: prompts of 2 to ``longest_words`` words (spread over the
+    prompt buckets) and 3 to 24 tokens out, so rows finish at different steps and later
+    arrivals join a batch with holes in it."""
+    words = "the quick brown fox jumps over a lazy dog while seven bakers sing".split()
+    bodies = []
+    for i in range(streams):
+        n = 2 + (i * 37) % max(1, longest_words - 1)
+        prompt = " ".join(words[(i + j) % len(words)] for j in range(n))
+        bodies.append({"model": model, "prompt": prompt, "max_tokens": 3 + (i * 7) % 22, "stream": True})
+    return bodies
+
+
+async def run(app, model: str, chat: bool, api_key: str | None, streams: int = 1, longest_words: int = 64) -> list[str]:
     """Send :func:`plan`'s requests to ``app`` in process (``httpx.ASGITransport``: the whole
-    middleware stack and the routes, not the socket) and return one line per request.
+    middleware stack and the routes, not the socket), one after another, then :func:`burst`'s
+    ``streams`` requests at once; returns one line per request (one for the burst).
 
     A request that does not answer 200 is logged as a warning and reported; it does not stop
     the server from becoming ready (the same request from a client gets the same answer).
@@ -80,6 +96,18 @@ async def run(app, model: str, chat: bool, api_key: str | None) -> list[str]:
                     log.warning("HTTP rehearsal: %s answered %d: %s", what, response.status_code, response.text[:300])
                     what += f" (answered {response.status_code})"
                 done.append(f"HTTP {what}")
+            if streams > 1:
+                bodies = burst(model, streams, longest_words)
+                answers = await asyncio.gather(
+                    *(client.post("/v1/completions", json=body, timeout=None) for body in bodies)
+                )
+                failed = [a.status_code for a in answers if a.status_code != 200]
+                if failed:
+                    log.warning("HTTP rehearsal: the burst had answers %s", failed)
+                done.append(
+                    f"HTTP a burst of {streams} streamed completions at once"
+                    + (f" ({len(failed)} not 200)" if failed else "")
+                )
     finally:
         REHEARSAL.reset(token)
     return done

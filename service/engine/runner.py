@@ -237,7 +237,7 @@ class ModelRunner:
             mx.async_eval(logits)
             before_select()
         keys = [self._keys.get(s.request_id) if s else None for s in rows]
-        tokens, next_keys, lp = self.select(logits, rows, keys)
+        tokens, next_keys, lp = self.select(logits, rows, keys, queued=before_select is not None)
         for i, seq in enumerate(rows):
             if seq is not None:
                 seq.position += 1
@@ -334,10 +334,10 @@ class ModelRunner:
     # -- sampling ------------------------------------------------------------------------
 
     def select(
-        self, logits: mx.array, rows: list[Sequence | None], keys: list[mx.array | None]
+        self, logits: mx.array, rows: list[Sequence | None], keys: list[mx.array | None], queued: bool = False
     ) -> tuple[mx.array, list[mx.array | None], tuple[mx.array, mx.array, mx.array] | None]:
         """Pick one token per row of ``logits`` [B, V] (:meth:`TokenSelector.select`)."""
-        return self.selector.select(logits, rows, keys)
+        return self.selector.select(logits, rows, keys, queued)
 
     # -- prefill -------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ class TokenSelector:
         self.masks, self.mask_seconds = 0, 0.0  # grammar masks computed so far, and their host seconds
 
     def select(
-        self, logits: mx.array, rows: list[Sequence | None], keys: list[mx.array | None]
+        self, logits: mx.array, rows: list[Sequence | None], keys: list[mx.array | None], queued: bool = False
     ) -> tuple[mx.array, list[mx.array | None], tuple[mx.array, mx.array, mx.array] | None]:
         """Pick one token per row of ``logits`` [B, V] with each row's parameters.
 
@@ -38,13 +38,15 @@ class TokenSelector:
         long. Each part runs only when some row needs it: the logits processors (penalties, a
         logit bias, a grammar's mask; inputs built here on the host), the sampler of batch
         bucket B (else the shapeless greedy step), the logprobs
-        (:func:`models.sampling.logprobs`, of the unprocessed logits).
+        (:func:`models.sampling.logprobs`, of the unprocessed logits). ``queued``: the caller
+        has already queued ``logits`` (``mx.async_eval``); queueing it again costs host time.
         """
         B = logits.shape[0]
         live = [s for s in rows if s is not None]
         raw = logits
         if any(s.params.processed for s in live):
-            mx.async_eval(logits)  # the forward pass runs while the host builds the processors' inputs
+            if not queued:
+                mx.async_eval(logits)  # the forward pass runs while the host builds the processors' inputs
             inputs, masks, seconds = self.processor_inputs.build(rows, B)
             self.masks, self.mask_seconds = self.masks + masks, self.mask_seconds + seconds
             logits = self._step_fn("process", B)(logits, *inputs)

@@ -46,6 +46,7 @@ def test_warmup_sends_every_route_a_request_before_ready_and_counts_none(server)
     for route in ("/infer", "/infer streamed", "/v1/completions", "/v1/chat/completions streamed"):
         assert f"HTTP {route}" in http
     assert any("JSON object" in line for line in http) and any("tool call" in line for line in http)
+    assert any(line.startswith("HTTP a burst of 4 streamed completions") for line in http)  # the warmed concurrency
     assert not [line for line in http if "answered" in line or "failed" in line]  # each answered 200
     for name in (
         "stepserve_requests_total",

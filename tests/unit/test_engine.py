@@ -205,3 +205,29 @@ def test_the_rehearsal_grows_a_decoding_batch_through_each_batch_bucket(params, 
         engine.stop()
     assert (1, 2) in moves and (2, 4) in moves, moves
     assert any("joining a decoding batch" in line for line in engine.rehearsed)
+
+
+def test_the_rehearsal_fills_holes_in_a_decoding_batch(params, monkeypatch):
+    """Requests that end leave holes; arrivals that fill them are copied into slots that are
+    not consecutive (an indexed copy, not a slice: its own kernels on a GPU), as long as the
+    batch stays in its bucket (8 rows, 3 ended). The rehearsal takes that path before ready."""
+    from models.kv_cache import KVCache
+
+    slot_sets = []
+    insert = KVCache.insert_rows
+
+    def spy(self, slots, src, rows, lengths):
+        slot_sets.append(list(slots))
+        return insert(self, slots, src, rows, lengths)
+
+    monkeypatch.setattr(KVCache, "insert_rows", spy)
+    model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
+    metrics = Metrics(CollectorRegistry(), version="t", device="cpu")
+    buckets = BucketTable(batch=(1, 8), prompt=(8, 16), capacity=(16, 24, 32))
+    engine = Engine(model, buckets, CompileCache(True, lambda *a: None, lambda s: None), metrics)
+    engine.start(WarmupSpec(prompt_tokens=8, batch=8))
+    try:
+        assert engine.ready.wait(60)
+    finally:
+        engine.stop()
+    assert any(s != list(range(s[0], s[0] + len(s))) for s in slot_sets), slot_sets
