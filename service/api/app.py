@@ -138,19 +138,19 @@ def _start_engine(
         settings.max_batched_tokens,
         settings.warmup_rehearsal,
     )
-    http = None if app is None else _http_rehearsal(app, spec.name, model, settings, batch, buckets.capacity[-1])
+    http = None if app is None else _http_rehearsal(app, spec.name, model, settings, batch, prompt_tokens)
     engine.start(warmup, progress, http)
     return engine
 
 
 def _http_rehearsal(
-    app: FastAPI, name: str, model: LoadedModel, settings: Settings, streams: int, capacity: int
+    app: FastAPI, name: str, model: LoadedModel, settings: Settings, streams: int, prompt_tokens: int
 ) -> Callable[[], Future[list[str]]]:
     """What starts ``name``'s HTTP rehearsal (:func:`service.api.rehearsal.run`: each route,
-    then a burst of ``streams`` requests, the warmed concurrency) on the running event loop,
-    from the engine thread."""
+    then a burst of ``streams`` requests, the warmed concurrency; prompts within the warmed
+    ``prompt_tokens``) on the running event loop, from the engine thread."""
     loop = asyncio.get_running_loop()
     chat = bool(getattr(model.tokenizer, "chat_template", None))
     key = settings.api_key.get_secret_value() if settings.api_key else None
-    longest = max(2, min(200, capacity // 4))  # words: a few hundred tokens at most, well inside the capacity
-    return lambda: asyncio.run_coroutine_threadsafe(rehearsal.run(app, name, chat, key, streams, longest), loop)
+    limit = min(prompt_tokens, 256)  # the burst's prompts: up to a few hundred tokens
+    return lambda: asyncio.run_coroutine_threadsafe(rehearsal.run(app, name, chat, key, streams, limit), loop)

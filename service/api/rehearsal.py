@@ -18,6 +18,8 @@ from typing import Any
 
 import httpx
 
+from service.api.tools import render_messages
+
 log = logging.getLogger("stepserve.api")
 
 REHEARSAL: ContextVar[bool] = ContextVar("stepserve_rehearsal", default=False)
@@ -76,14 +78,24 @@ def burst(model: str, streams: int, longest_words: int) -> list[dict[str, Any]]:
     return bodies
 
 
-async def run(app, model: str, chat: bool, api_key: str | None, streams: int = 1, longest_words: int = 64) -> list[str]:
+def prompt_tokens(tokenizer, body: dict[str, Any]) -> int:
+    """Tokens of a rehearsal request's prompt (chat messages through the chat template)."""
+    if "messages" in body:  # as the chat route renders them (a template without tools: the fallback prompt)
+        return len(tokenizer.encode(render_messages(tokenizer, body["messages"], body.get("tools"))))
+    return len(tokenizer.encode(body["prompt"]))
+
+
+async def run(app, model: str, chat: bool, api_key: str | None, streams: int = 1, limit: int = 64) -> list[str]:
     """Send :func:`plan`'s requests to ``app`` in process (``httpx.ASGITransport``: the whole
     middleware stack and the routes, not the socket), one after another, then :func:`burst`'s
     ``streams`` requests at once; returns one line per request (one for the burst).
 
-    A request that does not answer 200 is logged as a warning and reported; it does not stop
-    the server from becoming ready (the same request from a client gets the same answer).
+    Only prompts of at most ``limit`` tokens are sent (the warm-up's extent: a longer one would
+    build buckets the warm-up left cold on purpose); a request that does not fit is reported as
+    skipped. A request that does not answer 200 is logged as a warning and reported; it does not
+    stop the server from becoming ready (the same request from a client gets the same answer).
     """
+    tokenizer = app.state.stepserve.engines[model].model.tokenizer
     token = REHEARSAL.set(True)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     done = []
@@ -91,13 +103,16 @@ async def run(app, model: str, chat: bool, api_key: str | None, streams: int = 1
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://rehearsal", headers=headers) as client:
             for what, path, body in plan(model, chat):
+                if (n := prompt_tokens(tokenizer, body)) > limit:
+                    done.append(f"HTTP {what}: skipped ({n} prompt tokens, past the warm-up's {limit})")
+                    continue
                 response = await client.post(path, json=body, timeout=None)
                 if response.status_code != 200:
                     log.warning("HTTP rehearsal: %s answered %d: %s", what, response.status_code, response.text[:300])
                     what += f" (answered {response.status_code})"
                 done.append(f"HTTP {what}")
             if streams > 1:
-                bodies = burst(model, streams, longest_words)
+                bodies = [b for b in burst(model, streams, max(2, limit // 2)) if prompt_tokens(tokenizer, b) <= limit]
                 answers = await asyncio.gather(
                     *(client.post("/v1/completions", json=body, timeout=None) for body in bodies)
                 )

@@ -74,7 +74,7 @@ class TokenGrammar:
         """
         if not isinstance(schema, dict):
             raise GrammarError("schema: must be a JSON object")
-        source = json.dumps(schema, sort_keys=True)
+        source = json.dumps(schema)  # key order kept: it is the order of the generated JSON's keys
         if (cached := self._cached(("schema", source, strict))) is not None:
             return cached
         options = {**_JSON_OPTIONS, **({} if strict else {"lenient": True})}
