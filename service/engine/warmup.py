@@ -131,8 +131,9 @@ def run(runner: ModelRunner, steps: list[Step], progress: Callable[[int, str], N
 def rehearse(engine: Engine, spec: WarmupSpec) -> list[str]:
     """Run dummy requests through ``engine.step()`` before ready, so the paths built eagerly on
     first use — slot inserts, batch moves down and up (arrivals joining a decoding batch: the
-    cache padded with live rows), capacity moves, chunked prefill, prefix-cache copies, seeded
-    sampling — are built now rather than under the first requests.
+    cache padded with live rows), one prompt sent twice (a gather of logits rows), capacity
+    moves, chunked prefill, prefix-cache copies, seeded sampling — are built now rather than
+    under the first requests.
 
     Runs on the engine thread, before it serves; the requests are marked ``warmup`` (no
     metrics) and the prefix cache is emptied afterwards. Returns what ran, one line each.
@@ -168,6 +169,9 @@ def rehearse(engine: Engine, spec: WarmupSpec) -> list[str]:
         "arrivals filling the slots of requests that ended (holes in a decoding batch)": [
             [request(3 + i % 11, 2 if i % 3 == 0 else 12, 600 + i) for i in range(rows)],
             [request(6 + i % 7, 4, 700 + i) for i in range(0, rows, 3)],  # as many as ended
+        ],
+        "one prompt sent twice at once (its requests share a prefill row: their logits rows are gathered)": [
+            [request(7, 3, 900), request(7, 3, 900), request(9, 3, 901)]
         ],
         f"a {long}-token prompt (prefill in chunks of {spec.chunk_tokens})": [[request(long, 3, 100)]],
         "penalties, a logit bias and logprobs (the logits processors; steps read back before the next)": [

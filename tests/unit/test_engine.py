@@ -231,3 +231,28 @@ def test_the_rehearsal_fills_holes_in_a_decoding_batch(params, monkeypatch):
     finally:
         engine.stop()
     assert any(s != list(range(s[0], s[0] + len(s))) for s in slot_sets), slot_sets
+
+
+def test_the_rehearsal_prefills_one_prompt_sent_twice_in_one_row(params, monkeypatch):
+    """Requests with the same prompt in one prefill share a row and gather their logits rows (a
+    kernel of its own on a GPU, built on first use: a fresh H100's first burst of 32 essays,
+    which repeat, waited 3.6-4.5 s on it). The rehearsal builds it before ready."""
+    from service.engine.prefill import Prefiller
+
+    groups = []
+    whole = Prefiller._whole
+
+    def spy(self, group):
+        groups.append([tuple(s.prompt_ids) for s in group])
+        return whole(self, group)
+
+    monkeypatch.setattr(Prefiller, "_whole", spy)
+    model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
+    metrics = Metrics(CollectorRegistry(), version="t", device="cpu")
+    engine = Engine(model, BUCKETS, CompileCache(True, lambda *a: None, lambda s: None), metrics)
+    engine.start(WarmupSpec(prompt_tokens=8, batch=4))
+    try:
+        assert engine.ready.wait(60)
+    finally:
+        engine.stop()
+    assert any(len(set(g)) < len(g) for g in groups), groups
