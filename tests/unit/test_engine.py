@@ -236,7 +236,7 @@ def test_the_rehearsal_fills_holes_in_a_decoding_batch(params, monkeypatch):
 def test_the_rehearsal_prefills_one_prompt_sent_twice_in_one_row(params, monkeypatch):
     """Requests with the same prompt in one prefill share a row and gather their logits rows (a
     kernel of its own on a GPU, built on first use: a fresh H100's first burst of 32 essays,
-    which repeat, waited 3.6-4.5 s on it). The rehearsal builds it before ready."""
+    16 prompts sent twice, waited 3.6-4.5 s on it). The rehearsal builds it before ready."""
     from service.engine.prefill import Prefiller
 
     groups = []
