@@ -150,7 +150,8 @@ def _http_rehearsal(
     then a burst of ``streams`` requests, the warmed concurrency; prompts within the warmed
     ``prompt_tokens``) on the running event loop, from the engine thread."""
     loop = asyncio.get_running_loop()
-    chat = bool(getattr(model.tokenizer, "chat_template", None))
     key = settings.api_key.get_secret_value() if settings.api_key else None
     limit = min(prompt_tokens, 256)  # the burst's prompts: up to a few hundred tokens
-    return lambda: asyncio.run_coroutine_threadsafe(rehearsal.run(app, name, chat, key, streams, limit), loop)
+    return lambda: asyncio.run_coroutine_threadsafe(
+        rehearsal.run(app, name, model.tokenizer, key, streams, limit), loop
+    )

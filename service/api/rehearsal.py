@@ -85,17 +85,19 @@ def prompt_tokens(tokenizer, body: dict[str, Any]) -> int:
     return len(tokenizer.encode(body["prompt"]))
 
 
-async def run(app, model: str, chat: bool, api_key: str | None, streams: int = 1, limit: int = 64) -> list[str]:
-    """Send :func:`plan`'s requests to ``app`` in process (``httpx.ASGITransport``: the whole
-    middleware stack and the routes, not the socket), one after another, then :func:`burst`'s
-    ``streams`` requests at once; returns one line per request (one for the burst).
+async def run(app, model: str, tokenizer, api_key: str | None, streams: int = 1, limit: int = 64) -> list[str]:
+    """Send :func:`plan`'s requests for ``model`` (its ``tokenizer`` counts their prompt tokens;
+    with a chat template the chat routes are rehearsed too) to ``app`` in process
+    (``httpx.ASGITransport``: the whole middleware stack and the routes, not the socket), one
+    after another, then :func:`burst`'s ``streams`` requests at once; returns one line per
+    request (one for the burst).
 
     Only prompts of at most ``limit`` tokens are sent (the warm-up's extent: a longer one would
     build buckets the warm-up left cold on purpose); a request that does not fit is reported as
     skipped. A request that does not answer 200 is logged as a warning and reported; it does not
     stop the server from becoming ready (the same request from a client gets the same answer).
     """
-    tokenizer = app.state.stepserve.engines[model].model.tokenizer
+    chat = bool(getattr(tokenizer, "chat_template", None))
     token = REHEARSAL.set(True)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     done = []
