@@ -256,3 +256,17 @@ def test_the_rehearsal_prefills_one_prompt_sent_twice_in_one_row(params, monkeyp
     finally:
         engine.stop()
     assert any(len(set(g)) < len(g) for g in groups), groups
+
+
+def test_the_rehearsal_fits_a_waiting_queue_shorter_than_its_bursts(params):
+    """`max_waiting` 1 with 4 warmed rows: the rehearsal's waves wait for room in the queue
+    instead of failing warm-up (the engine then never becomes ready)."""
+    model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
+    metrics = Metrics(CollectorRegistry(), version="t", device="cpu")
+    engine = Engine(model, BUCKETS, CompileCache(True, lambda *a: None, lambda s: None), metrics, max_waiting=1)
+    engine.start(WarmupSpec(prompt_tokens=8, batch=4))
+    try:
+        assert engine.ready.wait(60), engine.not_ready_reason
+    finally:
+        engine.stop()
+    assert any("sent twice" in line for line in engine.rehearsed)
