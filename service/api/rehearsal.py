@@ -67,14 +67,13 @@ def plan(model: str, chat: bool) -> list[tuple[str, str, dict[str, Any]]]:
 def burst(model: str, streams: int, longest_words: int) -> list[dict[str, Any]]:
     """The bodies of a burst of ``streams`` concurrent, greedy, streamed completions, as a
     client's first burst sends them: prompts of 2 to ``longest_words`` words (spread over the
-    prompt buckets) and 3 to 24 tokens out, so rows finish at different steps and later
-    arrivals join a batch with holes in it."""
+    prompt buckets) and 2 to 6 tokens out, so rows finish at different steps."""
     words = "the quick brown fox jumps over a lazy dog while seven bakers sing".split()
     bodies = []
     for i in range(streams):
         n = 2 + (i * 37) % max(1, longest_words - 1)
         prompt = " ".join(words[(i + j) % len(words)] for j in range(n))
-        bodies.append({"model": model, "prompt": prompt, "max_tokens": 3 + (i * 7) % 22, "stream": True})
+        bodies.append({"model": model, "prompt": prompt, "max_tokens": 2 + i % 5, "temperature": 0, "stream": True})
     return bodies
 
 

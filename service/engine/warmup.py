@@ -168,7 +168,7 @@ def rehearse(engine: Engine, spec: WarmupSpec) -> list[str]:
         ],
         f"requests joining a decoding batch, up to {rows} (batch moves up with live rows: {growth})": arrivals,
         "arrivals filling the slots of requests that ended (holes in a decoding batch)": [
-            [request(3 + i % 11, 2 if i % 3 == 0 else 12, 600 + i) for i in range(rows)],
+            [request(3 + i % 11, 2 if i % 3 == 0 else 6, 600 + i) for i in range(rows)],
             [request(6 + i % 7, 4, 700 + i) for i in range(0, rows, 3)],  # as many as ended
         ],
         f"a {long}-token prompt (prefill in chunks of {spec.chunk_tokens})": [[request(long, 3, 100)]],
