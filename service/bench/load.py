@@ -52,6 +52,7 @@ from service.bench.common import (
     stepserve_counters,
     stream_request,
 )
+from service.bench.constrained_schemas import SCHEMAS
 
 LOAD_WORKLOADS = ("essays", "chat-shared-prefix", "copy", "chat")
 WORKLOADS = (*LOAD_WORKLOADS, "long-arrival", "first-burst")
@@ -105,37 +106,6 @@ MASKS, MASK_SECONDS = "stepserve_grammar_masks_total", "stepserve_grammar_mask_s
 TTFT, QUEUE = "stepserve_time_to_first_token_seconds", "stepserve_queue_time_seconds"
 SERVER_SIDE = [f"{TTFT}_sum", f"{TTFT}_count", f"{QUEUE}_sum", f"{QUEUE}_count"]
 ENGINE = "stepserve_engine_seconds_total"
-
-# The schema of the constrained streams (--constrained): JSON notes (the default model closes them after
-# about 18 tokens, so those streams keep sending requests while the free ones run: see run_level).
-NOTES = {
-    "type": "object",
-    "properties": {"title": {"type": "string"}, "notes": {"type": "array", "items": {"type": "string"}}},
-    "required": ["title", "notes"],
-}
-# --constrained-schema report: a longer structured answer (sections of points, at least 4 x 3), which the
-# default model does not close within 128 tokens: its streams send about as many requests as the free ones,
-# so the comparison with free text isolates what constraining a row costs per step.
-REPORT = {
-    "type": "object",
-    "properties": {
-        "title": {"type": "string"},
-        "sections": {
-            "type": "array",
-            "minItems": 4,
-            "items": {
-                "type": "object",
-                "properties": {
-                    "heading": {"type": "string"},
-                    "points": {"type": "array", "minItems": 3, "items": {"type": "string"}},
-                },
-                "required": ["heading", "points"],
-            },
-        },
-    },
-    "required": ["title", "sections"],
-}
-SCHEMAS = {"notes": NOTES, "report": REPORT}
 
 
 @dataclass

@@ -305,8 +305,7 @@ class Engine:
         while not requests.done() and not self._stop.is_set():
             if not self.step():
                 self.scheduler.wait_for_work(IDLE_WAIT_S)
-        self.runner.prefix.evict(self.runner.prefix.nbytes)
-        self.runner.prefix.take_stat(self.model.name)
+        warmup.forget_prefixes(self)
         if not requests.done():
             return []
         if (exc := requests.exception()) is not None:  # a bug to fix, but no reason not to serve

@@ -224,8 +224,13 @@ def rehearse(engine: Engine, spec: WarmupSpec) -> list[str]:
             engine.step()
         done.append(name)
         log.info("warm-up rehearsal: %s", name)
-    runner.prefix.evict(runner.prefix.nbytes)
-    runner.prefix.take_stat(engine.model.name)
+    forget_prefixes(engine)
     if runner.speculator is not None:
         runner.speculator.forced = False
     return done
+
+
+def forget_prefixes(engine: Engine) -> None:
+    """Empty the prefix cache of what a rehearsal's dummy prompts left, uncounted."""
+    engine.runner.prefix.evict(engine.runner.prefix.nbytes)
+    engine.runner.prefix.take_stat(engine.model.name)
