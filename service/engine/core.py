@@ -8,6 +8,7 @@ finishing requests in exactly one place, :meth:`Engine._finish`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -321,6 +322,8 @@ class Engine:
 
     def _warmup(self, spec: WarmupSpec, progress) -> None:
         start = time.perf_counter()
+        spec = dataclasses.replace(spec, batched_chunks=self.runner.executor.batches_chunks)
+        self.runner.prefiller.rows_cap = self.buckets.batch_for(min(spec.batch, self.buckets.batch[-1]))
         steps = warmup.plan(self.buckets, spec)
         warmup.run(self.runner, steps, progress)
         if self.runner.speculator is not None:  # its verify (and draft) steps, and its calibration

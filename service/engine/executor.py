@@ -46,6 +46,8 @@ class Executor:
         cache: the compile cache (the only caller of ``mx.compile``).
     """
 
+    batches_chunks = True  # :meth:`chunk_rows` runs here (a group's leader says False: see group.py)
+
     def __init__(self, model: LoadedModel, cache: CompileCache):
         self.model, self.compiled = model, cache
         a = model.args
@@ -124,6 +126,38 @@ class Executor:
         fn = self.step_fn("chunk", 1, len(tokens), kv.capacity)
         ids, at, n = mx.array([tokens], mx.int32), mx.array([offset], mx.int32), mx.array([length], mx.int32)
         return fn(self.model.params, ids, at, n, kv)
+
+    def chunk_rows(
+        self, kvs: list[KVCache], tokens: list[list[int]], offsets: list[int], lengths: list[int], batch: int
+    ) -> tuple[mx.array, KVCache]:
+        """Prefill one chunk of each of n prompts in one call (the final chunks of prefix-cache
+        hits, or of long prompts, that share a chunk bucket T and a staging capacity C).
+
+        ``kvs`` are the n batch-1 staging caches [1, Hkv, C, D] per layer; row i's ``tokens[i]``
+        (T ids, right-padded; ``lengths[i]`` real) go at positions ``offsets[i]``.. of its row
+        (offsets[i] + T <= C). The rows are copied into one cache of ``batch`` rows (a batch
+        bucket >= n; rows n.. repeat row 0 and prefill a dummy token at offset 0), one
+        concatenation per layer for keys and values, and ``chunk`` runs at (batch, T, C): one
+        compiled call instead of n (on a GPU each call is hundreds of kernel launches).
+
+        Returns (float32 logits [batch, V] at each row's last real token, lazy; the batched
+        cache [batch, Hkv, C, D] per layer, row i holding prompt i). Raises ValueError when
+        the caches' capacities differ or n > batch.
+        """
+        n = len(kvs)
+        if not 0 < n <= batch or len({kv.capacity for kv in kvs}) != 1:
+            raise ValueError(f"{n} staging caches of capacities {[kv.capacity for kv in kvs]} for {batch} rows")
+        rows = kvs + [kvs[0]] * (batch - n)
+        stacked = KVCache(
+            [mx.concatenate(list(layer), axis=0) for layer in zip(*(kv.keys for kv in rows), strict=True)],
+            [mx.concatenate(list(layer), axis=0) for layer in zip(*(kv.values for kv in rows), strict=True)],
+        )
+        T = len(tokens[0])
+        fn = self.step_fn("chunk", batch, T, stacked.capacity)
+        ids = mx.array(tokens + [[0] * T] * (batch - n), mx.int32)
+        at = mx.array(offsets + [0] * (batch - n), mx.int32)
+        real = mx.array(lengths + [1] * (batch - n), mx.int32)
+        return fn(self.model.params, ids, at, real, stacked)
 
     def decode(self, kv: KVCache, tokens: mx.array, positions: list[int]) -> tuple[mx.array, KVCache]:
         """One decode step of every row of ``kv`` [B, Hkv, C, D]: ``tokens`` int32 [B] (possibly

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from models.kv_cache import KVCache
+from service.engine.buckets import BucketTable
 from service.engine.prefix_cache import PrefixCache
 from service.engine.sequence import Sequence
 from service.metrics import StepStat
@@ -58,6 +59,7 @@ class Prefiller:
     def __init__(self, runner: ModelRunner, chunk_tokens: int, prefix: PrefixCache, whole_tokens: int = 2048):
         self.runner, self.chunk_tokens, self.prefix = runner, chunk_tokens, prefix
         self.whole_tokens = max(whole_tokens, chunk_tokens)
+        self.rows_cap = LAST_CHUNK_ROWS  # the engine lowers it to its warmed batch (see last_chunk_rows)
 
     def run(self, seqs: list[Sequence], out: RunnerOutput) -> None:
         """Advance each request's prompt by one chunk (or whole), appending first tokens,
@@ -65,6 +67,7 @@ class Prefiller:
         are read back together: one host sync for the whole step's prefill work."""
         self._pending: list[_Pending] = []
         whole: dict[int, list[Sequence]] = {}
+        finals: dict[tuple[int, int], list[Sequence]] = {}  # last chunks, by (chunk bucket T, staging C)
         for seq in seqs:
             try:
                 if seq.started is None:  # admitted this step
@@ -72,20 +75,39 @@ class Prefiller:
                     self._match_prefix(seq)
                 if seq.num_computed == 0 and len(seq.prompt_ids) <= self.chunk_tokens:
                     whole.setdefault(self.runner.buckets.prompt_for(len(seq.prompt_ids)), []).append(seq)
+                elif (last := self._last_chunk(seq)) is not None:
+                    finals.setdefault(last, []).append(seq)
                 else:
                     self._chunk(seq)
             except Exception as exc:  # one failed request must not take the others down
                 self.runner.executor.raise_if_fatal(exc)
                 out.failed.append((seq, f"prefill failed: {type(exc).__name__}"))
-        for T, group in whole.items():
-            rows = self.runner.buckets.prefill_rows(T, self.whole_tokens)
-            for part in _parts(group, rows):
-                try:
-                    self._whole(part)
-                except Exception as exc:
-                    self.runner.executor.raise_if_fatal(exc)
-                    out.failed += [(seq, f"prefill failed: {type(exc).__name__}") for seq in part]
+        calls = [(self._whole, p) for T, g in whole.items() for p in _parts(g, self._rows(T))]
+        for (T, _), group in finals.items():
+            rows = last_chunk_rows(self.runner.buckets, T, self.whole_tokens, self.rows_cap)
+            calls += [(self._chunks, group[i : i + rows]) for i in range(0, len(group), rows)]
+        for call, part in calls:
+            try:
+                call(part)
+            except Exception as exc:
+                self.runner.executor.raise_if_fatal(exc)
+                out.failed += [(seq, f"prefill failed: {type(exc).__name__}") for seq in part]
         self._read_back(out)
+
+    def _rows(self, T: int) -> int:
+        """The most prompts one call at prompt (or chunk) bucket ``T`` runs together: the
+        largest batch bucket within the step's token budget of padded tokens."""
+        return self.runner.buckets.prefill_rows(T, self.whole_tokens)
+
+    def _last_chunk(self, seq: Sequence) -> tuple[int, int] | None:
+        """(chunk bucket T, staging capacity C) when ``seq``'s next chunk is its prompt's last
+        and the executor can run such chunks of several prompts in one call; else None."""
+        if not self.runner.executor.batches_chunks or self.rows_cap < 2:
+            return None
+        offset, n, T = self.chunk_plan(len(seq.prompt_ids), seq.num_computed)[0]
+        if offset + n < len(seq.prompt_ids):
+            return None
+        return T, self.runner.buckets.staging_for(offset + T)
 
     def chunk_plan(self, length: int, start: int) -> list[tuple[int, int, int]]:
         """(offset, real tokens, bucket T) of each chunk that prefills positions start..length-1.
@@ -130,6 +152,30 @@ class Prefiller:
         else:
             mx.async_eval(kv.keys, kv.values)
             self._pending.append(_Pending([], None, [], kv, stat))
+
+    def _chunks(self, group: list[Sequence]) -> None:
+        """Prefill the last chunk of each prompt of ``group`` (one chunk bucket T, one staging
+        capacity C) in one call at (batch bucket, T, C) (:meth:`Executor.chunk_rows`); a lone
+        prompt takes the batch-1 path. Each samples its first token."""
+        if len(group) == 1:
+            self._chunk(group[0])
+            return
+        runner, start = self.runner, time.perf_counter()
+        executor, kvs, tokens, offsets, lengths = runner.executor, [], [], [], []
+        for seq in group:
+            offset, n, T = self.chunk_plan(len(seq.prompt_ids), seq.num_computed)[0]
+            capacity = runner.buckets.staging_for(offset + T)
+            kv = executor.alloc(1, capacity) if seq.staging is None else seq.staging
+            kvs.append(executor.resize(kv, capacity) if kv.capacity < capacity else kv)
+            tokens.append(seq.prompt_ids[offset : offset + n] + [0] * (T - n))
+            offsets.append(offset)
+            lengths.append(n)
+        B = last_chunk_rows(runner.buckets, len(tokens[0]), self.whole_tokens, self.rows_cap)
+        logits, kv = executor.chunk_rows(kvs, tokens, offsets, lengths, B)
+        for seq in group:
+            seq.staging, seq.num_computed = None, len(seq.prompt_ids)
+        stat = ("chunk", f"b{B}x{len(tokens[0])}c{kv.capacity}", len(group), B, start)
+        self._queue_first_tokens(group, logits, kv, stat)
 
     def _whole(self, group: list[Sequence]) -> None:
         """Prefill ``group`` together; requests with the same prompt (the ``n`` choices of one
@@ -184,6 +230,23 @@ class Prefiller:
                 self.prefix.insert(seq.prompt_ids, p.kv, row)
                 self.runner.keep_key(seq, p.keys[i])
                 out.tokens.append((seq, token_list[i]))
+
+
+LAST_CHUNK_ROWS = 8  # prompts whose last chunks one call runs at most
+
+
+def last_chunk_rows(buckets: BucketTable, T: int, whole_tokens: int, rows_cap: int = LAST_CHUNK_ROWS) -> int:
+    """The batch bucket that a call running several prompts' last chunks at chunk bucket ``T``
+    is padded to (1: such chunks run one by one).
+
+    One batch per chunk bucket, not one per row count: padding a few rows costs a little device
+    work, while every (B, T, C) compiles a function (one more per chunk bucket and staging
+    capacity, warmed before ready). It is the largest batch bucket within ``LAST_CHUNK_ROWS``,
+    ``rows_cap`` (the warmed concurrency) and the step's token budget of padded tokens
+    (``whole_tokens``, :meth:`BucketTable.prefill_rows`).
+    """
+    most = min(LAST_CHUNK_ROWS, rows_cap, buckets.prefill_rows(T, whole_tokens))
+    return max(b for b in buckets.batch if b <= most or b == 1)
 
 
 def _parts(group: list[Sequence], rows: int) -> list[list[Sequence]]:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from service.engine.buckets import BucketTable
+from service.engine.prefill import last_chunk_rows
 from service.engine.scheduler import QueueFullError
 from service.engine.sequence import SamplingParams, Sequence
 
@@ -37,6 +38,8 @@ class WarmupSpec:
         max_batched_tokens: the engine's token budget per step (bounds whole-prefill rows).
         rehearse: also run a few dummy requests through the engine's own step, to build the
             eager paths (slot inserts, bucket moves, prefix-cache copies) before ready.
+        batched_chunks: prompts' last chunks of one (T, C) bucket run together, at (B, T, C)
+            (:meth:`Executor.chunk_rows`; a pipeline group's leader runs them one by one).
     """
 
     prompt_tokens: int = 512
@@ -45,6 +48,7 @@ class WarmupSpec:
     chunk_tokens: int = 512
     max_batched_tokens: int = 2048
     rehearse: bool = True
+    batched_chunks: bool = True
 
 
 Step = tuple[str, int, int, int]  # (phase, batch, size, capacity): a compile-cache key's buckets
@@ -58,7 +62,9 @@ def plan(buckets: BucketTable, spec: WarmupSpec) -> list[Step]:
       ``batch`` bounds them too);
     * ``chunk`` (1, T, C): a longer prompt's chunks, and what follows a prefix-cache hit, at
       every chunk bucket T and every staging capacity C >= T the prompts reach
-      (:meth:`BucketTable.staging_for`);
+      (:meth:`BucketTable.staging_for`); with ``batched_chunks``, also (B, T, C) for the one
+      batch bucket B per chunk bucket that the last chunks of several prompts run at together
+      (:func:`service.engine.prefill.last_chunk_rows`);
     * ``decode`` (B, C): batch 1 at every capacity bucket, larger batches up to ``batch`` at the
       capacities of ``batched_positions``;
     * the sampler, the logits processors and the logprobs of every batch bucket above, and the
@@ -81,6 +87,9 @@ def plan(buckets: BucketTable, spec: WarmupSpec) -> list[Step]:
     staging_top = buckets.staging_for(min(spec.prompt_tokens + 1, limit))
     stagings = sorted({buckets.staging_for(c) for c in buckets.capacity if c <= staging_top})
     chunks = [("chunk", 1, t, c) for c in stagings for t in chunk_ts if t <= c]
+    if spec.batched_chunks:
+        last = {t: last_chunk_rows(buckets, t, whole_tokens, rows) for t in chunk_ts}
+        chunks += [("chunk", last[t], t, c) for c in stagings for t in chunk_ts if t <= c and last[t] > 1]
     batched_top = limit if spec.batched_positions is None else buckets.capacity_for(min(spec.batched_positions, limit))
     decode = [
         ("decode", b, c, 0) for b in buckets.batch if b <= rows for c in buckets.capacity if b == 1 or c <= batched_top
@@ -145,6 +154,7 @@ def rehearse(engine: Engine, spec: WarmupSpec) -> list[str]:
     long = max(2, min(spec.chunk_tokens + 40, spec.prompt_tokens, limit - 8))
     near_edge = max(2, min(buckets.capacity[0] - 2, spec.prompt_tokens))
     short_top = max(2, min(spec.prompt_tokens, spec.chunk_tokens, limit - 8))  # the burst's longest prompt
+    hits = min(rows, 3)
 
     def request(length: int, max_tokens: int, base: int, **sampling) -> Sequence:
         ids = [1 + (base + 7 * i) % (vocab - 1) for i in range(length)]
@@ -186,7 +196,8 @@ def rehearse(engine: Engine, spec: WarmupSpec) -> list[str]:
                 )
             ],
         ],
-        f"the same {long}-token prompt again (a prefix-cache hit, when the cache is on)": [[request(long, 2, 100)]],
+        f"the same {long}-token prompt again and {hits - 1} shorter cuts of it, at once (prefix-cache hits, when "
+        "the cache is on; their last chunks run in one call)": [[request(long - j, 2, 100) for j in range(hits)]],
         f"a {near_edge}-token prompt that grows past its capacity bucket (a capacity move)": [
             [request(near_edge, 4, 200)]
         ],

@@ -9,6 +9,8 @@ from models.gguf import default_model_path
 from models.kv_cache import KVCache
 from models.llama import decode, prefill, prefill_chunk
 from models.loader import load_model
+from service.engine.compile_cache import CompileCache
+from service.engine.executor import Executor
 from service.engine.prefix_cache import PrefixCache
 from tests.support import ON_GPU
 
@@ -88,3 +90,30 @@ def test_a_prefix_cache_hit_matches_the_whole_prefill(model, prompt):
     assert hit.num_tokens == 192
     staged = prefix.gather(hit).resized(1024)
     assert_same(chunked(model, prompt, 128, staged, start=192), whole(model, prompt))
+
+
+def test_hits_whose_last_chunks_run_in_one_call_match_each_prefilled_whole(model, prompt):
+    """The engine runs the last chunks of several prompts (here prefix-cache hits of one shared
+    prefix with tails of different lengths) as one call padded to a batch bucket
+    (:meth:`Executor.chunk_rows`): each row's logits and greedy tokens are its prompt's own."""
+    prefix = PrefixCache(block_tokens=32, budget_bytes=10**9)
+    shared = prompt[:200]
+    _, kv = prefill(model.params, mx.array([shared], mx.int32), mx.array([200]), cache(model, 256), args=model.args)
+    prefix.insert(shared, kv)
+    tails = [model.tokenizer.encode(f" Question {i}: " + "why?" * (1 + 3 * i)) for i in range(3)]
+    prompts = [shared + tail for tail in tails]
+    executor = Executor(model, CompileCache(True, lambda *a: None, lambda s: None))
+    staged, tokens, offsets, lengths = [], [], [], []
+    for ids in prompts:
+        hit = prefix.match(ids)
+        assert hit.num_tokens == 192
+        staged.append(prefix.gather(hit, 256))
+        rest = ids[192:]
+        tokens.append(rest + [0] * (64 - len(rest)))
+        offsets.append(192)
+        lengths.append(len(rest))
+    logits, batched = executor.chunk_rows(staged, tokens, offsets, lengths, batch=4)
+    assert logits.shape[0] == 4 and batched.batch == 4
+    for i, ids in enumerate(prompts):
+        row = KVCache([k[i : i + 1] for k in batched.keys], [v[i : i + 1] for v in batched.values])
+        assert_same(greedy_after(model, logits[i : i + 1], row, len(ids)), whole(model, ids))

@@ -15,6 +15,7 @@ from models.loader import LoadedModel
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
 from service.engine.core import Engine, WarmupSpec
+from service.engine.executor import Executor
 from service.engine.prefix_cache import PrefixCache
 from service.engine.sequence import FinalEvent, FinishReason, SamplingParams, Sequence
 from service.metrics import Metrics
@@ -44,9 +45,12 @@ def run_engine(
     requests: list[tuple[list[int], int]],
     prefix_bytes: int = 0,
     one_at_a_time: bool = False,
+    warm_batch: int = 1,
+    alone_first: int = 0,
 ) -> tuple[list[tuple[list[int], FinalEvent]], Metrics]:
-    """Submit ``(prompt, max_tokens)`` requests at once (or each after the previous ended) to a
-    real Engine thread prefilling in chunks of 8 tokens, with a prefix cache of
+    """Submit ``(prompt, max_tokens)`` requests at once (or each after the previous ended; or
+    the first ``alone_first`` so, then the rest at once) to a real Engine thread prefilling in
+    chunks of 8 tokens, warmed for ``warm_batch`` requests, with a prefix cache of
     ``prefix_bytes`` (blocks of 4 tokens); returns each request's (tokens, final event) and
     the engine's metrics."""
     model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(stop), mx.float32, "dequantized", 0.0)
@@ -60,7 +64,7 @@ def run_engine(
         max_batched_tokens=16,
         prefix=PrefixCache(block_tokens=4, budget_bytes=prefix_bytes),
     )
-    engine.start(WarmupSpec(prompt_tokens=8))
+    engine.start(WarmupSpec(prompt_tokens=8, batch=warm_batch))
     assert engine.ready.wait(60)
     results: list[tuple[list[int], FinalEvent] | None] = [None] * len(requests)
     done = threading.Semaphore(0)
@@ -76,9 +80,9 @@ def run_engine(
             seq = Sequence(prompt, SamplingParams(max_tokens=max_tokens), model.tokenizer.detokenizer(), emit)
             seqs.append(seq)
             engine.submit(seq)
-            if one_at_a_time:
+            if one_at_a_time or i < alone_first:
                 assert done.acquire(timeout=60), "a request never finished"
-        for _ in range(0 if one_at_a_time else len(requests)):
+        for _ in range(0 if one_at_a_time else len(requests) - alone_first):
             assert done.acquire(timeout=60), "a request never finished"
     finally:
         engine.stop()
@@ -148,6 +152,28 @@ def test_requests_sharing_a_prefix_at_once_get_their_own_tokens(params):
     results, _ = run_engine(params, frozenset(), requests, prefix_bytes=10**7)
     for (prompt, m), (tokens, _) in zip(requests, results, strict=True):
         assert tokens == reference(params, prompt, m, frozenset(), limit)
+
+
+def test_prefix_hits_arriving_together_prefill_their_last_chunks_in_one_call(params, monkeypatch):
+    """Hits of one shared prefix, sent at once after it is cached, run their last chunks as
+    one batched call (padded to the batch bucket): each still gets its own greedy tokens."""
+    calls: list[tuple[int, int]] = []
+    chunk_rows = Executor.chunk_rows
+
+    def spy(self, kvs, tokens, offsets, lengths, batch):
+        calls.append((len(kvs), batch))
+        return chunk_rows(self, kvs, tokens, offsets, lengths, batch)
+
+    monkeypatch.setattr(Executor, "chunk_rows", spy)
+    limit = BUCKETS.capacity[-1]
+    system = list(range(10, 30))  # 20 tokens: 5 blocks of 4, so each hit prefills its last 2-3 tokens
+    requests = [(system + [3 + 5 * i, 60 - 7 * i][: 1 + i % 2], 5) for i in range(5)]
+    results, _ = run_engine(params, frozenset(), requests, prefix_bytes=10**7, warm_batch=4, alone_first=1)
+    assert calls and all(b == 2 for _, b in calls), calls  # T 8: 2 rows fit the 16-token budget
+    assert any(n == 2 for n, _ in calls), f"no hits' last chunks ran together: {calls}"
+    for (prompt, m), (tokens, _) in zip(requests, results, strict=True):
+        assert tokens == reference(params, prompt, m, frozenset(), limit), f"prompt {prompt}"
+    assert [final.cached_tokens for _, final in results] == [0, 20, 20, 20, 20]
 
 
 def test_a_request_cancelled_mid_prefill_frees_everything(params):
@@ -256,6 +282,35 @@ def test_the_rehearsal_prefills_one_prompt_sent_twice_in_one_row(params, monkeyp
     finally:
         engine.stop()
     assert any(len(set(g)) < len(g) for g in groups), groups
+
+
+def test_the_rehearsal_runs_several_prompts_last_chunks_in_one_call(params, monkeypatch):
+    """The batched last chunks of prefix-cache hits arriving together (copies of each row's
+    staging cache into one, eager, before the compiled call) run before ready."""
+    calls = []
+    chunk_rows = Executor.chunk_rows
+
+    def spy(self, kvs, *args):
+        calls.append(len(kvs))
+        return chunk_rows(self, kvs, *args)
+
+    monkeypatch.setattr(Executor, "chunk_rows", spy)
+    model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
+    metrics = Metrics(CollectorRegistry(), version="t", device="cpu")
+    engine = Engine(
+        model,
+        BUCKETS,
+        CompileCache(True, lambda *a: None, lambda s: None),
+        metrics,
+        chunk_tokens=8,
+        prefix=PrefixCache(block_tokens=4, budget_bytes=10**7),
+    )
+    engine.start(WarmupSpec(prompt_tokens=24, batch=4, chunk_tokens=8, max_batched_tokens=16))
+    try:
+        assert engine.ready.wait(60), engine.not_ready_reason
+    finally:
+        engine.stop()
+    assert any(n >= 2 for n in calls), calls
 
 
 def test_the_rehearsal_fits_a_waiting_queue_shorter_than_its_bursts(params):

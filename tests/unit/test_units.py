@@ -1,11 +1,14 @@
 """Buckets, settings, per-request stop handling and the micro-benchmark functions."""
 
+import dataclasses
+
 import mlx.core as mx
 import pytest
 
 from service.config import ConfigError, load_settings
 from service.engine import warmup
 from service.engine.buckets import BucketLimitError, BucketTable
+from service.engine.prefill import last_chunk_rows
 from service.engine.sequence import FinishReason, SamplingParams, Sequence, TokenEvent
 from service.engine.warmup import WarmupSpec
 
@@ -35,6 +38,17 @@ def test_warmup_covers_every_step_a_single_request_can_reach():
     assert [s for s in steps if s[0] == "chunk"] == [("chunk", 1, 32, 256), ("chunk", 1, 64, 256)]
     assert steps[-4:] == [("sample", 1, 0, 0), ("process", 1, 0, 0), ("logprobs", 1, 0, 0), ("greedy", 0, 0, 0)]
     assert warmup.plan(TABLE, WarmupSpec(prompt_tokens=0)) == []
+
+
+def test_warmup_covers_the_batched_last_chunks_of_concurrent_prompts():
+    """Several prompts' last chunks run together at one batch bucket per chunk bucket (the
+    largest within 8 rows, the warmed batch and the token budget), at every staging capacity."""
+    spec = WarmupSpec(prompt_tokens=40, batch=8, chunk_tokens=64, max_batched_tokens=128)
+    chunks = [s for s in warmup.plan(TABLE, spec) if s[0] == "chunk"]
+    assert [s for s in chunks if s[1] > 1] == [("chunk", 4, 32, 256), ("chunk", 2, 64, 256)]
+    single = warmup.plan(TABLE, dataclasses.replace(spec, batched_chunks=False))
+    assert [s for s in single if s[0] == "chunk"] == [s for s in chunks if s[1] == 1]
+    assert last_chunk_rows(TABLE, 32, 128, rows_cap=1) == 1  # a warmed batch of 1: one by one
 
 
 def test_settings_precedence_cli_over_env_over_toml(tmp_path, monkeypatch):
