@@ -9,7 +9,13 @@ model directory. stepserve loads that directory as it would any (``models.loader
 compute dtype and weight format of the device unless given) and times its compiled decode
 step plus greedy selection (:func:`service.bench.profile.stepserve_timer`); mlx-lm's model
 object, in the same dtype, runs the same pipelined loop with its own KV cache
-(:func:`service.bench.profile.peer_timer`). Only the weights are random: routing over random
+(:func:`service.bench.profile.peer_timer`). With ``--peer-cache kv`` (the default) that cache
+has one offset for the whole batch, so mlx-lm attends with no mask (on a GPU, MLX's fused
+attention kernel) over the positions written so far; stepserve's rows have positions of
+their own, so its step masks them ([B, 1, 1, C] booleans: MLX's CUDA backend then runs
+attention unfused) over the whole capacity bucket. ``--peer-cache batch`` gives mlx-lm the
+cache its batched generation uses for independent requests (``BatchKVCache``: an offset and
+a mask per row), the same kind of attention as stepserve's. Only the weights are random: routing over random
 experts spreads tokens over them as a trained router roughly does, so the step's cost (which
 experts' rows each token gathers) is representative. Both loops keep the rows' tokens
 distinct (:func:`service.bench.profile.distinct_rows`): rows fed the same token would all
@@ -115,6 +121,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per side and batch")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
     parser.add_argument("--weights", choices=["quantized", "dequantized"], default=None)
+    parser.add_argument(
+        "--peer-cache",
+        choices=["kv", "batch"],
+        default="kv",
+        help="mlx-lm's KV cache: one offset for the batch (no mask) or one per row (a mask, as stepserve's)",
+    )
     parser.add_argument("--out", type=Path)
     return parser
 
@@ -149,7 +161,7 @@ def _interleaved(ours, peer, batch: int, args: argparse.Namespace) -> list[dict]
     from service.bench.profile import peer_timer, stepserve_timer
 
     stepserve = stepserve_timer(ours, batch, args.capacity, args.steps, args.repeats)
-    mlx_lm = peer_timer(peer, batch, args.capacity, args.steps)
+    mlx_lm = peer_timer(peer, batch, args.capacity, args.steps, args.peer_cache)
     rounds = []
     for i in range(args.rounds):
         rounds.append({"stepserve": stepserve(), "mlx_lm": mlx_lm()})
@@ -190,6 +202,7 @@ def main(argv: list[str]) -> int:
         "dtype": dtype,
         "weights": weights,
         "bits": args.bits,
+        "peer_cache": args.peer_cache,
         "rounds": args.rounds,
         "config": config,
         "weights_bytes": ours.nbytes,

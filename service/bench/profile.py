@@ -30,6 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import mlx.core as mx
 
@@ -39,21 +40,28 @@ from service.bench.common import device_defaults, machine_info, quiet_compile_ca
 from service.engine.buckets import BucketTable
 from service.engine.runner import ModelRunner
 
+#: mlx-lm's KV cache in :func:`peer_timer`: one offset for the batch, or one per row.
+PeerCache = Literal["kv", "batch"]
+
 
 def stepserve_timer(model: LoadedModel, batch: int, capacity: int, steps: int, repeats: int) -> Callable[[], dict]:
     """Compile and warm stepserve's decode step plus greedy selection at (batch, capacity),
     every row at position capacity/2; returns a function that times one round of it: seconds
     per decode step split as the module docstring says, and tokens/s of the synchronous and
-    pipelined loops. Rounds reuse the compiled step and the KV cache (which no step advances)."""
+    pipelined loops. Rounds reuse the compiled step; each step's KV cache replaces the one
+    before, as :meth:`service.engine.runner.ModelRunner.decode` does, so the step writes its
+    keys and values in place (holding the first cache for every step made each layer's
+    scatter copy its whole buffer first, a cost the server does not pay). The rows stay at
+    capacity/2: each step rewrites that position."""
     runner = ModelRunner(model, BucketTable((batch,), (16,), (capacity,)), quiet_compile_cache(True))
     decode, greedy = runner.step_fn("decode", batch, capacity), runner.step_fn("greedy")
-    kv = runner.new_kv(batch, capacity, ring=True)
+    cache = [runner.new_kv(batch, capacity, ring=True)]  # the latest step's cache (only it is kept)
     py_tokens, py_positions = list(range(batch)), [capacity // 2] * batch
 
     def build(tokens=None):
         toks = mx.array(py_tokens, mx.int32) if tokens is None else tokens
-        logits, new_kv = decode(model.params, toks, mx.array(py_positions, mx.int32), kv)
-        return distinct_rows(greedy(logits), logits.shape[-1]), new_kv
+        logits, cache[0] = decode(model.params, toks, mx.array(py_positions, mx.int32), cache[0])
+        return distinct_rows(greedy(logits), logits.shape[-1]), cache[0]
 
     mx.eval(build())  # compile and JIT the kernels
     mx.eval(build())
@@ -118,28 +126,40 @@ def profile_peer(model_dir: Path, batch: int, capacity: int, steps: int) -> dict
     return profile_peer_model(load(str(model_dir))[0], batch, capacity, steps)
 
 
-def peer_timer(peer, batch: int, capacity: int, steps: int) -> Callable[[], dict]:
+def peer_timer(peer, batch: int, capacity: int, steps: int, cache_kind: PeerCache = "kv") -> Callable[[], dict]:
     """Prefill mlx-lm's model object ``peer`` (batch rows of capacity/2 zeros into its own KV
     cache) and warm its step (row i from token i, as :func:`stepserve_timer`); returns a
     function that times one round of its pipelined loop (seconds per step and tokens/s). Each
-    round restarts at offset capacity/2, so every round attends over capacity/2 +- steps
-    positions, like the static cache."""
-    from mlx_lm.models.cache import make_prompt_cache
+    round restarts at offset capacity/2, so every round attends over capacity/2 + 1 to
+    capacity/2 + steps positions (stepserve's step attends over all ``capacity``, masked).
 
-    cache = make_prompt_cache(peer)
+    ``cache_kind``: ``"kv"``, mlx-lm's ``make_prompt_cache`` (one offset for the whole batch:
+    an integer RoPE offset and no mask, so MLX may use its fused attention kernel, as for one
+    prompt); ``"batch"``, one ``BatchKVCache`` per layer, as mlx-lm's batched generation
+    serves independent requests (a RoPE offset per row and a boolean mask [B, 1, 1, T], the
+    same kind of attention as stepserve's per-row positions)."""
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache, trim_prompt_cache
+
+    if cache_kind == "batch":
+        cache = [BatchKVCache([0] * batch) for _ in peer.layers]
+    else:
+        cache = make_prompt_cache(peer)
     offset = capacity // 2
     mx.eval(peer(mx.zeros((batch, offset), mx.int32), cache=cache))
 
+    fed = [0]  # tokens each row took since the prefill
+
     def step(tokens: mx.array) -> tuple[mx.array]:
         logits = peer(tokens[:, None], cache=cache)[:, -1, :]
+        fed[0] += 1
         return (distinct_rows(mx.argmax(logits, axis=-1), logits.shape[-1]),)
 
     first = mx.arange(batch, dtype=mx.int32)
     mx.eval(step(first))
 
     def timed_round() -> dict:
-        for c in cache:
-            c.offset = offset
+        trim_prompt_cache(cache, fed[0])  # back to offset capacity/2
+        fed[0] = 0
         step_s = _pipelined_seconds(step, step(first)[0], steps)
         return {"pipelined_step_s": step_s, "tok_s_pipelined": batch / step_s}
 

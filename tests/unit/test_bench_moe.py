@@ -39,3 +39,68 @@ def test_tiny_run_writes_every_round(tmp_path, capsys, monkeypatch):
 def test_rounds_below_one_are_refused():
     with pytest.raises(SystemExit):
         moe.main(["--rounds", "0"])
+
+
+TINY = "--layers 1 --experts 4 --top-k 2 --hidden 64 --expert-width 64 --vocab 64".split()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(mlx-lm's tiny random Qwen3-MoE, stepserve's load of the same directory), float32."""
+    import mlx.core as mx
+
+    from models.loader import load_model
+
+    directory = tmp_path_factory.mktemp("moe") / "model"
+    peer = moe.build(moe.moe_config(moe._parser().parse_args(TINY)), 4, directory)
+    return peer, load_model(directory, "moe", mx.float32, "quantized")
+
+
+def test_stepserve_steps_each_take_the_previous_steps_cache(tiny, monkeypatch):
+    """As the runner does: the timer keeps only the latest cache, so the step's cache write
+    can be in place (a cache held for every step makes each layer's scatter copy it first)."""
+    from service.bench import profile
+    from service.engine.runner import ModelRunner
+
+    calls = []
+    step_fn = ModelRunner.step_fn
+
+    def spy(self, phase, *args):
+        fn = step_fn(self, phase, *args)
+        if phase != "decode":
+            return fn
+
+        def decode(params, tokens, positions, kv):
+            logits, new_kv = fn(params, tokens, positions, kv)
+            calls.append((kv, new_kv))
+            return logits, new_kv
+
+        return decode
+
+    monkeypatch.setattr(ModelRunner, "step_fn", spy)
+    figures = profile.stepserve_timer(tiny[1], 2, 32, 3, 2)()
+    assert figures["pipelined_step_s"] > 0 and len(calls) > 5
+    for (_, before), (after, _) in zip(calls, calls[1:], strict=False):
+        assert after is before
+
+
+@pytest.mark.parametrize("kind", ["kv", "batch"])
+def test_peer_rounds_restart_at_half_the_capacity(tiny, kind):
+    """Every round of mlx-lm's loop starts at offset capacity/2, with either cache."""
+    from service.bench import profile
+
+    peer, offsets = tiny[0], []
+
+    class Recorder:
+        layers = peer.layers
+
+        def __call__(self, tokens, cache):
+            offsets.append(cache[0]._idx if kind == "batch" else cache[0].offset)
+            return peer(tokens, cache=cache)
+
+    timer = profile.peer_timer(Recorder(), 2, 32, 3, kind)
+    assert offsets == [0, 16]  # the prefill, the warm-up step
+    for _ in range(2):
+        offsets.clear()
+        assert timer()["pipelined_step_s"] > 0
+        assert offsets == [16, 17, 18, 19]
