@@ -39,6 +39,23 @@ def params():
     return random_params(seed=3)
 
 
+def chunking_engine(params, stop: frozenset[int], prefix_bytes: int) -> tuple[Engine, Metrics]:
+    """An Engine (not started) on the tiny model prefilling in chunks of 8 tokens, 16 tokens a
+    step, with a prefix cache of ``prefix_bytes`` in blocks of 4 tokens, and its metrics."""
+    model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(stop), mx.float32, "dequantized", 0.0)
+    metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
+    engine = Engine(
+        model,
+        BUCKETS,
+        CompileCache(True, lambda *a: None, lambda s: None),
+        metrics,
+        chunk_tokens=8,
+        max_batched_tokens=16,
+        prefix=PrefixCache(block_tokens=4, budget_bytes=prefix_bytes),
+    )
+    return engine, metrics
+
+
 def run_engine(
     params,
     stop: frozenset[int],
@@ -53,17 +70,8 @@ def run_engine(
     chunks of 8 tokens, warmed for ``warm_batch`` requests, with a prefix cache of
     ``prefix_bytes`` (blocks of 4 tokens); returns each request's (tokens, final event) and
     the engine's metrics."""
-    model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(stop), mx.float32, "dequantized", 0.0)
-    metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
-    engine = Engine(
-        model,
-        BUCKETS,
-        CompileCache(True, lambda *a: None, lambda s: None),
-        metrics,
-        chunk_tokens=8,
-        max_batched_tokens=16,
-        prefix=PrefixCache(block_tokens=4, budget_bytes=prefix_bytes),
-    )
+    engine, metrics = chunking_engine(params, stop, prefix_bytes)
+    model = engine.model
     engine.start(WarmupSpec(prompt_tokens=8, batch=warm_batch))
     assert engine.ready.wait(60)
     results: list[tuple[list[int], FinalEvent] | None] = [None] * len(requests)
@@ -295,16 +303,7 @@ def test_the_rehearsal_runs_several_prompts_last_chunks_in_one_call(params, monk
         return chunk_rows(self, kvs, *args)
 
     monkeypatch.setattr(Executor, "chunk_rows", spy)
-    model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
-    metrics = Metrics(CollectorRegistry(), version="t", device="cpu")
-    engine = Engine(
-        model,
-        BUCKETS,
-        CompileCache(True, lambda *a: None, lambda s: None),
-        metrics,
-        chunk_tokens=8,
-        prefix=PrefixCache(block_tokens=4, budget_bytes=10**7),
-    )
+    engine, _ = chunking_engine(params, frozenset(), 10**7)
     engine.start(WarmupSpec(prompt_tokens=24, batch=4, chunk_tokens=8, max_batched_tokens=16))
     try:
         assert engine.ready.wait(60), engine.not_ready_reason
