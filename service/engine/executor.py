@@ -46,10 +46,12 @@ class Executor:
         cache: the compile cache (the only caller of ``mx.compile``).
     """
 
-    batches_chunks = True  # :meth:`chunk_rows` runs here (a group's leader says False: see group.py)
-
     def __init__(self, model: LoadedModel, cache: CompileCache):
         self.model, self.compiled = model, cache
+        # Prompts' last chunks run together (:meth:`chunk_rows`) on a GPU, where each compiled
+        # call is hundreds of kernel launches of host work; on a CPU the step is compute-bound and
+        # the extra (B, T, C) functions doubled the default warm-up (docs/BENCHMARKS.md, tenth run).
+        self.batches_chunks = mx.default_device().type == mx.DeviceType.gpu
         a = model.args
         self._dtype_name = str(model.dtype).rsplit(".", 1)[-1]
         if model.stage is None:

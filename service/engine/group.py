@@ -149,10 +149,9 @@ class GroupLeader(Executor):
     """Rank 0's executor: every operation is broadcast to the group, then run here (see the
     module doc). Called from the engine thread only (finalizers may run elsewhere)."""
 
-    batches_chunks = False  # each chunk is one broadcast operation: a group prefills them one by one
-
     def __init__(self, model: LoadedModel, cache: CompileCache):
         super().__init__(model, cache)
+        self.batches_chunks = False  # each chunk is one broadcast operation: a group prefills them one by one
         self.group = _group(self)
         self.progress = Progress()
         self._handles: dict[int, tuple[int, weakref.finalize]] = {}  # id(anchor) -> (handle, finalizer)
