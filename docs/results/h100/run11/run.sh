@@ -17,6 +17,7 @@ native() {  # name seconds: py-spy (Python frames; --nonblocking: it does not st
   # (A first call sampled native frames too, at 100 Hz: the server slowed to half its tokens/s and
   # the step ran out of the call's time; constrained-0-native.txt is what it left.)
   py-spy record -p "$(cat /tmp/srv.pid)" --nonblocking -r 250 -d "$2" -f raw -o "$R/$1-py.txt" > "$R/$1-py.log" 2>&1 &
+  SPY=$!  # wait for it alone: a bare `wait` also waits for the server (what ran hung there; fixed after)
   sleep 1
 }
 
@@ -32,7 +33,7 @@ step_constrained() {
     native constrained-$k 8
     bench --url http://127.0.0.1:8120 --api openai --concurrency 32 --requests 4 --max-tokens 128 \
       --constrained $k --constrained-schema report --out $R/constrained-$k.json
-    wait
+    wait $SPY
   done
   stop; kernels constrained
 }
@@ -43,7 +44,7 @@ step_prefix() {
   native prefix 8
   bench --url http://127.0.0.1:8130 --workload chat-shared-prefix --system-tokens 1500 --concurrency 8 --requests 6 \
     --max-tokens 128 --out $R/prefix.json
-  wait; curl -sf localhost:8130/metrics > $R/prefix.metrics.txt; stop; kernels prefix
+  wait $SPY; curl -sf localhost:8130/metrics > $R/prefix.metrics.txt; stop; kernels prefix
 }
 
 step warm 300
