@@ -32,6 +32,7 @@ from models.kv_cache import KVCache, Windows
 from models.loader import LoadedModel
 from service.engine import warmup
 from service.engine.compile_cache import CompileCache, StepKey, StepSpec
+from service.engine.prefill import batches_last_chunks
 from service.engine.prefix_cache import copy_blocks, join_blocks
 
 MODEL_PHASES = ("prefill", "chunk", "decode")  # run by every rank of a group; the rest only where the head is
@@ -48,10 +49,7 @@ class Executor:
 
     def __init__(self, model: LoadedModel, cache: CompileCache):
         self.model, self.compiled = model, cache
-        # Prompts' last chunks run together (:meth:`chunk_rows`) on a GPU, where each compiled
-        # call is hundreds of kernel launches of host work; on a CPU the step is compute-bound and
-        # the extra (B, T, C) functions doubled the default warm-up (docs/BENCHMARKS.md, tenth run).
-        self.batches_chunks = mx.default_device().type == mx.DeviceType.gpu
+        self.batches_chunks = batches_last_chunks()  # prompts' last chunks together (:meth:`chunk_rows`)
         a = model.args
         self._dtype_name = str(model.dtype).rsplit(".", 1)[-1]
         if model.stage is None:

@@ -235,6 +235,14 @@ class Prefiller:
 LAST_CHUNK_ROWS = 8  # prompts whose last chunks one call runs at most
 
 
+def batches_last_chunks() -> bool:
+    """Whether this process runs several prompts' last chunks in one call (:meth:`Executor.chunk_rows`):
+    on a GPU, where each compiled call is hundreds of kernel launches of host work; not on a CPU,
+    whose steps are compute-bound and where the extra (B, T, C) functions doubled the default
+    warm-up (docs/ARCHITECTURE.md, "Last chunks together")."""
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
 def last_chunk_rows(buckets: BucketTable, T: int, whole_tokens: int, rows_cap: int = LAST_CHUNK_ROWS) -> int:
     """The batch bucket that a call running several prompts' last chunks at chunk bucket ``T``
     is padded to (1: such chunks run one by one).

@@ -20,6 +20,7 @@ import mlx.core as mx
 from models.loader import LoadedModel
 from service.engine.buckets import BucketTable
 from service.engine.core import Engine
+from service.engine.prefill import batches_last_chunks, last_chunk_rows
 
 SCORES_BYTES = 4  # float32 attention scores: MLX's fallback attention materializes B x heads x T x T of them
 
@@ -93,12 +94,21 @@ def _row_bytes(model: LoadedModel, capacity: int, ring: bool) -> int:
 
 
 def prefill_bytes(
-    model: LoadedModel, buckets: BucketTable, rows: int, prompt: int, chunk_tokens: int, max_batched_tokens: int
+    model: LoadedModel,
+    buckets: BucketTable,
+    rows: int,
+    prompt: int,
+    chunk_tokens: int,
+    max_batched_tokens: int,
+    batched: bool = False,
 ) -> int:
     """Bytes of the largest prefill call for up to ``rows`` requests of up to ``prompt`` tokens:
     a whole prefill of as many prompts of one bucket as one call runs (their KV cache and
     float32 attention scores, rows x heads x T x T), or one chunk of a longer prompt (heads x T
-    x C scores against its staging cache, C the capacity it needs)."""
+    x C scores against its staging cache, C the capacity it needs); with ``batched``, the last
+    chunks of several prompts in one call (:func:`service.engine.prefill.last_chunk_rows` rows
+    at chunk bucket t: a copy of their staging rows, B x C positions, and B x heads x t x C
+    scores)."""
     per_position, heads = kv_bytes_per_position(model), model.args.num_attention_heads
     chunk_tokens = min(chunk_tokens, buckets.prompt[-1])  # as the engine caps it
     T = buckets.prompt_for(min(prompt, chunk_tokens))
@@ -108,7 +118,13 @@ def prefill_bytes(
     if prompt <= chunk_tokens:
         return whole
     C = buckets.staging_for(min(prompt + T, buckets.capacity[-1]))
-    return max(whole, T * per_position + heads * T * C * SCORES_BYTES)
+    chunk = T * per_position + heads * T * C * SCORES_BYTES
+    if batched:
+        budget = max(max_batched_tokens, chunk_tokens)
+        for t in (b for b in buckets.prompt if b <= T):
+            B = min(last_chunk_rows(buckets, t, budget), buckets.batch_for(max(1, rows)))
+            chunk = max(chunk, B * (C * per_position + heads * t * C * SCORES_BYTES))
+    return max(whole, chunk)
 
 
 def worst_case(
@@ -123,7 +139,7 @@ def worst_case(
     largest prefill step (:func:`prefill_bytes`) and the prefix cache's whole budget."""
     C = buckets.capacity[-1]
     decode = buckets.batch_for(max_running) * decode_row_bytes(model, C)
-    prefill = prefill_bytes(model, buckets, max_running, C, chunk_tokens, max_batched_tokens)
+    prefill = prefill_bytes(model, buckets, max_running, C, chunk_tokens, max_batched_tokens, batches_last_chunks())
     return MemoryEstimate(model.name, model.nbytes, decode, prefill, prefix_cache_bytes)
 
 
@@ -139,7 +155,10 @@ def load_bytes(engine: Engine, rows: list[tuple[int, int]]) -> int:
     capacity = buckets.capacity_for(min(max(p + m for p, m in rows), buckets.capacity[-1]))
     decode = buckets.batch_for(running) * decode_row_bytes(engine.model, capacity)
     longest = max(p for p, _ in rows)
-    prefill = prefill_bytes(engine.model, buckets, running, longest, sched.chunk_tokens, sched.max_batched_tokens)
+    batched = engine.runner.executor.batches_chunks
+    prefill = prefill_bytes(
+        engine.model, buckets, running, longest, sched.chunk_tokens, sched.max_batched_tokens, batched
+    )
     return engine.model.nbytes + 2 * decode + prefill
 
 

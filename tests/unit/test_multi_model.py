@@ -8,7 +8,7 @@ import pytest
 from models.loader import LoadedModel
 from service.config import ConfigError, load_settings
 from service.engine.buckets import BucketTable
-from service.process.memory import worst_case
+from service.process.memory import prefill_bytes, worst_case
 from tests.support import TINY, random_params, write_config
 
 
@@ -42,3 +42,17 @@ def test_memory_estimate_counts_weights_and_the_largest_caches():
     chunk = 32 * per_position + heads * 32 * 1024 * 4  # one 32-token chunk's scores against a 1024 cache
     assert est.decode_cache == 4 * 1024 * per_position and est.prefill == max(whole, chunk)
     assert est.total == model.nbytes + 2 * est.decode_cache + est.prefill + 1000
+
+
+def test_memory_estimate_counts_the_last_chunks_run_together():
+    """Where prompts' last chunks run in one call (a GPU), the largest prefill step is that call:
+    a copy of its rows' staging caches (padded to the batch bucket) and their scores."""
+    model = LoadedModel("tiny", Path("-"), TINY, random_params(), None, mx.float32, "dequantized", 0.0)
+    buckets = BucketTable((1, 4), (32,), (256, 1024))
+    per_position = 2 * TINY.num_hidden_layers * TINY.num_key_value_heads * TINY.dim_per_head * 4
+    heads = TINY.num_attention_heads
+    alone = prefill_bytes(model, buckets, 3, 1024, 32, 128)
+    together = prefill_bytes(model, buckets, 3, 1024, 32, 128, batched=True)
+    assert alone == 32 * per_position + heads * 32 * 1024 * 4
+    assert together == 4 * (1024 * per_position + heads * 32 * 1024 * 4)  # 4 rows of 32 fit 128 tokens
+    assert prefill_bytes(model, buckets, 1, 1024, 32, 128, batched=True) == 1024 * per_position + heads * 32 * 1024 * 4
