@@ -41,7 +41,7 @@ def warm(
     draft = spec.proposer if isinstance(spec.proposer, DraftProposer) else None
     if draft is not None:  # the draft recomputes a row's text with the target's chunk buckets
         for phase, b, t, c in steps:
-            if phase == "chunk":
+            if phase == "chunk" and b == 1:  # (the draft prefills one row at a time)
                 _timed(lambda b=b, t=t, c=c: warm_draft(draft, "chunk", b, t, c), f"draft chunk b{b}x{t}c{c}", progress)
     W, built = spec.tokens + 1, set()
     for B in sorted({b for b, _ in decode}):
