@@ -323,7 +323,7 @@ class Engine:
     def _warmup(self, spec: WarmupSpec, progress) -> None:
         start = time.perf_counter()
         spec = dataclasses.replace(spec, batched_chunks=self.runner.executor.batches_chunks)
-        self.runner.prefiller.rows_cap = self.buckets.batch_for(min(spec.batch, self.buckets.batch[-1]))
+        self.runner.prefiller.rows_cap = warmup.warmed_batch(self.buckets, spec)
         steps = warmup.plan(self.buckets, spec)
         warmup.run(self.runner, steps, progress)
         if self.runner.speculator is not None:  # its verify (and draft) steps, and its calibration

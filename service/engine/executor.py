@@ -142,8 +142,11 @@ class Executor:
 
         Returns (float32 logits [batch, V] at each row's last real token, lazy; the batched
         cache [batch, Hkv, C, D] per layer, row i holding prompt i). Raises ValueError when
-        the caches' capacities differ or n > batch.
+        the caches' capacities differ or n > batch, RuntimeError where this executor runs
+        chunks one by one (a group's leader: its operations are broadcast one chunk at a time).
         """
+        if not self.batches_chunks:
+            raise RuntimeError("this executor runs prompts' chunks one by one (batches_chunks is off)")
         n = len(kvs)
         if not 0 < n <= batch or len({kv.capacity for kv in kvs}) != 1:
             raise ValueError(f"{n} staging caches of capacities {[kv.capacity for kv in kvs]} for {batch} rows")

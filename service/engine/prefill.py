@@ -82,9 +82,10 @@ class Prefiller:
             except Exception as exc:  # one failed request must not take the others down
                 self.runner.executor.raise_if_fatal(exc)
                 out.failed.append((seq, f"prefill failed: {type(exc).__name__}"))
-        calls = [(self._whole, p) for T, g in whole.items() for p in _parts(g, self._rows(T))]
+        buckets, budget = self.runner.buckets, self.whole_tokens
+        calls = [(self._whole, p) for T, g in whole.items() for p in _parts(g, buckets.prefill_rows(T, budget))]
         for (T, _), group in finals.items():
-            rows = last_chunk_rows(self.runner.buckets, T, self.whole_tokens, self.rows_cap)
+            rows = last_chunk_rows(buckets, T, budget, self.rows_cap)
             calls += [(self._chunks, group[i : i + rows]) for i in range(0, len(group), rows)]
         for call, part in calls:
             try:
@@ -93,11 +94,6 @@ class Prefiller:
                 self.runner.executor.raise_if_fatal(exc)
                 out.failed += [(seq, f"prefill failed: {type(exc).__name__}") for seq in part]
         self._read_back(out)
-
-    def _rows(self, T: int) -> int:
-        """The most prompts one call at prompt (or chunk) bucket ``T`` runs together: the
-        largest batch bucket within the step's token budget of padded tokens."""
-        return self.runner.buckets.prefill_rows(T, self.whole_tokens)
 
     def _last_chunk(self, seq: Sequence) -> tuple[int, int] | None:
         """(chunk bucket T, staging capacity C) when ``seq``'s next chunk is its prompt's last
@@ -135,18 +131,24 @@ class Prefiller:
         seq.staging = self.prefix.gather(hit, capacity)  # [1, Hkv, C, D] per layer
         seq.num_computed = seq.cached_tokens = hit.num_tokens
 
-    def _chunk(self, seq: Sequence) -> None:
-        runner, start = self.runner, time.perf_counter()
+    def _next_chunk(self, seq: Sequence) -> tuple[KVCache, list[int], int, int]:
+        """``seq``'s next chunk: (its staging cache at the capacity the chunk needs, the chunk's
+        T tokens right-padded, its offset, its real tokens)."""
         offset, n, T = self.chunk_plan(len(seq.prompt_ids), seq.num_computed)[0]
         # The staging cache grows with the prompt (a chunk's attention costs its whole capacity).
-        capacity = runner.buckets.staging_for(offset + T)
-        executor = runner.executor
+        capacity = self.runner.buckets.staging_for(offset + T)
+        executor = self.runner.executor
         kv: KVCache = executor.alloc(1, capacity) if seq.staging is None else seq.staging
         if kv.capacity < capacity:
             kv = executor.resize(kv, capacity)
-        logits, kv = executor.chunk(kv, seq.prompt_ids[offset : offset + n] + [0] * (T - n), offset, n)
+        return kv, seq.prompt_ids[offset : offset + n] + [0] * (T - n), offset, n
+
+    def _chunk(self, seq: Sequence) -> None:
+        start = time.perf_counter()
+        kv, tokens, offset, n = self._next_chunk(seq)
+        logits, kv = self.runner.executor.chunk(kv, tokens, offset, n)
         seq.staging, seq.num_computed = kv, offset + n
-        stat = ("chunk", f"b1x{T}c{kv.capacity}", 1, 1, start)
+        stat = ("chunk", f"b1x{len(tokens)}c{kv.capacity}", 1, 1, start)
         if seq.prompt_done:
             self._queue_first_tokens([seq], logits, kv, stat)
         else:
@@ -160,18 +162,10 @@ class Prefiller:
         if len(group) == 1:
             self._chunk(group[0])
             return
-        runner, start = self.runner, time.perf_counter()
-        executor, kvs, tokens, offsets, lengths = runner.executor, [], [], [], []
-        for seq in group:
-            offset, n, T = self.chunk_plan(len(seq.prompt_ids), seq.num_computed)[0]
-            capacity = runner.buckets.staging_for(offset + T)
-            kv = executor.alloc(1, capacity) if seq.staging is None else seq.staging
-            kvs.append(executor.resize(kv, capacity) if kv.capacity < capacity else kv)
-            tokens.append(seq.prompt_ids[offset : offset + n] + [0] * (T - n))
-            offsets.append(offset)
-            lengths.append(n)
-        B = last_chunk_rows(runner.buckets, len(tokens[0]), self.whole_tokens, self.rows_cap)
-        logits, kv = executor.chunk_rows(kvs, tokens, offsets, lengths, B)
+        start = time.perf_counter()
+        kvs, tokens, offsets, lengths = (list(part) for part in zip(*map(self._next_chunk, group), strict=True))
+        B = last_chunk_rows(self.runner.buckets, len(tokens[0]), self.whole_tokens, self.rows_cap)
+        logits, kv = self.runner.executor.chunk_rows(kvs, tokens, offsets, lengths, B)
         for seq in group:
             seq.staging, seq.num_computed = None, len(seq.prompt_ids)
         stat = ("chunk", f"b{B}x{len(tokens[0])}c{kv.capacity}", len(group), B, start)

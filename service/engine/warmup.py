@@ -54,6 +54,12 @@ class WarmupSpec:
 Step = tuple[str, int, int, int]  # (phase, batch, size, capacity): a compile-cache key's buckets
 
 
+def warmed_batch(buckets: BucketTable, spec: WarmupSpec) -> int:
+    """The batch bucket warm-up covers: that of ``spec.batch`` concurrent requests (at most the
+    largest batch bucket)."""
+    return buckets.batch_for(min(spec.batch, buckets.batch[-1]))
+
+
 def plan(buckets: BucketTable, spec: WarmupSpec) -> list[Step]:
     """Every step function a request within ``spec`` can reach, so none compiles after ready:
 
@@ -76,7 +82,7 @@ def plan(buckets: BucketTable, spec: WarmupSpec) -> list[Step]:
     chunk_top = buckets.prompt_for(min(spec.chunk_tokens, buckets.prompt[-1]))
     chunk_ts = [t for t in buckets.prompt if t <= chunk_top]
     whole_ts = [t for t in chunk_ts if t <= buckets.prompt_for(min(spec.prompt_tokens, chunk_top))]
-    rows = buckets.batch_for(min(spec.batch, buckets.batch[-1]))
+    rows = warmed_batch(buckets, spec)
     whole_tokens = max(spec.max_batched_tokens, spec.chunk_tokens)  # padded tokens of one whole prefill
     prefill = []
     for i, t in enumerate(whole_ts):

@@ -103,6 +103,7 @@ def test_hits_whose_last_chunks_run_in_one_call_match_each_prefilled_whole(model
     tails = [model.tokenizer.encode(f" Question {i}: " + "why?" * (1 + 3 * i)) for i in range(3)]
     prompts = [shared + tail for tail in tails]
     executor = Executor(model, CompileCache(True, lambda *a: None, lambda s: None))
+    executor.batches_chunks = True  # as on a GPU (a CPU runs chunks one by one)
     staged, tokens, offsets, lengths = [], [], [], []
     for ids in prompts:
         hit = prefix.match(ids)
