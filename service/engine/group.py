@@ -4,9 +4,9 @@ it on its own stage (docs/DISTRIBUTED.md).
 Every rank holds one :class:`~service.engine.executor.Executor` on its stage. Rank 0's is a
 :class:`GroupLeader`: each operation first broadcasts a **message** (one ``mx.distributed``
 all-sum in which the other ranks add zeros, evaluated: a lazy collective deadlocks), then runs
-on rank 0's own layers. The other ranks run :class:`Follower`: receive a message, run the same
-operation of their executor on their own layers, evaluate it (the stage steps' ``send`` and
-``recv`` happen there, in the order rank 0 queued them), and wait for the next.
+on rank 0's own layers. The other ranks run :class:`~service.engine.follower.Follower`: receive
+a message, run the same operation of their executor on their own layers, evaluate it (the stage
+steps' ``send`` and ``recv`` happen there, in the order rank 0 queued them), and wait for the next.
 
 A message is int32 ``[op, frees, ints, data, <frees ids>, <ints>, <data>]``: the operation,
 the handles rank 0 no longer holds (freed first), the operation's integers (handles, buckets,
@@ -25,7 +25,7 @@ old buffers are unreferenced when the step runs, as in one process.
 **Faults.** An evaluation that fails on rank 0 or a follower (``[ring] connection to a peer was
 lost`` when a rank died) raises :class:`GroupLost`; a wait that never ends (a rank hung: the
 ring backend has no timeout) is seen by a watchdog through :meth:`GroupLeader.stalled_s` and
-:attr:`Follower.progress` (:mod:`service.process.group`).
+:attr:`~service.engine.follower.Follower.progress` (:mod:`service.process.group`).
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ class GroupLost(BaseException):
 
 def executor_for(model: LoadedModel, cache: CompileCache) -> Executor:
     """The engine's executor for ``model``: a :class:`GroupLeader` on rank 0 of a pipeline
-    group, else one process's :class:`Executor` (a follower's is one too, driven by :class:`Follower`)."""
+    group, else one process's :class:`Executor` (a follower's is one too, driven by
+    :class:`~service.engine.follower.Follower`)."""
     if model.group is not None and model.group.size() > 1 and model.group.rank() == 0:
         return GroupLeader(model, cache)
     return Executor(model, cache)
@@ -115,12 +116,13 @@ class Progress:
         return 0.0 if since is None else time.monotonic() - since
 
 
-def _ints(x: mx.array) -> list[int]:
+def ints_of(x: mx.array) -> list[int]:
     """A 1-D int32 array as host ints."""
     return cast(list[int], x.tolist())
 
 
-def _group(executor: Executor) -> mx.distributed.Group:
+def group_of(executor: Executor) -> mx.distributed.Group:
+    """The ``mx.distributed`` group of ``executor``'s stage. Raises ValueError if it has none."""
     group = executor.model.group
     if group is None:
         raise ValueError(f"model '{executor.model.name}' is not a pipeline stage of a group")
@@ -152,7 +154,7 @@ class GroupLeader(Executor):
     def __init__(self, model: LoadedModel, cache: CompileCache):
         super().__init__(model, cache)
         self.batches_chunks = False  # each chunk is one broadcast operation: a group prefills them one by one
-        self.group = _group(self)
+        self.group = group_of(self)
         self.progress = Progress()
         self._handles: dict[int, tuple[int, weakref.finalize]] = {}  # id(anchor) -> (handle, finalizer)
         self._frees: deque[int] = deque()  # handles whose object died, for the next message
@@ -305,113 +307,3 @@ class GroupLeader(Executor):
 
     def raise_if_fatal(self, exc: Exception) -> None:
         raise GroupLost(f"the pipeline group failed: {exc}") from exc
-
-
-class Follower:
-    """A rank other than 0: runs rank 0's operations on its own stage until told to stop.
-
-    Args:
-        executor: this rank's executor (its stage, its compile cache).
-        nap: how it sleeps after an idle message (seconds).
-    """
-
-    def __init__(self, executor: Executor, nap: Callable[[float], None] = time.sleep):
-        self.executor, self._nap = executor, nap
-        self.group = _group(executor)
-        self.progress = Progress()
-        self.warming = True  # until rank 0's SEAL
-        self.store: dict[int, KVCache | mx.array] = {}  # handle -> this rank's cache or block
-        self._ops: dict[Op, Callable[[list[int], mx.array], None]] = {
-            Op.ALLOC: self._alloc,
-            Op.PREFILL: self._prefill,
-            Op.CHUNK: self._chunk,
-            Op.DECODE: self._decode,
-            Op.RESIZE: lambda i, _: self._put(i[0], self.executor.resize(self._kv(i[0]), i[1])),
-            Op.REORDER: lambda i, _: self._put(i[0], self.executor.reorder(self._kv(i[0]), i[1:])),
-            Op.RESIZE_BATCH: lambda i, _: self._put(i[0], self.executor.resize_batch(self._kv(i[0]), i[1])),
-            Op.INSERT: self._insert,
-            Op.SAVE_BLOCKS: self._save_blocks,
-            Op.GATHER: self._gather,
-            Op.WARM: self._warm,
-        }
-
-    def run(self) -> None:
-        """Serve rank 0's messages until STOP. Raises :class:`GroupLost` when the group fails."""
-        while self.step():
-            pass
-
-    def step(self) -> bool:
-        """Receive and carry out one message; False once it was STOP."""
-        op, ints, data = self._receive()
-        if op == Op.STOP:
-            return False
-        if op == Op.IDLE:
-            self._nap(ints[0] / 1000)
-        elif op == Op.SEAL:
-            self.executor.seal()
-            self.warming = False
-        else:
-            with self.progress.waiting():
-                self._ops[op](ints, data)
-        return True
-
-    def _receive(self) -> tuple[Op, list[int], mx.array]:
-        with self.progress.waiting():
-            first = broadcast(mx.zeros((HEADER,), mx.int32), self.group)
-            op, n_free, n_ints, size = _ints(first[:4])
-            head = 4 + n_free + n_ints
-            message = first if head + size <= HEADER else broadcast(mx.zeros((head + size,), mx.int32), self.group)
-            values = _ints(message[:head])
-        for handle in values[4 : 4 + n_free]:
-            self.store.pop(handle, None)
-        return Op(op), values[4 + n_free :], message[head : head + size]
-
-    def _kv(self, handle: int) -> KVCache:
-        kv = self.store[handle]
-        assert isinstance(kv, KVCache)
-        return kv
-
-    def _put(self, handle: int, obj: KVCache | mx.array) -> None:
-        self.store[handle] = obj
-
-    def _alloc(self, ints: list[int], _: mx.array) -> None:
-        self._put(ints[0], self.executor.alloc(ints[1], ints[2], bool(ints[3])))
-
-    def _prefill(self, ints: list[int], data: mx.array) -> None:
-        handle, B, T = ints
-        tokens = cast(list[list[int]], data[: B * T].reshape(B, T).tolist())
-        out, kv = self.executor.prefill(tokens, _ints(data[B * T :]))
-        self._put(handle, kv)
-        mx.eval(out, kv)  # the stage's send (or recv and send) runs here
-
-    def _chunk(self, ints: list[int], data: mx.array) -> None:
-        handle, offset, length = ints
-        out, kv = self.executor.chunk(self._kv(handle), _ints(data), offset, length)
-        self._put(handle, kv)
-        mx.eval(out, kv)
-
-    def _decode(self, ints: list[int], data: mx.array) -> None:
-        kv = self._kv(ints[0])
-        B = kv.batch
-        out, kv = self.executor.decode(kv, data[:B], _ints(data[B:]))
-        self._put(ints[0], kv)
-        mx.eval(out, kv)
-
-    def _insert(self, ints: list[int], _: mx.array) -> None:
-        dst, src, *rest = ints
-        n = len(rest) // 3
-        self.executor.insert_rows(self._kv(dst), self._kv(src), rest[:n], rest[n : 2 * n], rest[2 * n :])
-
-    def _save_blocks(self, ints: list[int], _: mx.array) -> None:
-        src, row, block_tokens, first, *starts = ints
-        for i, block in enumerate(self.executor.save_blocks(self._kv(src), row, starts, block_tokens)):
-            self._put(first + i, block)
-
-    def _gather(self, ints: list[int], _: mx.array) -> None:
-        handle, capacity, *blocks = ints
-        arrays = [cast(mx.array, self.store[b]) for b in blocks]
-        self._put(handle, self.executor.gather_blocks(arrays, capacity))
-
-    def _warm(self, ints: list[int], _: mx.array) -> None:
-        phase, batch, size, capacity, repeats = ints
-        self.executor.warm(MODEL_PHASES[phase], batch, size, capacity, repeats)

@@ -39,7 +39,8 @@ from models.tokenizer import ChatTokenizer
 from service.config import Settings
 from service.engine.compile_cache import CompileCache
 from service.engine.executor import Executor
-from service.engine.group import Follower, GroupLost, Progress
+from service.engine.follower import Follower
+from service.engine.group import GroupLost, Progress
 from service.process import startup
 from service.process.watchdog import ENGINE_DIED_EXIT, WARMUP_STALL_FACTOR
 

@@ -19,11 +19,13 @@ from prometheus_client import CollectorRegistry
 from models.kv_cache import KVCache
 from models.loader import LoadedModel
 from models.tokenizer import ChatTokenizer
+from service.engine import follower as follower_module
 from service.engine import group
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
 from service.engine.core import Engine, WarmupSpec
 from service.engine.executor import Executor
+from service.engine.follower import Follower
 from service.engine.prefix_cache import PrefixCache
 from service.engine.sequence import FinalEvent, SamplingParams, Sequence
 from service.metrics import Metrics
@@ -110,6 +112,7 @@ def test_a_follower_replays_rank_0_and_frees_what_rank_0_dropped(monkeypatch):
         return x
 
     monkeypatch.setattr(group, "broadcast", broadcast)
+    monkeypatch.setattr(follower_module, "broadcast", broadcast)
     tokenizer = cast(ChatTokenizer, WordTokenizer(frozenset()))
     whole = LoadedModel("tiny", Path("-"), TINY, random_params(seed=5), tokenizer, mx.float32, "dequantized", 0.0)
     alone, _ = serve(whole)
@@ -121,7 +124,7 @@ def test_a_follower_replays_rank_0_and_frees_what_rank_0_dropped(monkeypatch):
     assert {op.value for op in group.Op} - ops <= {group.Op.IDLE}  # every other operation ran
     assert any(len(m) > group.HEADER for m in sent)  # a prefill's tokens took a second broadcast
 
-    follower = group.Follower(Executor(replace(whole, group=cast(mx.distributed.Group, FOLLOWER)), cache()))
+    follower = Follower(Executor(replace(whole, group=cast(mx.distributed.Group, FOLLOWER)), cache()))
     while follower.step():
         pass
     assert not sent
