@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -235,6 +235,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(count: int, low: int = 20000, high: int = 32000) -> int:
+    """The first of ``count`` consecutive TCP ports free on loopback right now, for mlx.launch's
+    ``--starting-port`` (the ring backend listens on it and the next ``count - 1``).
+
+    Drawn at random from ``[low, high)``, below Linux's default ephemeral range (32768-60999,
+    ``/proc/sys/net/ipv4/ip_local_port_range``): an OS-picked port's neighbour may be the local
+    end of any outgoing connection, and the ring's bind then fails with EADDRINUSE. Raises
+    RuntimeError when 200 draws found no free run."""
+    for _ in range(200):
+        first = random.SystemRandom().randrange(low, high - count + 1)  # whatever the global seed
+        try:
+            with ExitStack() as stack:
+                for port in range(first, first + count):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports in [{low}, {high})")
 
 
 @contextmanager

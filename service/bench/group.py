@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 from rich.table import Table
 
-from service.bench.common import STEPSERVE_SERVE, fmt, free_port, report, serving
+from service.bench.common import STEPSERVE_SERVE, fmt, free_ports, report, serving
 from service.bench.load import Workload, run
 
 STEP_SUM, STEP_COUNT = "stepserve_step_seconds_sum", "stepserve_step_seconds_count"
@@ -59,7 +59,8 @@ def _commands(args: argparse.Namespace, serve: list[str]) -> dict[str, list[str]
     if args.hostfile:  # real hosts: rank 0 here (the hostfile's first host), the others over ssh
         group += ["--hostfile", str(args.hostfile), "--"]
         return {"one process": [*STEPSERVE_SERVE, *serve], "group": [*group, *serve]}
-    group += ["--backend", "ring", "-n", str(args.ranks), "--hosts", "127.0.0.1", "--starting-port", str(free_port())]
+    ring = free_ports(args.ranks)  # rank r listens on ring + r
+    group += ["--backend", "ring", "-n", str(args.ranks), "--hosts", "127.0.0.1", "--starting-port", str(ring)]
     return {"one process": [*STEPSERVE_SERVE, *serve], f"{args.ranks} ranks": [*group, "--", *serve]}
 
 

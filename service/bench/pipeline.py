@@ -39,7 +39,7 @@ from models import llama, pipeline  # noqa: E402
 from models.gguf import default_model_path  # noqa: E402
 from models.kv_cache import KVCache  # noqa: E402
 from models.stage_loader import load_stage, model_layout  # noqa: E402
-from service.bench.common import free_port, machine_info, quiet_compile_cache  # noqa: E402
+from service.bench.common import free_ports, machine_info, quiet_compile_cache  # noqa: E402
 from service.engine.compile_cache import StepKey, StepSpec  # noqa: E402
 from service.process.launch import MLX_LAUNCH  # noqa: E402
 
@@ -139,7 +139,7 @@ def _round(ranks: int, argv: list[str], env: dict[str, str]) -> list[dict]:
         command = [sys.executable, "-m", "service.bench.pipeline", "--worker", *argv, "--out", tmp]
         if ranks > 1:
             launch = [sys.executable, "-c", MLX_LAUNCH, "--backend", "ring", "-n", str(ranks)]
-            command = [*launch, "--hosts", "127.0.0.1", "--starting-port", str(free_port()), "--", *command]
+            command = [*launch, "--hosts", "127.0.0.1", "--starting-port", str(free_ports(ranks)), "--", *command]
         stdin, keep = os.pipe()
         try:
             subprocess.run(command, check=True, timeout=1800, env=env, stdin=stdin)

@@ -18,7 +18,7 @@ import pytest
 
 from models.gguf import default_model_path
 from models.loader import load_model
-from service.bench.common import free_port
+from service.bench.common import free_ports
 from tests.pipeline_ranks import Steps, scenario
 from tests.support import ROOT, write_dir
 
@@ -28,7 +28,7 @@ LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
 def launch(model: Path, out: Path, timeout: float = 240) -> None:
     """Two ranks on loopback; fails with their output if they fail or do not finish in time
     (then the launcher and both ranks, its process group, are killed)."""
-    port = free_port()  # the ring backend listens on port and port + 1
+    port = free_ports(2)  # the ring backend listens on port and port + 1
     command = [LAUNCH, "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1", "--starting-port", str(port)]
     command += ["--", sys.executable, "-m", "tests.pipeline_ranks", str(model), str(out)]
     proc = subprocess.Popen(

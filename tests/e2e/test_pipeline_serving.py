@@ -25,7 +25,7 @@ from models import llama
 from models.gguf import default_model_path
 from models.kv_cache import KVCache
 from models.loader import load_model
-from service.bench.common import free_port
+from service.bench.common import free_port, free_ports
 from tests.support import STEPSERVE, ServerProcess, write_served_dir
 
 # Small buckets: the 41-token prompt below is prefilled in two chunks and its decode moves
@@ -41,7 +41,7 @@ LONG = " ".join(f"t{2 + (7 * i) % 90}" for i in range(41))
 def launch(model: Path | None, args: list[str], kill_after: float = 5) -> ServerProcess:
     """`stepserve launch` of two ranks on loopback (``model`` None: the default model), in a
     session of its own; its output, every rank's included, is ``.log()``."""
-    port, ring = free_port(), free_port()  # the ring listens on ring and ring + 1
+    port, ring = free_port(), free_ports(2)  # the ring listens on ring and ring + 1
     log = Path(tempfile.mkstemp(prefix="stepserve-group-", suffix=".log")[1])
     command = [STEPSERVE, "launch", "--kill-after", str(kill_after), "--backend", "ring", "-n", "2"]
     command += ["--hosts", "127.0.0.1", "--starting-port", str(ring), "--", "--port", str(port)]

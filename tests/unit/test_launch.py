@@ -42,3 +42,21 @@ def test_a_failed_rank_is_read_from_mlx_launchs_own_warning():
         lines.append(out.getvalue().encode())
     found = [launch.FAILED.search(line) for line in lines]
     assert [(m[1], m[2]) if m else None for m in found] == [(b"1", b"70"), (b"0", None), None]
+
+
+def test_ring_ports_are_a_free_run_below_the_ephemeral_range():
+    """A group's ring ports (mlx.launch's --starting-port and the next ones) are all bindable:
+    a taken port is never in the run."""
+    import socket
+
+    from service.bench.common import free_ports
+
+    first = free_ports(4)
+    assert 20000 <= first <= 32000 - 4
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", first))
+        for _ in range(20):  # runs of 3 in [first, first + 4): only the one after the taken port
+            assert free_ports(3, low=first, high=first + 4) == first + 1
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", first))
+        b.bind(("127.0.0.1", first + 1))
