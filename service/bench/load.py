@@ -170,17 +170,27 @@ class Workload:
         return info
 
 
-async def run_level(url: str, concurrency: int, requests_per_stream: int, workload: Workload) -> dict:
+async def run_level(
+    url: str,
+    concurrency: int,
+    requests_per_stream: int,
+    workload: Workload,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> dict:
     """Run one concurrency level: ``concurrency`` client streams, each sending
     ``requests_per_stream`` requests of ``workload`` back to back (stream i's j-th request is
     slot ``i + j * concurrency``). With ``workload.constrained`` = K, streams 0..K-1 ask for
     JSON and keep sending requests until the free streams are done (their answers are short,
     so a fixed count would leave the batch with fewer rows, and no constrained ones, for most
-    of the level: the issue's measure is a batch that keeps K constrained rows).
+    of the level: the issue's measure is a batch that keeps K constrained rows). Their
+    requests still streaming then are closed at their next token and count the tokens they
+    got: left to finish, they would add a tail of up to a whole request in which only the K
+    constrained rows run.
 
     Returns :func:`~service.bench.common.level_figures` with ``concurrency`` (and, when K > 0,
-    ``constrained_requests``); a request that failed (a non-200 answer, an error event or an
-    httpx.HTTPError) counts in ``errors`` only.
+    ``constrained_requests`` and ``constrained_closed_early``); a request that failed (a
+    non-200 answer, an error event or an httpx.HTTPError) counts in ``errors`` only.
+    ``transport``: the httpx transport to use (tests); None: the network.
     """
     records: list[Stream] = []
     errors, constrained_requests = 0, 0
@@ -189,25 +199,29 @@ async def run_level(url: str, concurrency: int, requests_per_stream: int, worklo
     if free_left == 0:
         free_done.set()
 
-    async def send(client: httpx.AsyncClient, slot: int) -> None:
+    closed_early = 0
+
+    async def send(client: httpx.AsyncClient, slot: int, until=None) -> Stream | None:
         nonlocal errors
         path, body = workload.request(slot)
         try:
-            record = await stream_request(client, path, body)
+            record = await stream_request(client, path, body, until=until)
         except httpx.HTTPError:
             record = None
         if record is None or record.error:
             errors += 1
-        else:
-            records.append(record)
+            return None
+        records.append(record)
+        return record
 
     async def stream(client: httpx.AsyncClient, index: int) -> None:
-        nonlocal free_left, constrained_requests
+        nonlocal free_left, constrained_requests, closed_early
         if index < workload.constrained and free_left > 0:
             j = 0
             while not free_done.is_set():
-                await send(client, index + j * concurrency)
+                record = await send(client, index + j * concurrency, until=free_done.is_set)
                 j, constrained_requests = j + 1, constrained_requests + 1
+                closed_early += record is not None and record.usage is None and free_done.is_set()
             return
         for j in range(requests_per_stream):
             await send(client, index + j * concurrency)
@@ -217,11 +231,12 @@ async def run_level(url: str, concurrency: int, requests_per_stream: int, worklo
                 free_done.set()
 
     limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits, transport=transport) as client:
         start = time.perf_counter()
         await asyncio.gather(*(stream(client, i) for i in range(concurrency)))
         elapsed = time.perf_counter() - start
-    extra = {"constrained_requests": constrained_requests} if workload.constrained else {}
+    extra = {"constrained_requests": constrained_requests, "constrained_closed_early": closed_early}
+    extra = extra if workload.constrained else {}
     return {"concurrency": concurrency, **level_figures(records, errors, elapsed), **extra}
 
 
