@@ -215,7 +215,6 @@ class Engine:
                 self.runner.executor.raise_if_fatal(exc)
                 self._end_all(FinishReason.ERROR, f"internal error in the engine step: {type(exc).__name__}")
         self._end_all(FinishReason.CANCELLED, SHUTDOWN)
-        self.runner.selector.close()
         self.runner.executor.close()
 
     def step(self) -> bool:

@@ -4,7 +4,6 @@ step for the rows of a batch that need them; see docs/STRUCTURED_OUTPUTS.md."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -43,58 +42,34 @@ class ProcessorInputs:
 
         Returns (those four arrays, grammar masks computed, host seconds spent computing them).
         """
-        return self.to_device(self.host(rows, B), B)
-
-    def host(self, rows: list[Sequence | None], B: int) -> HostInputs:
-        """The host (numpy) part of :meth:`build`: no MLX call, so it may run on another
-        thread while the engine thread queues the step's forward pass. Reads each row's
-        parameters, generated ids and grammar matcher: the caller must not change them until
-        it returns."""
         V = self.vocab
         live = [(i, s.params, s) for i, s in enumerate(rows) if s is not None and s.params.processed]
-        out = HostInputs()
-        if bias_rows := [(i, p, s) for i, p, s in live if p.logit_bias or p.presence_penalty or p.frequency_penalty]:
-            out.bias = np.zeros((B, V), np.float32)
+        neutral_bias, neutral_allowed, neutral_repetition, neutral_seen = self.neutral(B)
+        bias_rows = [(i, p, s) for i, p, s in live if p.logit_bias or p.presence_penalty or p.frequency_penalty]
+        bias = neutral_bias
+        if bias_rows:
+            host = np.zeros((B, V), np.float32)
             for i, p, seq in bias_rows:
                 for token, value in p.logit_bias:
                     if 0 <= token < V:
-                        out.bias[i, token] += value
+                        host[i, token] += value
                 if (p.presence_penalty or p.frequency_penalty) and seq.sampled_ids:
                     counts = np.bincount(np.asarray(seq.sampled_ids, np.int64), minlength=V)[:V]
-                    out.bias[i] -= p.presence_penalty * (counts > 0) + p.frequency_penalty * counts
+                    host[i] -= p.presence_penalty * (counts > 0) + p.frequency_penalty * counts
+            bias = mx.array(host)
+        repetition, seen = neutral_repetition, neutral_seen
         if repeating := [(i, p, s) for i, p, s in live if p.repetition_penalty != 1]:
-            out.repetition = np.ones((B,), np.float32)
-            out.seen = np.zeros((B, V), np.bool_)
+            host_repetition = np.ones((B,), np.float32)
+            host_seen = np.zeros((B, V), np.bool_)
             for i, p, seq in repeating:
-                out.repetition[i] = p.repetition_penalty
-                out.seen[i, np.asarray(seq.prompt_ids + seq.sampled_ids, np.int64) % V] = True
+                host_repetition[i] = p.repetition_penalty
+                host_seen[i, np.asarray(seq.prompt_ids + seq.sampled_ids, np.int64) % V] = True
+            repetition, seen = mx.array(host_repetition), mx.array(host_seen)  # type: ignore[arg-type]  # numpy bool arrays convert
+        allowed, seconds = neutral_allowed, 0.0
         if grammar_rows := [(s.matcher, i) for i, _, s in live if s.matcher is not None]:
             start = time.perf_counter()
-            out.allowed = np.full((B, (V + 31) // 32), -1, np.int32)
-            fill_masks(grammar_rows, out.allowed)
-            out.masks, out.seconds = len(grammar_rows), time.perf_counter() - start
-        return out
-
-    def to_device(self, host: HostInputs, B: int) -> tuple[tuple[mx.array, ...], int, float]:
-        """:meth:`build`'s result from its host part: each input the batch uses as an MLX
-        array, the neutral one (made once per bucket) for each it does not."""
-        neutral_bias, neutral_allowed, neutral_repetition, neutral_seen = self.neutral(B)
-        bias = mx.array(host.bias) if host.bias is not None else neutral_bias
-        allowed = mx.array(host.allowed) if host.allowed is not None else neutral_allowed
-        repetition, seen = neutral_repetition, neutral_seen
-        if host.repetition is not None:
-            repetition, seen = mx.array(host.repetition), mx.array(host.seen)  # type: ignore[arg-type]  # numpy bool arrays convert
-        return (bias, allowed, repetition, seen), host.masks, host.seconds
-
-
-@dataclass
-class HostInputs:
-    """:meth:`ProcessorInputs.host`'s arrays for a batch of B rows over V ids (None: no row
-    uses that input) and the grammar masks it filled, with their host seconds."""
-
-    bias: np.ndarray | None = None  # float32 [B, V]
-    allowed: np.ndarray | None = None  # int32 [B, ceil(V / 32)]
-    repetition: np.ndarray | None = None  # float32 [B]
-    seen: np.ndarray | None = None  # bool [B, V]
-    masks: int = 0
-    seconds: float = 0.0
+            host_allowed = np.full((B, (V + 31) // 32), -1, np.int32)
+            fill_masks(grammar_rows, host_allowed)
+            seconds = time.perf_counter() - start
+            allowed = mx.array(host_allowed)
+        return (bias, allowed, repetition, seen), len(grammar_rows), seconds

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -163,15 +164,14 @@ class ModelRunner:
             return spec  # a verify step, read back (docs: service/engine/speculative.py)
         out = RunnerOutput()
         previous = self._inflight
+        early = None
         if previous is not None and any(s is not None and s.params.stateful for s in previous.rows):
             # A grammar or a penalty needs step t's token before step t+1's logits are processed:
-            # t's tokens are read back and observed (grammar matchers advanced) first, then the
-            # processors' inputs (the masks) are built on a worker thread while this thread
-            # queues t+1's forward pass, then t+1's processors and sampler are queued. Encoding
-            # a forward pass is most of a step's host time where the host is the limit (MLX's
-            # CUDA backend); the device is idle only from t's end to t+1's first kernel.
-            self._observe_early(previous)
-        self._inflight = self._queue_decode(out) if any(s is not None for s in self.slots) else None
+            # step t+1's forward pass is queued first, then t's tokens are read back and
+            # observed (grammar matchers advanced) while it runs on the device, then t+1's
+            # processors and sampler are queued. The device stays busy; only the sampler waits.
+            early = partial(self._observe_early, previous)
+        self._inflight = self._queue_decode(out, early) if any(s is not None for s in self.slots) else None
         if previous is not None:
             self._read_back(previous, out)
         return out
@@ -215,10 +215,9 @@ class ModelRunner:
         self._keys.clear()
         self.reset()
 
-    def _queue_decode(self, out: RunnerOutput) -> _DecodeStep | None:
-        """Queue one decode step of every live slot: its forward pass, then its token
-        selection, whose processors' host inputs (if any row needs them) are built on the
-        selector's worker thread while the forward pass is queued."""
+    def _queue_decode(self, out: RunnerOutput, before_select: Callable[[], None] | None = None) -> _DecodeStep | None:
+        """Queue one decode step of every live slot (forward pass, then token selection);
+        ``before_select`` runs between the two, once the forward pass is on the device."""
         prev = self._inflight
         pending = {id(s): i for i, s in enumerate(prev.rows) if s is not None} if prev else {}
         for seq in [s for s in self.slots if s is not None]:
@@ -233,12 +232,12 @@ class ModelRunner:
         # With speculation on, plain steps keep a verify step's room too: no capacity move back and forth.
         out.moves += self._fit(live, extra=self.speculator.tokens if self.speculator is not None else 0)
         rows = list(self.slots)  # a snapshot: slots change before this step is read back
-        prepared = self.selector.prepare(rows)
         logits = self.decode(rows, _input_tokens(rows, prev, pending))
-        if prepared is not None:
-            mx.async_eval(logits)  # the forward pass, queued while the worker builds the inputs
+        if before_select is not None:
+            mx.async_eval(logits)
+            before_select()
         keys = [self._keys.get(s.request_id) if s else None for s in rows]
-        tokens, next_keys, lp = self.selector.select(logits, rows, keys, prepared is not None, prepared)
+        tokens, next_keys, lp = self.select(logits, rows, keys, queued=before_select is not None)
         for i, seq in enumerate(rows):
             if seq is not None:
                 seq.position += 1
