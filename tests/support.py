@@ -34,7 +34,7 @@ from models.gguf import default_model_path
 from models.kv_cache import KVCache
 from models.llama import ModelArgs, prefill
 from models.tokenizer import Detokenizer
-from service.bench.common import free_port
+from service.bench.servers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

@@ -31,18 +31,9 @@ from rich.table import Table
 
 from models.convert import convert_gguf
 from models.gguf import default_model_path
-from service.bench.common import (
-    STEPSERVE_SERVE,
-    device_defaults,
-    fmt,
-    machine_info,
-    openblas_env,
-    plot_levels,
-    process_blas,
-    report,
-    serving,
-)
+from service.bench.common import device_defaults, fmt, machine_info, plot_levels, report
 from service.bench.load import LOAD_WORKLOADS, Workload, add_workload_flags, run, table
+from service.bench.servers import STEPSERVE_SERVE, openblas_env, process_blas, serving
 
 PEERS = ("mlx_lm.server", "mlx_lm.server-draft", "vllm-mlx")
 VLLM_MLX_FIX = "pip install --no-deps vllm-mlx==0.6.0 jsonschema python-multipart (mlx and mlx-lm stay as they are)"
@@ -87,7 +78,7 @@ def servers(model_dir: Path, args: argparse.Namespace) -> list[Server]:
 
 def peer(name: str, model_dir: Path, out_dir: Path, draft: Path | None = None) -> Server:
     """The :class:`Server` of peer ``name`` (one of :data:`PEERS`) on ``model_dir``, loopback
-    only, with OpenBLAS preloaded where there is one (:func:`~service.bench.common.openblas_env`);
+    only, with OpenBLAS preloaded where there is one (:func:`~service.bench.servers.openblas_env`);
     ``mlx_lm.server-draft`` is mlx_lm.server with ``--draft-model`` (``draft``, default the
     weights themselves; it then serves one request at a time: mlx-lm does not batch with a draft).
     Raises SystemExit when vllm-mlx is not installed."""
@@ -130,7 +121,7 @@ def measure_all(model_dir: Path, args: argparse.Namespace) -> tuple[dict[str, di
     """Serve ``model_dir`` with each server of :func:`servers` (one at a time) and run the same
     load against each. Returns ({name: load.run() result}, {name: how it ran: command, the
     LD_PRELOAD it was given, the BLAS its process had mapped, log}). Raises SystemExit when a
-    server does not come up (see :func:`service.bench.common.serving`)."""
+    server does not come up (see :func:`service.bench.servers.serving`)."""
     results, how = {}, {}
     for server in servers(model_dir, args):
         with serving(server.name, server.command, server.ready_path, server.log, env=server.env) as (url, pid):

@@ -23,8 +23,9 @@ from pathlib import Path
 import httpx
 from rich.table import Table
 
-from service.bench.common import STEPSERVE_SERVE, fmt, free_ports, report, serving
+from service.bench.common import fmt, report
 from service.bench.load import Workload, run
+from service.bench.servers import STEPSERVE_SERVE, free_ports, serving
 
 STEP_SUM, STEP_COUNT = "stepserve_step_seconds_sum", "stepserve_step_seconds_count"
 

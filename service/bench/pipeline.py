@@ -39,7 +39,8 @@ from models import llama, pipeline  # noqa: E402
 from models.gguf import default_model_path  # noqa: E402
 from models.kv_cache import KVCache  # noqa: E402
 from models.stage_loader import load_stage, model_layout  # noqa: E402
-from service.bench.common import free_ports, machine_info, quiet_compile_cache  # noqa: E402
+from service.bench.common import machine_info, quiet_compile_cache  # noqa: E402
+from service.bench.servers import free_ports  # noqa: E402
 from service.engine.compile_cache import StepKey, StepSpec  # noqa: E402
 from service.process.launch import MLX_LAUNCH  # noqa: E402
 

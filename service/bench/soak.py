@@ -35,7 +35,8 @@ from urllib.parse import urlparse
 import httpx
 
 from service.api.security import is_loopback
-from service.bench.common import STEPSERVE_SERVE, percentile, scrape, serving, word_prompt
+from service.bench.common import percentile, scrape, word_prompt
+from service.bench.servers import STEPSERVE_SERVE, serving
 from service.config import load_settings
 
 PROMPT_TOKENS = (8, 24, 48, 100, 200, 400)  # roughly one token per word; all within warm-up's 512

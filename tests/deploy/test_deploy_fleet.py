@@ -28,7 +28,7 @@ import httpx
 import pytest
 import yaml
 
-from service.bench.common import free_port
+from service.bench.servers import free_port
 from tests.support import DASHBOARD, DEPLOY, PROMETHEUS, ServerProcess, tool
 
 pytestmark = pytest.mark.slow

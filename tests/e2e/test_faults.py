@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from models.gguf import default_model_path
-from service.bench.common import free_port
+from service.bench.servers import free_port
 from service.process.watchdog import ENGINE_DIED_EXIT
 from tests.support import STEPSERVE, ServerProcess, damaged
 

@@ -18,7 +18,7 @@ import pytest
 
 from models.gguf import default_model_path
 from models.loader import load_model
-from service.bench.common import free_ports
+from service.bench.servers import free_ports
 from tests.pipeline_ranks import Steps, scenario
 from tests.support import ROOT, write_dir
 

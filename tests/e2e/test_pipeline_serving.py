@@ -25,7 +25,7 @@ from models import llama
 from models.gguf import default_model_path
 from models.kv_cache import KVCache
 from models.loader import load_model
-from service.bench.common import free_port, free_ports
+from service.bench.servers import free_port, free_ports
 from tests.support import STEPSERVE, ServerProcess, write_served_dir
 
 # Small buckets: the 41-token prompt below is prefilled in two chunks and its decode moves

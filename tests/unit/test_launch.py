@@ -49,7 +49,7 @@ def test_ring_ports_are_a_free_run_below_the_ephemeral_range():
     a taken port is never in the run."""
     import socket
 
-    from service.bench.common import free_ports
+    from service.bench.servers import free_ports
 
     first = free_ports(4)
     assert 20000 <= first <= 32000 - 4
