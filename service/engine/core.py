@@ -23,8 +23,9 @@ from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
 from service.engine.grammar import TokenGrammar
 from service.engine.group import GroupLost
+from service.engine.outputs import RunnerOutput
 from service.engine.prefix_cache import PrefixCache
-from service.engine.runner import ModelRunner, RunnerOutput
+from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import FinishReason, Sequence
 from service.engine.warmup import WarmupSpec

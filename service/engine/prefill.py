@@ -26,7 +26,8 @@ from service.engine.sequence import Sequence
 from service.metrics import StepStat
 
 if TYPE_CHECKING:
-    from service.engine.runner import ModelRunner, RunnerOutput
+    from service.engine.outputs import RunnerOutput
+    from service.engine.runner import ModelRunner
 
 
 @dataclass

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -21,57 +20,17 @@ from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache, StepSpec
 from service.engine.executor import Executor
 from service.engine.group import executor_for
+from service.engine.outputs import DecodeStep, RunnerOutput, input_tokens
 from service.engine.prefill import Prefiller
 from service.engine.prefix_cache import PrefixCache
 from service.engine.selector import TokenSelector
 from service.engine.sequence import Sequence, TokenLogprob
-from service.metrics import SpecStat, StepStat
+from service.metrics import StepStat
 
 if TYPE_CHECKING:
     from service.engine.speculative import Speculator
 
 log = logging.getLogger("stepserve.engine")
-
-
-@dataclass
-class RunnerOutput:
-    """What one execution produced, for the engine to apply.
-
-    Attributes:
-        tokens: (request, its new token id) in batch order; the engine appends each and
-            finishes the requests that stop.
-        failed: (request, error message) for requests whose step raised.
-        steps: one stat per step that ran (seconds from queueing to tokens read back).
-        moves: decode-cache bucket moves made ("batch", "capacity").
-        masks / mask_seconds: grammar masks computed and the host seconds they took.
-    """
-
-    tokens: list[tuple[Sequence, int]] = field(default_factory=list)
-    failed: list[tuple[Sequence, str]] = field(default_factory=list)
-    steps: list[StepStat] = field(default_factory=list)
-    moves: list[str] = field(default_factory=list)
-    masks: int = 0  # grammar masks computed (rows x steps)
-    mask_seconds: float = 0.0  # host seconds spent computing them
-    spec: list[SpecStat] = field(default_factory=list)  # one per verify step (service.engine.speculative)
-
-
-@dataclass
-class _DecodeStep:
-    """A decode step queued on the device whose tokens have not been read back yet.
-
-    Attributes:
-        rows: the request in each batch row when the step was queued (None: empty slot).
-        tokens: int32 [B], the step's selected tokens (lazy until read back).
-        queued: ``time.perf_counter()`` when it was queued.
-        bucket: (batch, capacity) bucket it ran at.
-    """
-
-    rows: list[Sequence | None]
-    tokens: mx.array
-    queued: float
-    bucket: tuple[int, int]
-    logprobs: tuple[mx.array, mx.array, mx.array] | None = None  # see models.sampling.logprobs
-    observed: list[int] | None = None  # its tokens, once read back early for stateful rows
 
 
 class ModelRunner:
@@ -100,7 +59,7 @@ class ModelRunner:
         self.capacity_limit = buckets.capacity[-1]
         self.slots: list[Sequence | None] = []  # slot s holds the request with seq.slot == s
         self._keys: dict[str, mx.array] = {}  # request id -> its PRNG key (seeded rows only)
-        self._inflight: _DecodeStep | None = None
+        self._inflight: DecodeStep | None = None
         self._last_read_back = 0.0
         self.prefix = prefix if prefix is not None else PrefixCache(block_tokens=buckets.prompt[0], budget_bytes=0)
         self.prefix.ops = self.executor  # a group's ranks each keep their own layers' blocks
@@ -215,7 +174,7 @@ class ModelRunner:
         self._keys.clear()
         self.reset()
 
-    def _queue_decode(self, out: RunnerOutput, before_select: Callable[[], None] | None = None) -> _DecodeStep | None:
+    def _queue_decode(self, out: RunnerOutput, before_select: Callable[[], None] | None = None) -> DecodeStep | None:
         """Queue one decode step of every live slot (forward pass, then token selection);
         ``before_select`` runs between the two, once the forward pass is on the device."""
         prev = self._inflight
@@ -232,7 +191,7 @@ class ModelRunner:
         # With speculation on, plain steps keep a verify step's room too: no capacity move back and forth.
         out.moves += self._fit(live, extra=self.speculator.tokens if self.speculator is not None else 0)
         rows = list(self.slots)  # a snapshot: slots change before this step is read back
-        logits = self.decode(rows, _input_tokens(rows, prev, pending))
+        logits = self.decode(rows, input_tokens(rows, prev, pending))
         if before_select is not None:
             mx.async_eval(logits)
             before_select()
@@ -245,7 +204,7 @@ class ModelRunner:
                     self._keys[seq.request_id] = key
         mx.async_eval(tokens, *(k for k in next_keys if k is not None), *(lp or ()))
         kv = self._cache()
-        return _DecodeStep(rows, tokens, time.perf_counter(), (kv.batch, kv.capacity), lp)
+        return DecodeStep(rows, tokens, time.perf_counter(), (kv.batch, kv.capacity), lp)
 
     def observe(self, rows: list[Sequence | None], tokens: list[int], lp: tuple | None = None) -> None:
         """Host-side state of each row after its newest token: the generated ids that the
@@ -265,7 +224,7 @@ class ModelRunner:
                 top = tuple(zip(top_ids[i][:k], top_lp[i][:k], strict=True))  # type: ignore[index]
                 seq.logprob_entries.append(TokenLogprob(token, chosen[i], top))  # type: ignore[index]
 
-    def _observe(self, step: _DecodeStep, tokens: list[int]) -> None:
+    def _observe(self, step: DecodeStep, tokens: list[int]) -> None:
         self.observe(step.rows, tokens, step.logprobs)
 
     @property
@@ -281,12 +240,12 @@ class ModelRunner:
         """``mx.eval`` the arrays, counting the wait in ``wait_seconds``."""
         self.executor.wait(*arrays)
 
-    def _observe_early(self, step: _DecodeStep) -> None:
+    def _observe_early(self, step: DecodeStep) -> None:
         """Read ``step``'s tokens back before it is applied, and observe them (stateful rows)."""
         step.observed = self.read_tokens(step.tokens)
         self._observe(step, step.observed)
 
-    def _read_back(self, step: _DecodeStep, out: RunnerOutput) -> None:
+    def _read_back(self, step: DecodeStep, out: RunnerOutput) -> None:
         token_list = step.observed if step.observed is not None else self.read_tokens(step.tokens)
         if step.observed is None:
             self._observe(step, token_list)
@@ -436,18 +395,3 @@ class ModelRunner:
         """Compile and run one bucket's step on dummy inputs (:meth:`Executor.warm`); returns
         whether the bucket runs compiled."""
         return self.executor.warm(phase, batch, size, capacity, repeats)
-
-
-def _input_tokens(rows: list[Sequence | None], prev: _DecodeStep | None, pending: dict[int, int]) -> mx.array:
-    """int32 [B]: each row's newest token, taken on the device from the queued step ``prev``
-    where that step produced it, from Python otherwise (just prefilled)."""
-    src = [pending.get(id(s), -1) if s is not None else -1 for s in rows]
-    steady = all(j == i for i, j in enumerate(src) if rows[i] is not None)
-    if prev is not None and prev.tokens.shape[0] == len(rows) and steady:
-        return prev.tokens  # the steady state: every row stayed in its slot
-    known = [s.last_token if s is not None and j < 0 else 0 for s, j in zip(rows, src, strict=True)]
-    if prev is None or all(j < 0 for j in src):
-        return mx.array(known, mx.int32)
-    from_prev = mx.array([j >= 0 for j in src])
-    gathered = prev.tokens[mx.array([max(j, 0) for j in src], mx.int32)]
-    return mx.where(from_prev, gathered, mx.array(known, mx.int32))

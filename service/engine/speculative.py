@@ -37,7 +37,8 @@ from models.speculative import take_prefix
 from service.engine.compile_cache import StepSpec
 from service.engine.draft import DraftProposer
 from service.engine.lookup import PromptLookup
-from service.engine.runner import ModelRunner, RunnerOutput
+from service.engine.outputs import RunnerOutput
+from service.engine.runner import ModelRunner
 from service.engine.sequence import Sequence
 from service.metrics import SpecStat, StepStat
 
