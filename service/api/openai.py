@@ -29,6 +29,7 @@ from service.api import pipeline, tools
 from service.api.errors import ERRORS, ApiError, client_closed
 from service.api.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice, OpenAISampling
 from service.api.state import AppState, State
+from service.api.tool_stream import ToolCallStream
 from service.engine.core import Engine
 from service.engine.sequence import Event, FinalEvent, TokenEvent, TokenLogprob
 
@@ -72,7 +73,7 @@ class _Choice:
         self.text, self.logprobs = echo, list[TokenLogprob]()
         self.form: tools.Form | None = tool_form
         self.calls: list[dict] = []
-        self.tools = tools.ToolCallStream(tool_form) if tool_form else None  # the streamed parser
+        self.tools = ToolCallStream(tool_form) if tool_form else None  # the streamed parser
         self.final: FinalEvent | None = None
         self.echo = echo
 

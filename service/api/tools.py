@@ -1,5 +1,6 @@
 """OpenAI tool calls for chat: checking ``tools``/``tool_choice``, putting tools in the prompt,
-parsing calls out of the model's text (whole or streamed), and the grammar that forces calls.
+parsing calls out of the model's whole text, and the grammar that forces calls (the streamed
+parser: :mod:`service.api.tool_stream`).
 
 Two forms of call, chosen by the chat template (:func:`tool_call_form`; docs/TOOL_CALLS.md):
 
@@ -214,7 +215,7 @@ def _call(obj: Any) -> dict | None:
     return {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": function}
 
 
-def _block_calls(body: str) -> list[dict] | None:
+def block_calls(body: str) -> list[dict] | None:
     """The calls in one ``<tool_call>`` block's body (an object or a list of them), or None."""
     try:
         parsed = json.loads(body)
@@ -255,14 +256,14 @@ def parse_tool_calls(text: str, form: Form) -> tuple[str | None, list[dict]]:
         ``(text, [])`` unchanged when no call parsed; else ``(other text or None, calls)``.
     """
     if form == "llama3":
-        calls = _llama3_calls(text) if _may_be_llama3(text) else None
+        calls = _llama3_calls(text) if may_be_llama3(text) else None
         return (None, calls) if calls else (text, [])
     texts, runs = [""], []  # texts[k] comes before runs[k]: the text between parsed blocks
     pos = 0
     while (start := text.find(OPEN, pos)) >= 0:
         end = text.find(CLOSE, start + len(OPEN))
         stop = len(text) if end < 0 else end + len(CLOSE)
-        calls = _block_calls(text[start + len(OPEN) : end if end >= 0 else len(text)])
+        calls = block_calls(text[start + len(OPEN) : end if end >= 0 else len(text)])
         texts[-1] += text[pos:start]
         if calls:
             runs.append(calls)
@@ -282,117 +283,11 @@ def _strip(piece: str, lead: bool, trail: bool) -> str:
     return piece.rstrip() if trail else piece
 
 
-def _may_be_llama3(text: str) -> bool:
+def may_be_llama3(text: str) -> bool:
     """Whether ``text`` (so far) may still be Llama 3 calls: empty after leading whitespace,
     ``{...``, or ``<|python_tag|>`` (or a start of it). Once False, False for any longer text."""
     rest = text.lstrip()
     return rest.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(rest)
-
-
-def _open_prefix(text: str) -> int:
-    """Length of the longest end of ``text`` that is a proper start of ``<tool_call>``."""
-    return next((n for n in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-n:])), 0)
-
-
-class ToolCallStream:
-    """Tool calls parsed from text deltas as they arrive, as OpenAI streams them.
-
-    :meth:`feed` and :meth:`finish` return deltas: ``{"content": str}`` and ``{"tool_calls":
-    [{"index", "id", "type": "function", "function": {"name", "arguments"}}]}``, one call a delta
-    with its whole arguments once its block is complete. Text that may begin ``<tool_call>`` is
-    held back, so markup never reaches content; so is whitespace that may precede a call. In the
-    Llama 3 form, text that may be calls (it starts with ``{``) is held until :meth:`finish`.
-    The deltas add up to :func:`parse_tool_calls` of the whole text, ids aside.
-    """
-
-    def __init__(self, form: Form):
-        self.form = form
-        self.calls: list[dict] = []  # parsed so far; finish_reason "tool_calls" when any
-        self._buf = ""  # text not yet decided
-        self._in_block = False  # hermes: inside <tool_call>, _buf is the body so far
-        self._ws = ""  # hermes: whitespace held after content, dropped if a call follows
-        self._after_call = False  # hermes: drop whitespace that follows a call
-        self._passthrough = False  # llama3: the text is not calls; send it as it comes
-
-    def feed(self, text: str) -> list[dict]:
-        """Deltas made certain by ``text``, the next piece of the generated text."""
-        self._buf += text
-        if self.form == "llama3":
-            return self._llama3(final=False)
-        out: list[dict] = []
-        while self._buf:
-            if self._in_block:
-                end = self._buf.find(CLOSE)
-                if end < 0:
-                    break
-                body, self._buf = self._buf[:end], self._buf[end + len(CLOSE) :]
-                self._close_block(body, CLOSE, out)
-                continue
-            start = self._buf.find(OPEN)
-            if start >= 0:
-                self._text(self._buf[:start], out)
-                self._buf, self._in_block = self._buf[start + len(OPEN) :], True
-                continue
-            keep = _open_prefix(self._buf)
-            self._text(self._buf[: len(self._buf) - keep], out)
-            self._buf = self._buf[len(self._buf) - keep :]
-            break
-        return out
-
-    def finish(self) -> list[dict]:
-        """The deltas left at the end of the text (an unclosed block, held text)."""
-        if self.form == "llama3":
-            return self._llama3(final=True)
-        out: list[dict] = []
-        if self._in_block:
-            self._close_block(self._buf, "", out)
-        else:
-            self._text(self._buf, out)
-        self._buf = ""
-        if self._ws:
-            out.append({"content": self._ws})
-            self._ws = ""
-        return out
-
-    def _text(self, text: str, out: list[dict]) -> None:
-        if self._after_call:
-            text = text.lstrip()
-            if not text:
-                return
-            self._after_call = False
-        text = self._ws + text
-        body = text.rstrip()
-        self._ws = text[len(body) :]
-        if body:
-            out.append({"content": body})
-
-    def _close_block(self, body: str, close: str, out: list[dict]) -> None:
-        self._in_block = False
-        calls = _block_calls(body)
-        if calls is None:
-            self._text(OPEN + body + close, out)
-            return
-        self._ws, self._after_call = "", True
-        for call in calls:
-            out.append({"tool_calls": [{"index": len(self.calls), **call}]})
-            self.calls.append(call)
-
-    def _llama3(self, final: bool) -> list[dict]:
-        if not self._passthrough and _may_be_llama3(self._buf) and not final:
-            return []
-        text, self._buf = self._buf, ""
-        if self._passthrough or not _may_be_llama3(text):
-            self._passthrough = True
-            return [{"content": text}] if text else []
-        content, calls = parse_tool_calls(text, "llama3")
-        for call in calls:
-            self.calls.append(call)
-        if calls:
-            return [{"tool_calls": [{"index": i, **c}]} for i, c in enumerate(calls)]
-        return [{"content": content}] if content else []
-
-
-# ---------------------------------------------------------------- enforcing calls
 
 
 def _call_schema(tool: Mapping[str, Any], form: Form) -> dict[str, Any]:

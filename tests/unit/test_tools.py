@@ -11,10 +11,10 @@ import pytest
 
 from models.gguf import default_model_path, read_gguf
 from models.tokenizer import ChatTokenizer, TokenizerError
+from service.api.tool_stream import ToolCallStream
 from service.api.tools import (
     FALLBACK_FOOTER,
     FALLBACK_HEADER,
-    ToolCallStream,
     ToolChoice,
     fallback_prompt,
     hermes_block,
