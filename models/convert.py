@@ -32,7 +32,7 @@ from models.gguf import (
     tokenizer_from_gguf,
 )
 from models.layers import Params, quantized_bits
-from models.llama import ModelArgs
+from models.model_args import ModelArgs
 from models.tokenizer import ChatTokenizer
 
 

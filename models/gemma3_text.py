@@ -30,20 +30,21 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 
-from models import llama
+from models import llama, model_args
 from models.attention import Attend
 from models.config_check import Supports
 from models.kv_cache import KVCache
 from models.layers import Params, embed, linear
-from models.llama import Decoder, cached_rope, project_qkv, rope_type
-from models.rope import RoPE
+from models.llama import Decoder, project_qkv
+from models.model_args import REQUIRED_KEYS, cached_rope, scaling_items
+from models.rope import RoPE, rope_type
 
 #: transformers' default pattern: every 6th layer global (Gemma3TextConfig).
 DEFAULT_PATTERN = 6
 
 
 @dataclass(frozen=True)
-class ModelArgs(llama.ModelArgs):
+class ModelArgs(model_args.ModelArgs):
     """Gemma 3's hyper-parameters: the Llama family's plus ``query_pre_attn_scalar`` and the
     local layers' RoPE (``rope_local_base_freq``; transformers >= 5 nests both bases and
     scalings under ``rope_parameters.{full,sliding}_attention``)."""
@@ -61,7 +62,7 @@ class ModelArgs(llama.ModelArgs):
     )
     # mlx-lm and transformers default these differently (1 vs 4 KV heads; 512 vs 4096 positions):
     # a config must say.
-    required: ClassVar[tuple[str, ...]] = (*llama.REQUIRED_KEYS, "num_key_value_heads", "head_dim")
+    required: ClassVar[tuple[str, ...]] = (*REQUIRED_KEYS, "num_key_value_heads", "head_dim")
 
     @classmethod
     def _complete(cls, config: dict[str, Any]) -> dict[str, Any]:
@@ -85,9 +86,9 @@ class ModelArgs(llama.ModelArgs):
         if "rope_theta" in local:
             values["rope_local_base_freq"] = local["rope_theta"]
         if config.get("rope_scaling") is None and rope_type(full) != "default":
-            values["rope_scaling"] = llama._items(full)
+            values["rope_scaling"] = scaling_items(full)
         if rope_type(local) != "default":
-            values["rope_local_scaling"] = llama._items(local)
+            values["rope_local_scaling"] = scaling_items(local)
         return values
 
     @property

@@ -22,7 +22,7 @@ from models.config_check import unimplemented_gguf
 from models.errors import ModelLoadError
 from models.gguf_header import GGUFLayoutError, check_gguf_layout, read_gguf_header
 from models.layers import Params
-from models.llama import ModelArgs
+from models.model_args import ModelArgs
 from models.tokenizer import ChatTokenizer, TokenizerError
 
 GGUF_GROUP_SIZE = 32  # values per Q4_0 / Q4_1 / Q8_0 block (ggml-common.h: QK4_0, QK8_0)

@@ -23,7 +23,7 @@ from models.architectures import UnsupportedArchitectureError
 from models.architectures import architecture as _architecture
 from models.gguf import ModelLoadError
 from models.layers import Params, quantized_bits
-from models.llama import ModelArgs
+from models.model_args import ModelArgs
 from models.tokenizer import ChatTokenizer
 
 

@@ -10,10 +10,11 @@ from typing import Literal, cast
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
+from models.fuse import fuse_projections
 from models.gguf import ModelLoadError, args_from_metadata, params_from_tensors, read_gguf, tokenizer_from_gguf
 from models.hf import load_dir
 from models.layers import Params, quantized_bits
-from models.llama import ModelArgs, fuse_projections
+from models.model_args import ModelArgs
 from models.pipeline import Stage
 from models.tokenizer import ChatTokenizer
 

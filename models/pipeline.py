@@ -27,7 +27,8 @@ import mlx.core as mx
 from models.attention import CacheAttention, PromptAttention
 from models.kv_cache import KVCache
 from models.layers import Params, embed, linear
-from models.llama import LLAMA, ModelArgs, _blocks
+from models.llama import LLAMA, _blocks
+from models.model_args import ModelArgs
 
 
 @dataclass(frozen=True)

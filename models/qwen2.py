@@ -6,14 +6,14 @@ refused (mlx-lm's qwen2 and qwen3 ignore them, so there is no reference to match
 from dataclasses import dataclass
 from typing import ClassVar
 
-from models import llama
+from models import model_args
 from models.config_check import Supports
 from models.llama import decode, prefill, prefill_chunk, sanitize, verify
 
 
 @dataclass(frozen=True)
-class ModelArgs(llama.ModelArgs):
-    """:class:`models.llama.ModelArgs` without sliding-window layers or bias flags."""
+class ModelArgs(model_args.ModelArgs):
+    """:class:`models.model_args.ModelArgs` without sliding-window layers or bias flags."""
 
     supports: ClassVar[Supports] = Supports(biases=False)
 

@@ -29,6 +29,7 @@ from models.attention import Attend
 from models.kv_cache import KVCache
 from models.layers import Params, linear, quantized_bits
 from models.llama import Decoder, attention_residual, swiglu_mlp
+from models.model_args import REQUIRED_KEYS
 
 #: Index count from which tokens are sorted by expert before the gathered matmuls (mlx-lm's
 #: SwitchGLU uses the same threshold: contiguous rows per expert pay off for many tokens).
@@ -48,7 +49,7 @@ class ModelArgs(qwen2.ModelArgs):
 
     # transformers defaults norm_topk_prob to false, mlx-lm requires it: a config must say.
     required: ClassVar[tuple[str, ...]] = (
-        *llama.REQUIRED_KEYS,
+        *REQUIRED_KEYS,
         "num_experts",
         "num_experts_per_tok",
         "moe_intermediate_size",

@@ -28,8 +28,8 @@ from models.gguf_header import GGUFLayoutError
 from models.gguf_tensors import GGUFTensorError, placeholders, read_index, read_tensors
 from models.hf import load_dir
 from models.layers import Params
-from models.llama import ModelArgs
 from models.loader import WeightsMode, prepare_params, read_params, served_params
+from models.model_args import ModelArgs
 from models.pipeline import Stage, plan_stages, stage_params
 from models.tokenizer import ChatTokenizer
 

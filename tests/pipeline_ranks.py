@@ -29,7 +29,7 @@ import mlx.core as mx  # noqa: E402
 from models import llama, pipeline  # noqa: E402
 from models.kv_cache import KVCache  # noqa: E402
 from models.layers import Params  # noqa: E402
-from models.llama import ModelArgs  # noqa: E402
+from models.model_args import ModelArgs  # noqa: E402
 from models.stage_loader import load_stage, model_layout  # noqa: E402
 
 PROMPT_BUCKET, FIRST_CAPACITY, NEXT_CAPACITY = 32, 32, 48  # prefill (2, 32); decode (2, 32) then (2, 48)

@@ -32,7 +32,8 @@ from tokenizers.models import WordLevel
 
 from models.gguf import default_model_path
 from models.kv_cache import KVCache
-from models.llama import ModelArgs, prefill
+from models.llama import prefill
+from models.model_args import ModelArgs
 from models.tokenizer import Detokenizer
 from service.bench.servers import free_port
 

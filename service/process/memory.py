@@ -82,7 +82,7 @@ def kv_bytes_per_position(model: LoadedModel) -> int:
 def decode_row_bytes(model: LoadedModel, capacity: int) -> int:
     """Bytes one row of the decode KV cache takes at ``capacity`` positions in this process:
     each held full layer's keys and values at ``capacity``, a sliding-window layer's at
-    min(window, ``capacity``) (its ring, as :meth:`models.llama.ModelArgs.kv_bytes`)."""
+    min(window, ``capacity``) (its ring, as :meth:`models.model_args.ModelArgs.kv_bytes`)."""
     return _row_bytes(model, capacity, ring=True)
 
 

@@ -4,7 +4,8 @@ never change a real row, decode continues prefill exactly, and the GGUF RoPE lay
 import mlx.core as mx
 import pytest
 
-from models.llama import decode, fuse_projections, prefill
+from models.fuse import fuse_projections
+from models.llama import decode, prefill
 from models.loader import prepare_params
 from tests.support import ATOL, TINY, new_cache, prefill_one, random_params
 
