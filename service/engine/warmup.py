@@ -149,11 +149,31 @@ def rehearse(engine: Engine, spec: WarmupSpec) -> list[str]:
     first use — slot inserts, batch moves down and up (arrivals joining a decoding batch: the
     cache padded with live rows), one prompt sent twice (a gather of logits rows), capacity
     moves, chunked prefill, prefix-cache copies, seeded sampling — are built now rather than
-    under the first requests.
+    under the first requests (:func:`rehearsal_scenarios`).
 
     Runs on the engine thread, before it serves; the requests are marked ``warmup`` (no
     metrics) and the prefix cache is emptied afterwards. Returns what ran, one line each.
     """
+    runner = engine.runner
+    scenarios = rehearsal_scenarios(engine, spec)
+    if runner.speculator is not None:  # verify steps (forced on: what they build is built whatever warm-up measured)
+        runner.speculator.forced = True
+    done = []
+    for name, waves in scenarios.items():
+        _run_waves(engine, waves)
+        done.append(name)
+        log.info("warm-up rehearsal: %s", name)
+    forget_prefixes(engine)
+    if runner.speculator is not None:
+        runner.speculator.forced = False
+    return done
+
+
+def rehearsal_scenarios(engine: Engine, spec: WarmupSpec) -> dict[str, list[list[Sequence]]]:
+    """The rehearsal's scenarios, by what each exercises: each a list of waves of dummy
+    requests (``warmup`` set; token ids spread over the vocabulary), a wave submitted once the
+    one before it is decoding. Sized by ``spec`` (batch, prompt and chunk tokens) within the
+    engine's buckets and running limit."""
     buckets, runner = engine.buckets, engine.runner
     vocab, limit = engine.model.args.vocab_size, buckets.capacity[-1]
     rows = max(1, min(spec.batch, engine.scheduler.max_running))
@@ -169,7 +189,6 @@ def rehearse(engine: Engine, spec: WarmupSpec) -> list[str]:
         seq.warmup = True
         return seq
 
-    # Each scenario is a list of waves: a wave is submitted once the previous one is decoding.
     growth = [b for b in buckets.batch if b <= rows]
     arrivals, joined = [], 0
     for b in growth:  # requests join a decoding batch until it holds each batch bucket in turn
@@ -212,39 +231,37 @@ def rehearse(engine: Engine, spec: WarmupSpec) -> list[str]:
         scenarios[
             "one prompt sent twice at once (its requests share a prefill row: their logits rows are gathered)"
         ] = [[request(7, 3, 900), request(7, 3, 900)]]
-    if runner.speculator is not None:  # verify steps (forced on: what they build is built whatever warm-up measured)
+    if runner.speculator is not None:
         words = [1 + (500 + 11 * i) % (vocab - 1) for i in range(4)]
         copy = max(8, min(short_top, 24))
         speculating = [request(1, 6, 0, temperature=0.6 * i, seed=i or None) for i in range(min(rows, 2))]
         for seq in speculating:
             seq.prompt_ids = (words * copy)[:copy]
         scenarios["speculative decoding: repetitive prompts, greedy and seeded (verify steps)"] = [speculating]
-        runner.speculator.forced = True
-    done = []
-    for name, waves in scenarios.items():
-        seqs: list[Sequence] = []
-        for wave in waves:
-            for seq in wave:
-                while True:
-                    try:
-                        engine.submit(seq)
-                        break
-                    except QueueFullError:  # a waiting queue shorter than the wave: let it drain
-                        engine.step()
-            seqs += wave
-            if len(waves) > 1:  # admitted, prefilled and decoding before the next wave arrives
-                engine.step()
-                engine.step()
-        while not all(s.finish_reason is not None for s in seqs):
+    return scenarios
+
+
+def _run_waves(engine: Engine, waves: list[list[Sequence]]) -> None:
+    """Submit each wave (stepping while the waiting queue is full), step twice between waves
+    so the earlier ones are admitted, prefilled and decoding, then step until every request
+    has ended and no step is in flight."""
+    seqs: list[Sequence] = []
+    for wave in waves:
+        for seq in wave:
+            while True:
+                try:
+                    engine.submit(seq)
+                    break
+                except QueueFullError:  # a waiting queue shorter than the wave: let it drain
+                    engine.step()
+        seqs += wave
+        if len(waves) > 1:  # admitted, prefilled and decoding before the next wave arrives
             engine.step()
-        while runner.busy:  # a step still in flight for a row that already stopped
             engine.step()
-        done.append(name)
-        log.info("warm-up rehearsal: %s", name)
-    forget_prefixes(engine)
-    if runner.speculator is not None:
-        runner.speculator.forced = False
-    return done
+    while not all(s.finish_reason is not None for s in seqs):
+        engine.step()
+    while engine.runner.busy:  # a step still in flight for a row that already stopped
+        engine.step()
 
 
 def forget_prefixes(engine: Engine) -> None:
