@@ -3,7 +3,7 @@
 # session's last ~390 s of device time (so one measurement, few buckets, nothing else).
 # * The bench's level no longer ends with a tail of constrained rows alone (they are closed when
 #   the free streams finish), and a constrained batch's masks are filled on a worker thread while
-#   the engine queues the forward pass.
+#   the engine queues the forward pass (measured here, then reverted: docs/BENCHMARKS.md, twelfth run).
 # * MLX's kernel cache is packed into $OUT/ptx.tgz after the warm-up, so a later session can carry
 #   it to a fresh host instead of spending ~7 minutes on NVRTC (it is the same MLX and GPU kind).
 # From the repository root on the GPU host, after staging, call
