@@ -379,7 +379,9 @@ def _parser() -> argparse.ArgumentParser:
         "--constrained",
         type=int,
         default=0,
-        help="essays with --api openai: this many streams of each level send response_format (a JSON schema)",
+        help="essays with --api openai: this many streams of each level send response_format (a JSON schema), "
+        "request after request while the free streams run; their requests still streaming when the free streams "
+        "finish are closed and counted to there",
     )
     parser.add_argument(
         "--constrained-schema",
