@@ -29,7 +29,7 @@ import argparse
 import asyncio
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
@@ -201,7 +201,7 @@ async def run_level(
 
     closed_early = 0
 
-    async def send(client: httpx.AsyncClient, slot: int, until=None) -> Stream | None:
+    async def send(client: httpx.AsyncClient, slot: int, until: Callable[[], bool] | None = None) -> Stream | None:
         nonlocal errors
         path, body = workload.request(slot)
         try:
