@@ -7,6 +7,7 @@ import contextlib
 import io
 from pathlib import Path
 
+import pytest
 from mlx._distributed_utils import common
 
 from service.process import launch
@@ -60,3 +61,5 @@ def test_ring_ports_are_a_free_run_below_the_ephemeral_range():
     with socket.socket() as a, socket.socket() as b:
         a.bind(("127.0.0.1", first))
         b.bind(("127.0.0.1", first + 1))
+        with pytest.raises(RuntimeError, match="no 2 consecutive free ports"):
+            free_ports(2, low=first, high=first + 2)  # the one run there is taken
