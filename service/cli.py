@@ -5,12 +5,18 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic_settings import CliSettingsSource
 
 from models.blas import load_cpu_blas
 from service.config import ConfigError, Settings, add_serve_flags, settings_from_flags
+
+if TYPE_CHECKING:
+    from service.process.watchdog import EngineWatchdog
 
 SERVE_EPILOG = """\
 Every option can also be set as STEPSERVE_<NAME> in the environment or as <name> in the
@@ -112,9 +118,11 @@ def serve(settings: Settings) -> int:
     if isinstance(loaded, int):
         return loaded
     settings, models, ranks = loaded
+    app = create_app(settings, models=models, progress=_progress(), ranks=ranks)
+    if ranks is not None and settings.pid_file:  # rank 0 of a group that `stepserve launch` started
+        _on_lost_rank(settings.pid_file, app.state.watchdog)
     if settings.pid_file:
         settings.pid_file.write_text(f"{os.getpid()}\n")
-    app = create_app(settings, models=models, progress=_progress(), ranks=ranks)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -126,6 +134,22 @@ def serve(settings: Settings) -> int:
     DrainingServer(config, app.state.stepserve, settings.shutdown_grace_s, app.state.watchdog.hold).run()
     _exit_now(app.state.watchdog.exit_code)  # non-zero when an engine thread died
     return 0
+
+
+def _on_lost_rank(pid_file: Path, watchdog: EngineWatchdog) -> None:
+    """On SIGUSR1 (`stepserve launch` saw another rank exit), hand its reason
+    (:func:`service.process.launch.failure_file`) to the watchdog (:meth:`EngineWatchdog.peer_lost`).
+    Installed before the pid file is written: the launcher signals only a pid it has read."""
+    from service.process.launch import failure_file
+
+    def handler(_signum, _frame) -> None:
+        try:
+            reason = failure_file(pid_file).read_text().strip()
+        except OSError:
+            reason = "another rank exited"
+        watchdog.peer_lost(reason)
+
+    signal.signal(signal.SIGUSR1, handler)
 
 
 def _load(settings: Settings):

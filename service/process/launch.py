@@ -16,6 +16,9 @@ own code without its busy loop (:data:`MLX_LAUNCH`). Why a wrapper:
   stopped process (SIGSTOP) keeps it waiting forever. ``--kill-after S`` (default 30) seconds
   after a failure, mlx.launch's process group (it and the ranks it started on this host; a
   remote rank's ssh session ends with it) is killed;
+* **a lost rank**: when another rank exits, rank 0 is told at once (SIGUSR1, the reason in
+  :func:`failure_file`), so it ends its requests with an error naming that rank rather than
+  waiting in a collective that may never return (:meth:`EngineWatchdog.peer_lost`);
 * **SIGTERM** (launchd's stop): forwarded to rank 0 alone (its pid file), which drains its
   requests and then stops the other ranks: the group exits 0 together. Before rank 0 has
   started, or ``--kill-after`` seconds after a second SIGTERM, the group is killed.
@@ -66,6 +69,12 @@ def command(launch_args: list[str], serve_args: list[str], pid_file: Path, env: 
     return [sys.executable, "-c", MLX_LAUNCH, *launch_args, *forwarded, "--", *serve]
 
 
+def failure_file(pid_file: Path) -> Path:
+    """Where `stepserve launch` writes why another rank failed (e.g. "rank 1 exited with code
+    -9") before it sends rank 0 SIGUSR1: beside rank 0's pid file."""
+    return pid_file.with_name(pid_file.name + ".failed")
+
+
 class Group:
     """One mlx.launch run: its output passed through and read for failed ranks."""
 
@@ -90,6 +99,20 @@ class Group:
             if match:
                 self.failures.append((int(match[1]), int(match[2]) if match[2] is not None else None))
                 self.failed_at = self.failed_at or time.monotonic()
+                if len(self.failures) == 1 and self.failures[0][0] != 0:
+                    self._tell_rank0(*self.failures[0])
+
+    def _tell_rank0(self, rank: int, code: int | None) -> None:
+        """Rank ``rank`` failed: tell rank 0 why (:func:`failure_file`) and send it SIGUSR1. MLX's
+        ring backend (0.32.4) fails the collectives pending when a peer's socket closes, but one
+        started just after waits forever, so rank 0 may never see the failure by itself."""
+        how = f"exited with code {code}" if code is not None else "was killed"
+        try:
+            pid = int(self.pid_file.read_text())
+            failure_file(self.pid_file).write_text(f"rank {rank} {how}\n")
+            os.kill(pid, signal.SIGUSR1)
+        except (OSError, ValueError):  # rank 0 not started yet, or gone: nothing to tell
+            pass
 
     def stop(self, signum: int, _frame=None) -> None:
         """SIGTERM/SIGINT: rank 0 drains and stops the group; a second one, or no rank 0 yet, kills it."""

@@ -18,6 +18,7 @@ ENGINE_DIED_EXIT = 70  # EX_SOFTWARE (sysexits.h): an internal error; launchd re
 ENGINE_DIED = "the engine thread died; the server is restarting"
 DRAIN_SLACK_S = 30.0  # beyond shutdown_grace_s: cancelling what is left (10 s) and closing uvicorn (10 s), with room
 WARMUP_STALL_FACTOR = 10  # before ready, a wait on the group may last this many stall limits (ranks compile)
+LOST_RANK_STALL_S = 0.5  # once another rank is known gone, a wait on the group this long is the failure
 
 
 class EngineWatchdog:
@@ -35,7 +36,9 @@ class EngineWatchdog:
     An engine of a pipeline group's rank 0 whose wait on the other ranks lasts longer than
     ``stall_limit_s`` (:data:`WARMUP_STALL_FACTOR` times that before it is ready) is failed the
     same way, and the process exits right after ``linger_s``: its thread is stuck in the
-    backend's wait, which no drain can end (the ring backend has no timeout).
+    backend's wait, which no drain can end (the ring backend has no timeout). Once `stepserve
+    launch` has reported another rank gone (:meth:`peer_lost`), that limit is
+    :data:`LOST_RANK_STALL_S` and the requests' error names the rank.
 
     Args:
         engines: the served engines by model name (the dict the app fills as they start).
@@ -57,6 +60,7 @@ class EngineWatchdog:
         self.exit_after_s = shutdown_grace_s + DRAIN_SLACK_S
         self.exit_code = 0  # what `stepserve serve` exits with once uvicorn has stopped
         self.failed_at: float | None = None  # time.monotonic() when an engine was failed
+        self.lost_rank: str | None = None  # why another rank of the group is gone (peer_lost)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -88,9 +92,20 @@ class EngineWatchdog:
         if self.failed_at is not None:
             time.sleep(max(0.0, self.failed_at + self.linger_s - time.monotonic()))
 
+    def peer_lost(self, reason: str) -> None:
+        """Another rank of the group is gone (``reason``, e.g. "rank 1 exited with code -9", from
+        `stepserve launch`'s SIGUSR1): from now on a wait on the group that lasts
+        :data:`LOST_RANK_STALL_S` fails the engine with an error naming it. The engine thread
+        usually raises first (the ring backend fails the collectives pending when a peer's
+        socket closes), but a collective started just after the failure may wait forever.
+        Safe to call from a signal handler: it only sets an attribute."""
+        self.lost_rank = reason
+
     def _stalled(self, engine: Engine) -> bool:
         if self.stall_limit_s is None:
             return False
+        if self.lost_rank is not None:
+            return engine.runner.executor.stalled_s() > LOST_RANK_STALL_S
         limit = self.stall_limit_s * (1 if engine.ready.is_set() else WARMUP_STALL_FACTOR)
         return engine.runner.executor.stalled_s() > limit
 
@@ -98,6 +113,16 @@ class EngineWatchdog:
         self.exit_code, self.failed_at = ENGINE_DIED_EXIT, time.monotonic()
         for engine in hung:
             seconds = engine.runner.executor.stalled_s()
+            if self.lost_rank is not None:
+                log.critical(
+                    "model '%s': %s (stepserve launch); failing the requests, then exiting with %d",
+                    engine.model.name,
+                    self.lost_rank,
+                    ENGINE_DIED_EXIT,
+                )
+                message = f"the pipeline group failed: {self.lost_rank}; the group is restarting"
+                engine.fail(message, reason="pipeline group lost")
+                continue
             log.critical(
                 "model '%s': the pipeline group has not answered for %.1f s (a rank hung, or its link); "
                 "failing the requests, then exiting with %d",

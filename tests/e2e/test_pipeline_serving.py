@@ -233,10 +233,12 @@ def signal_mid_stream(model: Path, rank: int, sig: int, args: tuple[str, ...] = 
 
 def test_a_killed_rank_1_fails_the_request_and_the_group_after_a_503(tiny):
     run = signal_mid_stream(tiny, 1, signal.SIGKILL)
-    # The request ends in an error: an error event naming the failure, or (when mlx.launch's SIGTERM
-    # reaches rank 0 before its engine has failed the request: a race not yet closed) a cut stream.
+    # The request ends with an error event naming the failure: the ring's error when rank 0's engine
+    # saw it, or the rank `stepserve launch` saw exit when a collective started after the kill never
+    # returned (MLX's ring backend fails only the pending ones; without the launcher's word the
+    # stream was cut when the group was killed).
     last = run["events"][-1]
-    assert "the pipeline group failed" in str(last.get("error")) or "transport_error" in last, run["events"][-3:]
+    assert "the pipeline group failed" in str(last.get("error")), run["events"][-3:]
     assert 503 in run["codes"] and "down" not in run["codes"][: run["codes"].index(503)], run["codes"]
     assert run["status"] != 0 and run["exit_s"] < 30, run["log"]
     assert "the group stopped: rank 1 was killed" in run["log"] or "rank 1 exited with code -9" in run["log"]
