@@ -21,6 +21,8 @@ def main(argv: list[str]) -> int:
     * ``pipeline …``: one process against pipeline ranks per decode step (:mod:`service.bench.pipeline`);
     * ``group …``: one ``stepserve serve`` against a ``stepserve launch`` group, through HTTP
       (:mod:`service.bench.group`);
+    * ``hit-profile …``: a prefix-cache hit's prefill iteration, part by part, against a
+      decode step (:mod:`service.bench.hit_profile`);
     * ``moe …``: a random Qwen3-MoE's decode step against mlx-lm's (:mod:`service.bench.moe`);
     * ``gguf-storage …``: a K-quant GGUF kept dense or re-quantized (:mod:`service.bench.gguf_storage`);
     * ``… --micro …``: plain against compiled, in-process (:mod:`service.bench.micro`);
@@ -55,6 +57,10 @@ def main(argv: list[str]) -> int:
         from service.bench.gguf_storage import main as gguf_storage
 
         return gguf_storage(argv[1:])
+    if argv[:1] == ["hit-profile"]:
+        from service.bench.hit_profile import main as hit_profile
+
+        return hit_profile(argv[1:])
     if argv[:1] == ["moe"]:
         from service.bench.moe import main as moe
 

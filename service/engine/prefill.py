@@ -73,7 +73,7 @@ class Prefiller:
             try:
                 if seq.started is None:  # admitted this step
                     seq.started = time.perf_counter()
-                    self._match_prefix(seq)
+                    self.match_prefix(seq)
                 if seq.num_computed == 0 and len(seq.prompt_ids) <= self.chunk_tokens:
                     whole.setdefault(self.runner.buckets.prompt_for(len(seq.prompt_ids)), []).append(seq)
                 elif (last := self._last_chunk(seq)) is not None:
@@ -122,7 +122,7 @@ class Prefiller:
             pos += n
         return plan
 
-    def _match_prefix(self, seq: Sequence) -> None:
+    def match_prefix(self, seq: Sequence) -> None:
         """Start ``seq``'s staging cache from the prefix cache's blocks, if it has any."""
         hit = self.prefix.match(seq.prompt_ids)
         if hit.num_tokens == 0:
@@ -132,7 +132,7 @@ class Prefiller:
         seq.staging = self.prefix.gather(hit, capacity)  # [1, Hkv, C, D] per layer
         seq.num_computed = seq.cached_tokens = hit.num_tokens
 
-    def _next_chunk(self, seq: Sequence) -> tuple[KVCache, list[int], int, int]:
+    def next_chunk(self, seq: Sequence) -> tuple[KVCache, list[int], int, int]:
         """``seq``'s next chunk: (its staging cache at the capacity the chunk needs, the chunk's
         T tokens right-padded, its offset, its real tokens)."""
         offset, n, T = self.chunk_plan(len(seq.prompt_ids), seq.num_computed)[0]
@@ -146,7 +146,7 @@ class Prefiller:
 
     def _chunk(self, seq: Sequence) -> None:
         start = time.perf_counter()
-        kv, tokens, offset, n = self._next_chunk(seq)
+        kv, tokens, offset, n = self.next_chunk(seq)
         logits, kv = self.runner.executor.chunk(kv, tokens, offset, n)
         seq.staging, seq.num_computed = kv, offset + n
         stat = ("chunk", f"b1x{len(tokens)}c{kv.capacity}", 1, 1, start)
@@ -164,7 +164,7 @@ class Prefiller:
             self._chunk(group[0])
             return
         start = time.perf_counter()
-        kvs, tokens, offsets, lengths = (list(part) for part in zip(*map(self._next_chunk, group), strict=True))
+        kvs, tokens, offsets, lengths = (list(part) for part in zip(*map(self.next_chunk, group), strict=True))
         B = last_chunk_rows(self.runner.buckets, len(tokens[0]), self.whole_tokens, self.rows_cap)
         logits, kv = self.runner.executor.chunk_rows(kvs, tokens, offsets, lengths, B)
         for seq in group:

@@ -1,0 +1,32 @@
+"""``stepserve bench hit-profile``: what it times is a prefix-cache hit joining a busy batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+
+from models.loader import LoadedModel
+from service.bench.hit_profile import PARTS, HitBench
+from service.engine.buckets import BucketTable
+from tests.support import TINY, WordTokenizer, random_params
+
+
+def test_each_measured_prompt_hits_the_cached_system_prompt_and_leaves_the_batch_as_it_was():
+    model = LoadedModel(
+        "tiny", Path("-"), TINY, random_params(seed=2), WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0
+    )
+    bench = HitBench(
+        model, BucketTable((1, 4, 8), (16, 64), (256,)), prefix_tokens=96, tail_tokens=9, live=3, block_tokens=8
+    )
+    prefix = bench.runner.prefix
+    live = [s for s in bench.runner.slots if s is not None]
+    assert len(live) == 3
+    hit_before = prefix.hit_tokens
+    parts = bench.parts_s()
+    assert set(parts) == set(PARTS) and all(d >= 0 and e >= 0 for d, e in parts.values())
+    assert prefix.hit_tokens - hit_before == 96  # the system prompt's 12 blocks, none of the 9-token tail
+    hit_before = prefix.hit_tokens
+    assert bench.iteration_s(4) > 0
+    assert prefix.hit_tokens - hit_before == 4 * 96
+    assert [s for s in bench.runner.slots if s is not None] == live  # the hits' slots were freed
