@@ -7,11 +7,10 @@ import os
 import re
 from argparse import ArgumentParser, Namespace
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     CliImplicitFlag,
@@ -22,86 +21,13 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from service.model_settings import INHERITED, ModelSettings, ServedModel, ascending
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 class ConfigError(ValueError):
     """Settings that cannot work; the message says which setting and how to fix it."""
-
-
-def _ascending(values: list[int]) -> list[int]:
-    if not values or any(v <= 0 for v in values) or values != sorted(set(values)):
-        raise ValueError(f"must be a non-empty ascending list of distinct positive integers, got {values}")
-    return values
-
-
-class ModelSettings(BaseModel):
-    """One served model (a ``[[models]]`` table in the TOML file). Unset fields take the
-    top-level setting of the same meaning (``path`` <- ``model``, ``name`` <- ``model_name``)."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: str
-    path: Path | None = None
-    compile: Literal["on", "off", "auto"] | None = None
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
-    weights: Literal["auto", "quantized", "dequantized"] | None = None
-    batch_buckets: list[int] | None = None
-    prompt_buckets: list[int] | None = None
-    capacity_buckets: list[int] | None = None
-    max_sequences: int | None = Field(default=None, ge=1)
-    warmup_prompt_tokens: int | None = Field(default=None, ge=0)
-    warmup_batch: int | None = Field(default=None, ge=1)
-    speculative: Literal["off", "lookup", "draft"] | None = None
-    draft_model: Path | None = None
-    speculative_tokens: int | None = Field(default=None, ge=1, le=16)
-    speculative_max_batch: int | None = Field(default=None, ge=1)
-
-    @field_validator("batch_buckets", "prompt_buckets", "capacity_buckets")
-    @classmethod
-    def _check_buckets(cls, values: list[int] | None) -> list[int] | None:
-        return None if values is None else _ascending(values)
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """One model to serve with every setting resolved (its ``[[models]]`` value, else the
-    top-level one); see :meth:`Settings.served_models`. ``path`` None: the default model."""
-
-    name: str
-    path: Path | None
-    compile: Literal["on", "off", "auto"]
-    dtype: Literal["auto", "float32", "float16", "bfloat16"]
-    weights: Literal["auto", "quantized", "dequantized"]
-    batch_buckets: list[int]
-    prompt_buckets: list[int]
-    capacity_buckets: list[int]
-    max_sequences: int | None  # None until start-up derives it from the memory budget
-    warmup_prompt_tokens: int | None  # None: every prompt length
-    warmup_batch: int | None  # None: max_sequences
-    speculative: Literal["off", "lookup", "draft"] = "off"
-    draft_model: Path | None = None
-    speculative_tokens: int = 4
-    speculative_max_batch: int | None = None  # None: calibrated at warm-up
-
-
-# ModelSettings field -> the top-level Settings field it inherits from.
-_INHERITED = {
-    "name": "model_name",
-    "path": "model",
-    "compile": "compile",
-    "dtype": "dtype",
-    "weights": "weights",
-    "batch_buckets": "batch_buckets",
-    "prompt_buckets": "prompt_buckets",
-    "capacity_buckets": "capacity_buckets",
-    "max_sequences": "max_sequences",
-    "warmup_prompt_tokens": "warmup_prompt_tokens",
-    "warmup_batch": "warmup_batch",
-    "speculative": "speculative",
-    "draft_model": "draft_model",
-    "speculative_tokens": "speculative_tokens",
-    "speculative_max_batch": "speculative_max_batch",
-}
 
 
 class Settings(BaseSettings):
@@ -290,7 +216,7 @@ class Settings(BaseSettings):
     @field_validator("batch_buckets", "prompt_buckets", "capacity_buckets")
     @classmethod
     def _check_buckets(cls, values: list[int]) -> list[int]:
-        return _ascending(values)
+        return ascending(values)
 
     @field_validator("api_key")
     @classmethod
@@ -333,7 +259,7 @@ class Settings(BaseSettings):
 
     def served_models(self) -> list[ServedModel]:
         """One entry per model to serve, each field resolved (its own value, else the top-level one)."""
-        base = {field: getattr(self, top) for field, top in _INHERITED.items()}
+        base = {field: getattr(self, top) for field, top in INHERITED.items()}
         specs = self.models or [ModelSettings(name=self.model_name)]
         return [ServedModel(**{**base, **spec.model_dump(exclude_none=True)}) for spec in specs]
 

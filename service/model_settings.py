@@ -1,0 +1,88 @@
+"""Per-model settings: one ``[[models]]`` table of the TOML file (:class:`ModelSettings`) and a
+model to serve with every setting resolved (:class:`ServedModel`, from
+:meth:`service.config.Settings.served_models`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+def ascending(values: list[int]) -> list[int]:
+    """``values`` when they are a non-empty ascending list of distinct positive integers (a
+    bucket ladder). Raises ValueError otherwise."""
+    if not values or any(v <= 0 for v in values) or values != sorted(set(values)):
+        raise ValueError(f"must be a non-empty ascending list of distinct positive integers, got {values}")
+    return values
+
+
+class ModelSettings(BaseModel):
+    """One served model (a ``[[models]]`` table in the TOML file). Unset fields take the
+    top-level setting of the same meaning (``path`` <- ``model``, ``name`` <- ``model_name``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    path: Path | None = None
+    compile: Literal["on", "off", "auto"] | None = None
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
+    weights: Literal["auto", "quantized", "dequantized"] | None = None
+    batch_buckets: list[int] | None = None
+    prompt_buckets: list[int] | None = None
+    capacity_buckets: list[int] | None = None
+    max_sequences: int | None = Field(default=None, ge=1)
+    warmup_prompt_tokens: int | None = Field(default=None, ge=0)
+    warmup_batch: int | None = Field(default=None, ge=1)
+    speculative: Literal["off", "lookup", "draft"] | None = None
+    draft_model: Path | None = None
+    speculative_tokens: int | None = Field(default=None, ge=1, le=16)
+    speculative_max_batch: int | None = Field(default=None, ge=1)
+
+    @field_validator("batch_buckets", "prompt_buckets", "capacity_buckets")
+    @classmethod
+    def _check_buckets(cls, values: list[int] | None) -> list[int] | None:
+        return None if values is None else ascending(values)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One model to serve with every setting resolved (its ``[[models]]`` value, else the
+    top-level one); see :meth:`Settings.served_models`. ``path`` None: the default model."""
+
+    name: str
+    path: Path | None
+    compile: Literal["on", "off", "auto"]
+    dtype: Literal["auto", "float32", "float16", "bfloat16"]
+    weights: Literal["auto", "quantized", "dequantized"]
+    batch_buckets: list[int]
+    prompt_buckets: list[int]
+    capacity_buckets: list[int]
+    max_sequences: int | None  # None until start-up derives it from the memory budget
+    warmup_prompt_tokens: int | None  # None: every prompt length
+    warmup_batch: int | None  # None: max_sequences
+    speculative: Literal["off", "lookup", "draft"] = "off"
+    draft_model: Path | None = None
+    speculative_tokens: int = 4
+    speculative_max_batch: int | None = None  # None: calibrated at warm-up
+
+
+# ModelSettings field -> the top-level Settings field it inherits from.
+INHERITED = {
+    "name": "model_name",
+    "path": "model",
+    "compile": "compile",
+    "dtype": "dtype",
+    "weights": "weights",
+    "batch_buckets": "batch_buckets",
+    "prompt_buckets": "prompt_buckets",
+    "capacity_buckets": "capacity_buckets",
+    "max_sequences": "max_sequences",
+    "warmup_prompt_tokens": "warmup_prompt_tokens",
+    "warmup_batch": "warmup_batch",
+    "speculative": "speculative",
+    "draft_model": "draft_model",
+    "speculative_tokens": "speculative_tokens",
+    "speculative_max_batch": "speculative_max_batch",
+}
