@@ -76,12 +76,13 @@ class HitBench:
         self.rng = random.Random(0)
         vocab = model.args.vocab_size
         self.system = [self.rng.randrange(vocab // 2) for _ in range(prefix_tokens)]
-        self._prefill_and_join([self.request() for _ in range(live)] or [self.request()], keep=live > 0)
+        # The live requests fill the prefix cache with the system prompt (one request, when none stay).
+        self._prefill_and_join([self.request() for _ in range(max(live, 1))], keep=live > 0)
 
     def request(self) -> Sequence:
         """A new greedy request: the system prompt, then ``tail_tokens`` tokens of its own."""
         tail = [self.rng.randrange(self.model.args.vocab_size // 2) for _ in range(self.tail_tokens)]
-        return Sequence(self.system + tail, SamplingParams(max_tokens=8), self.model.tokenizer.detokenizer(), print)
+        return Sequence(self.system + tail, SamplingParams(max_tokens=8), self.model.tokenizer.detokenizer(), _ignore)
 
     def _prefill_and_join(self, seqs: list[Sequence], keep: bool = True) -> None:
         while any(not s.prompt_done for s in seqs):
@@ -120,11 +121,19 @@ class HitBench:
         logits, kv = timed("chunk", lambda: runner.executor.chunk(kv, tokens, offset, n))
         timed("select", lambda: runner.select(logits, [seq], [None])[0])
         seq.num_computed = seq.position = len(seq.prompt_ids)
-        timed("save", lambda: runner.prefix.insert(seq.prompt_ids, kv, 0) and None)
+
+        def save() -> None:  # the new blocks' copies are queued (mx.async_eval): timed() waits for them
+            runner.prefix.insert(seq.prompt_ids, kv, 0)
+
+        timed("save", save)
         seq.prefilled = (kv, 0)
         timed("join", lambda: (runner.join([seq]), runner.kv)[1])
         runner.release(seq)
         return out
+
+
+def _ignore(event: object) -> None:
+    """A request's event sink: the runner applies no tokens, so nothing is emitted here."""
 
 
 def measure(model: LoadedModel, args: argparse.Namespace) -> dict:

@@ -113,27 +113,17 @@ class EngineWatchdog:
         self.exit_code, self.failed_at = ENGINE_DIED_EXIT, time.monotonic()
         for engine in hung:
             seconds = engine.runner.executor.stalled_s()
-            if self.lost_rank is not None:
-                log.critical(
-                    "model '%s': %s (stepserve launch); failing the requests, then exiting with %d",
-                    engine.model.name,
-                    self.lost_rank,
-                    ENGINE_DIED_EXIT,
-                )
+            if self.lost_rank is not None:  # stepserve launch saw the rank exit
+                why, reason = f"{self.lost_rank} (stepserve launch)", "pipeline group lost"
                 message = f"the pipeline group failed: {self.lost_rank}; the group is restarting"
-                engine.fail(message, reason="pipeline group lost")
-                continue
+            else:
+                why = f"the pipeline group has not answered for {seconds:.1f} s (a rank hung, or its link)"
+                message = f"the pipeline group stopped answering for {seconds:.0f} s; the group is restarting"
+                reason = "pipeline group stopped answering"
             log.critical(
-                "model '%s': the pipeline group has not answered for %.1f s (a rank hung, or its link); "
-                "failing the requests, then exiting with %d",
-                engine.model.name,
-                seconds,
-                ENGINE_DIED_EXIT,
+                "model '%s': %s; failing the requests, then exiting with %d", engine.model.name, why, ENGINE_DIED_EXIT
             )
-            engine.fail(
-                f"the pipeline group stopped answering for {seconds:.0f} s; the group is restarting",
-                reason="pipeline group stopped answering",
-            )
+            engine.fail(message, reason=reason)
         if self._stop.wait(self.linger_s):
             return
         logging.shutdown()
