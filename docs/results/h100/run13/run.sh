@@ -22,6 +22,7 @@ BASE=(--batch-buckets '[1,8,32]' --prompt-buckets '[64,256,512]' --capacity-buck
 OFF=("${BASE[@]}" --prefix-cache-bytes 0)
 spy() {  # name seconds: py-spy (Python frames, idle threads left out) on the running server, in the background
   py-spy record -p "$(cat /tmp/srv.pid)" -r 200 -d "$2" -f raw --nonblocking -o "$R/$1-pyspy.txt" > "$R/$1-pyspy.log" 2>&1 &
+  SPY=$!
 }
 
 step_warm() { start warm 8090 "${BASE[@]}" && stop && tar -C "$MLX_PTX_CACHE_DIR" -czf "${OUT:-/tmp}/ptx.tgz" .; }
@@ -33,7 +34,7 @@ step_prefix() {
   spy prefix-on 12
   bench --url http://127.0.0.1:8130 --workload chat-shared-prefix --system-tokens 1500 --concurrency 8 --requests 3 \
     --max-tokens 128 --out "$R/prefix-on.json"
-  wait; curl -sf localhost:8130/metrics > "$R/prefix-on.metrics.txt"; stop
+  wait "$SPY"; curl -sf localhost:8130/metrics > "$R/prefix-on.metrics.txt"; stop
 }
 step_constrained() {
   start constrained 8140 "${OFF[@]}" || return 1
@@ -43,7 +44,7 @@ step_constrained() {
     spy "constrained-$k-$pass" 8
     bench --url http://127.0.0.1:8140 --api openai --concurrency 32 --requests 3 --max-tokens 128 --warmup-requests 1 \
       --constrained $k --constrained-schema report --out "$R/constrained-$k-$pass.json"
-    wait
+    wait "$SPY"
   done
   curl -sf localhost:8140/metrics > "$R/constrained.metrics.txt"; stop
 }
