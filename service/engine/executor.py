@@ -189,11 +189,11 @@ class Executor:
         for the rows that fit linearly; a wrapped ring gets each row's latest positions)."""
         kv.insert_rows(slots, source, rows, lengths)
 
-    def save_blocks(self, kv: KVCache, row: int, starts: list[int], block_tokens: int) -> list[mx.array]:
-        """The prefix cache's new blocks: for each start s, positions [s, s + block_tokens) of
-        row ``row`` of ``kv``, as [layers, 2, Hkv, block_tokens, D] (see
-        :func:`service.engine.prefix_cache.copy_blocks`); their evaluation is queued."""
-        blocks = copy_blocks(kv, row, starts, block_tokens)
+    def save_blocks(self, kv: KVCache, rows: list[int], starts: list[int], block_tokens: int) -> list[mx.array]:
+        """The prefix cache's new blocks: for each row r of ``rows``, then each start s,
+        positions [s, s + block_tokens) of row r of ``kv``, as [layers, 2, Hkv, block_tokens,
+        D] (see :func:`service.engine.prefix_cache.copy_blocks`); their evaluation is queued."""
+        blocks = copy_blocks(kv, rows, starts, block_tokens)
         mx.async_eval(blocks)
         return blocks
 

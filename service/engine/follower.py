@@ -111,8 +111,8 @@ class Follower:
         self.executor.insert_rows(self._kv(dst), self._kv(src), rest[:n], rest[n : 2 * n], rest[2 * n :])
 
     def _save_blocks(self, ints: list[int], _: mx.array) -> None:
-        src, row, block_tokens, first, *starts = ints
-        for i, block in enumerate(self.executor.save_blocks(self._kv(src), row, starts, block_tokens)):
+        src, block_tokens, first, n, *rest = ints
+        for i, block in enumerate(self.executor.save_blocks(self._kv(src), rest[:n], rest[n:], block_tokens)):
             self._put(first + i, block)
 
     def _gather(self, ints: list[int], _: mx.array) -> None:

@@ -258,10 +258,10 @@ class GroupLeader(Executor):
         super().insert_rows(kv, source, slots, rows, lengths)
 
     @_guarded
-    def save_blocks(self, kv: KVCache, row: int, starts: list[int], block_tokens: int) -> list[mx.array]:
+    def save_blocks(self, kv: KVCache, rows: list[int], starts: list[int], block_tokens: int) -> list[mx.array]:
         first = self._new_handle()
-        self._send(Op.SAVE_BLOCKS, [self._handle(kv), row, block_tokens, first, *starts])
-        return [self._bind(block) for block in super().save_blocks(kv, row, starts, block_tokens)]
+        self._send(Op.SAVE_BLOCKS, [self._handle(kv), block_tokens, first, len(rows), *rows, *starts])
+        return [self._bind(block) for block in super().save_blocks(kv, rows, starts, block_tokens)]
 
     @_guarded
     def gather_blocks(self, blocks: list[mx.array], capacity: int) -> KVCache:

@@ -61,12 +61,14 @@ class Prefiller:
         self.runner, self.chunk_tokens, self.prefix = runner, chunk_tokens, prefix
         self.whole_tokens = max(whole_tokens, chunk_tokens)
         self.rows_cap = LAST_CHUNK_ROWS  # the engine lowers it to its warmed batch (see last_chunk_rows)
+        self._gathered: dict[tuple, tuple[tuple, KVCache]] = {}  # this step's staging caches, by hit (match_prefix)
 
     def run(self, seqs: list[Sequence], out: RunnerOutput) -> None:
         """Advance each request's prompt by one chunk (or whole), appending first tokens,
         step stats and failures to ``out``. Every call is queued first and the first tokens
         are read back together: one host sync for the whole step's prefill work."""
         self._pending: list[_Pending] = []
+        self._gathered.clear()
         whole: dict[int, list[Sequence]] = {}
         finals: dict[tuple[int, int], list[Sequence]] = {}  # last chunks, by (chunk bucket T, staging C)
         for seq in seqs:
@@ -123,13 +125,26 @@ class Prefiller:
         return plan
 
     def match_prefix(self, seq: Sequence) -> None:
-        """Start ``seq``'s staging cache from the prefix cache's blocks, if it has any."""
+        """Start ``seq``'s staging cache from the prefix cache's blocks, if it has any.
+
+        Where the executor batches last chunks (one process on a GPU), requests of one step
+        that hit the same blocks at the same staging capacity (chats sharing a system prompt)
+        share one gathered cache: MLX arrays are immutable and a chunk step returns a new
+        cache, so each request still prefills into its own. (A pipeline group's rank 0 names
+        each cache by a handle that its chunk step moves to the result, so there every
+        request gathers its own.)"""
         hit = self.prefix.match(seq.prompt_ids)
         if hit.num_tokens == 0:
             return
         first = self.chunk_plan(len(seq.prompt_ids), hit.num_tokens)[0]
         capacity = self.runner.buckets.staging_for(first[0] + first[2])
-        seq.staging = self.prefix.gather(hit, capacity)  # [1, Hkv, C, D] per layer
+        if not self.runner.executor.batches_chunks:
+            seq.staging = self.prefix.gather(hit, capacity)  # [1, Hkv, C, D] per layer
+        else:
+            key = (*(id(b) for b in hit.blocks), capacity)  # the blocks are kept with it: their ids stay theirs
+            if key not in self._gathered:
+                self._gathered[key] = (hit.blocks, self.prefix.gather(hit, capacity))
+            seq.staging = self._gathered[key][1]
         seq.num_computed = seq.cached_tokens = hit.num_tokens
 
     def next_chunk(self, seq: Sequence) -> tuple[KVCache, list[int], int, int]:
@@ -218,11 +233,11 @@ class Prefiller:
                 continue
             token_list = self.runner.read_tokens(p.tokens)
             self.runner.observe(list(p.group), token_list, p.logprobs)
-            for i, seq in enumerate(p.group):
-                row = p.kv_rows[i] if p.kv_rows else i
+            rows = [p.kv_rows[i] if p.kv_rows else i for i in range(len(p.group))]
+            self.prefix.insert_rows([(seq.prompt_ids, row) for seq, row in zip(p.group, rows, strict=True)], p.kv)
+            for i, (seq, row) in enumerate(zip(p.group, rows, strict=True)):
                 seq.position = len(seq.prompt_ids)
                 seq.prefilled, seq.staging = (p.kv, row), None
-                self.prefix.insert(seq.prompt_ids, p.kv, row)
                 self.runner.keep_key(seq, p.keys[i])
                 out.tokens.append((seq, token_list[i]))
 

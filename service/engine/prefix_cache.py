@@ -218,20 +218,51 @@ class PrefixCache:
             ValueError: ``row`` outside ``kv``'s batch, more tokens than ``kv``'s capacity, or a
                 ``kv`` whose layers, heads, head dim or dtype differ from the blocks cached before.
         """
-        if not 0 <= row < kv.batch:
-            raise ValueError(f"row {row} is outside the cache's {kv.batch} rows")
-        if len(tokens) > kv.capacity:
-            raise ValueError(f"{len(tokens)} tokens do not fit a cache of {kv.capacity} positions")
-        B = self.block_tokens
+        return self.insert_rows([(tokens, row)], kv)[0]
+
+    def insert_rows(self, prompts: Sequence[tuple[Sequence[int], int]], kv: KVCache) -> list[int]:
+        """:meth:`insert` for several prompts of one cache: ``prompts`` are (tokens, row of
+        ``kv``) pairs, stored in order (a block that an earlier prompt of the call stores is
+        cached for the later ones). Prompts whose new blocks start at the same positions (the
+        prefix-cache hits of one step, after one shared system prompt) share their copies: one
+        :meth:`BlockOps.save_blocks` call per distinct set of starts, not one per prompt (on a
+        GPU each call is about ``2 * layers`` kernel launches). Returns the blocks newly stored
+        per prompt. Raises ValueError as :meth:`insert`, before anything is stored.
+        """
+        for tokens, row in prompts:
+            if not 0 <= row < kv.batch:
+                raise ValueError(f"row {row} is outside the cache's {kv.batch} rows")
+            if len(tokens) > kv.capacity:
+                raise ValueError(f"{len(tokens)} tokens do not fit a cache of {kv.capacity} positions")
         layout = (len(kv.keys), kv.keys[0].shape[1], kv.keys[0].shape[3], kv.dtype)
         if self._layout is not None and layout != self._layout:
             raise ValueError(f"KV layout (layers, Hkv, D, dtype) {layout} differs from the cached {self._layout}")
-        block_bytes = 2 * layout[0] * layout[1] * B * layout[2] * kv.dtype.size
-        n = min(len(tokens) // B, self.budget_bytes // block_bytes)
+        block_bytes = 2 * layout[0] * layout[1] * self.block_tokens * layout[2] * kv.dtype.size
+        copies: dict[tuple[int, ...], list[tuple[int, list[Block]]]] = {}  # starts -> (row, its new blocks)
+        stored = []
+        most = self.budget_bytes // block_bytes  # blocks of one prompt considered at most
+        for tokens, row in prompts:
+            new, new_at = self._add_chain(tokens, min(len(tokens) // self.block_tokens, most), block_bytes)
+            stored.append(len(new))
+            if new:
+                copies.setdefault(tuple(i * self.block_tokens for i in new_at), []).append((row, new))
+        for starts, rows in copies.items():
+            saved = self.ops.save_blocks(kv, [row for row, _ in rows], list(starts), self.block_tokens)
+            for block, kv_block in zip((b for _, new in rows for b in new), saved, strict=True):
+                block.kv = kv_block
+            self._layout = layout
+        self._evict_until(lambda: self._nbytes <= self.budget_bytes)
+        return stored
+
+    def _add_chain(self, tokens: Sequence[int], n: int, block_bytes: int) -> tuple[list[Block], list[int]]:
+        """Walk the first ``n`` blocks of ``tokens``, adding the ones not cached yet (their
+        keys and values still to copy) and marking the chain most recently used. Returns the
+        new blocks and their block indices."""
+        B = self.block_tokens
         chain: list[Block] = []
         new: list[Block] = []
+        new_at: list[int] = []
         parent, digest = None, ROOT_DIGEST
-        new_at: list[int] = []  # block index of each new block
         for i in range(n):
             chunk = tuple(tokens[i * B : (i + 1) * B])
             digest = self._hash(digest, chunk)
@@ -246,12 +277,8 @@ class PrefixCache:
                 break  # the digest names another prefix: this one is not cacheable past here
             chain.append(block)
             parent = block
-        if new:
-            self._copy(new, new_at, kv, row)
-            self._layout = layout
         self._touch(chain)
-        self._evict_until(lambda: self._nbytes <= self.budget_bytes)
-        return len(new)
+        return new, new_at
 
     def evict(self, bytes_needed: int) -> int:
         """Evict least recently used blocks (leaves first) until ``bytes_needed`` bytes are freed.
@@ -284,21 +311,14 @@ class PrefixCache:
             self._nbytes -= block.nbytes
             self.evicted_blocks += 1
 
-    def _copy(self, blocks: list[Block], at: list[int], kv: KVCache, row: int) -> None:
-        """Fill ``blocks[j].kv`` with block ``at[j]`` of row ``row`` (:meth:`BlockOps.save_blocks`,
-        evaluated asynchronously: no host sync)."""
-        T = self.block_tokens
-        for block, kv_block in zip(blocks, self.ops.save_blocks(kv, row, [i * T for i in at], T), strict=True):
-            block.kv = kv_block
-
 
 class BlockOps(Protocol):
     """Where a block's keys and values are copied and gathered: this process's arrays
     (:data:`LOCAL_BLOCKS`), or every rank of a pipeline group, each on its own layers (the
     engine's executor, :mod:`service.engine.executor`)."""
 
-    def save_blocks(self, kv: KVCache, row: int, starts: list[int], block_tokens: int) -> list[mx.array]:
-        """Blocks of ``block_tokens`` positions at ``starts`` of row ``row`` of ``kv``, as
+    def save_blocks(self, kv: KVCache, rows: list[int], starts: list[int], block_tokens: int) -> list[mx.array]:
+        """Blocks of ``block_tokens`` positions at ``starts`` of each of ``rows`` of ``kv``, as
         :func:`copy_blocks`, their evaluation queued."""
         ...
 
@@ -310,8 +330,8 @@ class BlockOps(Protocol):
 class _LocalBlocks:
     """:class:`BlockOps` on this process's arrays."""
 
-    def save_blocks(self, kv: KVCache, row: int, starts: list[int], block_tokens: int) -> list[mx.array]:
-        blocks = copy_blocks(kv, row, starts, block_tokens)
+    def save_blocks(self, kv: KVCache, rows: list[int], starts: list[int], block_tokens: int) -> list[mx.array]:
+        blocks = copy_blocks(kv, rows, starts, block_tokens)
         mx.async_eval(blocks)
         return blocks
 
@@ -322,19 +342,26 @@ class _LocalBlocks:
 LOCAL_BLOCKS: BlockOps = _LocalBlocks()
 
 
-def copy_blocks(kv: KVCache, row: int, starts: list[int], block_tokens: int) -> list[mx.array]:
-    """For each start s (ascending), positions [s, s + block_tokens) of row ``row`` of the
-    per-layer cache ``kv`` [B, Hkv, C, D], as one array [layers, 2 (keys, values), Hkv,
-    block_tokens, D] that shares no buffer with ``kv`` once evaluated (lazy).
+def copy_blocks(kv: KVCache, rows: list[int], starts: list[int], block_tokens: int) -> list[mx.array]:
+    """For each row r of ``rows`` and then each start s of ``starts`` (ascending), positions [s,
+    s + block_tokens) of row r of the per-layer cache ``kv`` [B, Hkv, C, D], as one array
+    [layers, 2 (keys, values), Hkv, block_tokens, D] that shares no buffer with ``kv`` once
+    evaluated (lazy; ``len(rows) * len(starts)`` arrays, row-major).
 
-    The span from the first to the last block is gathered once (one copy per layer and one
-    stack), then each block is one contiguous copy of its part: on a GPU every copy is a
-    kernel launch, and slicing each block from each layer's cache would be ``2 * layers``
-    launches per block (over 11,000 for a 6,000-token prompt).
+    The span from the first to the last block is gathered once for all the rows (one copy per
+    layer and one stack), then each block is one contiguous copy of its part: on a GPU every
+    copy is a kernel launch, and slicing each block from each layer's cache would be ``2 *
+    layers`` launches per block (over 11,000 for a 6,000-token prompt).
     """
     lo, hi = starts[0], starts[-1] + block_tokens
-    span = mx.stack([mx.stack([k[row, :, lo:hi], v[row, :, lo:hi]]) for k, v in zip(kv.keys, kv.values, strict=True)])
-    return [mx.contiguous(span[:, :, :, s - lo : s - lo + block_tokens]) for s in starts]
+    if len(rows) == 1:
+        r = rows[0]
+        pick = lambda a: a[r : r + 1, :, lo:hi]  # noqa: E731
+    else:
+        index = mx.array(rows, mx.int32)
+        pick = lambda a: mx.take(a[:, :, lo:hi], index, axis=0)  # noqa: E731
+    span = mx.stack([mx.stack([pick(k), pick(v)]) for k, v in zip(kv.keys, kv.values, strict=True)])
+    return [mx.contiguous(span[:, :, u, :, s - lo : s - lo + block_tokens]) for u in range(len(rows)) for s in starts]
 
 
 def join_blocks(blocks: list[mx.array], capacity: int | None = None) -> KVCache:

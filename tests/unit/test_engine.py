@@ -165,12 +165,15 @@ def test_requests_sharing_a_prefix_at_once_get_their_own_tokens(params):
 
 def test_prefix_hits_arriving_together_prefill_their_last_chunks_in_one_call(params, monkeypatch):
     """Hits of one shared prefix, sent at once after it is cached, run their last chunks as
-    one batched call (padded to the batch bucket): each still gets its own greedy tokens."""
+    one batched call (padded to the batch bucket) from one gathered staging cache: each still
+    gets its own greedy tokens."""
     calls: list[tuple[int, int]] = []
+    staged: list[int] = []  # per call, the distinct staging caches its rows came from
     chunk_rows = Executor.chunk_rows
 
     def spy(self, kvs, tokens, offsets, lengths, batch):
         calls.append((len(kvs), batch))
+        staged.append(len({id(kv.keys[0]) for kv in kvs}))
         return chunk_rows(self, kvs, tokens, offsets, lengths, batch)
 
     monkeypatch.setattr(Executor, "chunk_rows", spy)
@@ -183,6 +186,7 @@ def test_prefix_hits_arriving_together_prefill_their_last_chunks_in_one_call(par
     for (prompt, m), (tokens, _) in zip(requests, results, strict=True):
         assert tokens == reference(params, prompt, m, frozenset(), limit), f"prompt {prompt}"
     assert [final.cached_tokens for _, final in results] == [0, 20, 20, 20, 20]
+    assert any(n == 2 and k == 1 for (n, _), k in zip(calls, staged, strict=True)), "each hit gathered its own"
 
 
 def test_a_request_cancelled_mid_prefill_frees_everything(params):

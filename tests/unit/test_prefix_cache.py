@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from models.kv_cache import KVCache
-from service.engine.prefix_cache import PrefixCache
+from service.engine.prefix_cache import LOCAL_BLOCKS, PrefixCache
 from service.metrics import Metrics
 from tests.support import TINY, new_cache
 
@@ -102,6 +102,43 @@ def test_blocks_do_not_keep_the_source_cache_alive():
     gc.collect()
     assert cache.nbytes == 2 * BLOCK_BYTES  # 4 KiB
     assert mx.get_active_memory() - base < big_bytes // 10  # a view would hold all of it
+
+
+class CountingOps:
+    """The local block operations, counting save_blocks calls."""
+
+    def __init__(self):
+        self.saves: list[tuple[list[int], list[int]]] = []
+
+    def save_blocks(self, kv, rows, starts, block_tokens):
+        self.saves.append((list(rows), list(starts)))
+        return LOCAL_BLOCKS.save_blocks(kv, rows, starts, block_tokens)
+
+    def gather_blocks(self, blocks, capacity):
+        return LOCAL_BLOCKS.gather_blocks(blocks, capacity)
+
+
+def test_hits_of_one_step_store_their_new_blocks_in_one_copy_each_row_its_own():
+    ops = CountingOps()
+    cache = cached(ops=ops)
+    system = list(range(100, 108))  # 2 blocks
+    cache.insert(system + [1], prompt_kv(9))
+    ops.saves.clear()
+    # Three hits prefilled together (rows 2, 0, 3 of one cache), each with its own third block;
+    # row 3 repeats row 2's prompt (n choices share a row's prompt) and stores nothing new.
+    a, b = system + [1, 2, 3, 4, 9], system + [5, 6, 7, 8, 9]
+    kv = prompt_kv(16, 4)
+    assert cache.insert_rows([(a, 2), (b, 0), (a, 3)], kv) == [1, 1, 0]
+    assert ops.saves == [([2, 0], [8])]  # one call: both new blocks start at position 8
+    for tokens, row in ((a, 2), (b, 0)):  # each its own block 2 (the system blocks came from the first cache)
+        got, want = cache.gather(cache.match(tokens)), prefix(kv, 12, row=row)
+        for g, w in zip(got.keys + got.values, want.keys + want.values, strict=True):
+            assert mx.array_equal(g[:, :, 8:], w[:, :, 8:]).item()
+
+    # Prompts whose new blocks start elsewhere take a call of their own.
+    c = list(range(200, 212)) + [1]
+    assert cache.insert_rows([(system + [11, 12, 13, 14, 1], 1), (c, 3)], kv) == [1, 3]
+    assert ops.saves[1:] == [([1], [8]), ([3], [0, 4, 8])]
 
 
 def test_eviction_takes_the_least_recently_used_leaf_first():
