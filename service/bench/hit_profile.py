@@ -190,10 +190,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """``stepserve bench hit-profile [options]``: print the result as JSON and write it to
-    ``--out``. Returns 0; 2 when the prompt does not fit the capacity bucket."""
+    ``--out``. Returns 0; 2 when the prompt does not fit the capacity bucket, or the live
+    requests and the most hits of ``--rows`` do not fit the largest batch bucket."""
     args = _parser().parse_args(argv)
     if args.prefix_tokens + args.tail_tokens + 8 > args.capacity:
         print(f"--capacity {args.capacity} cannot hold {args.prefix_tokens} + {args.tail_tokens} tokens and 8 more")
+        return 2
+    if args.live + max(args.rows) > max(args.batch_buckets):
+        print(
+            f"--live {args.live} requests and {max(args.rows)} hits (--rows) do not fit the largest batch bucket "
+            f"({max(args.batch_buckets)}): lower them or add a larger --batch-buckets entry"
+        )
         return 2
     default_dtype, default_weights = device_defaults()
     dtype, weights = args.dtype or default_dtype, args.weights or default_weights

@@ -7,7 +7,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from models.loader import LoadedModel
-from service.bench.hit_profile import PARTS, HitBench
+from service.bench.hit_profile import PARTS, HitBench, main
 from service.engine.buckets import BucketTable
 from tests.support import TINY, WordTokenizer, random_params
 
@@ -30,3 +30,10 @@ def test_each_measured_prompt_hits_the_cached_system_prompt_and_leaves_the_batch
     assert bench.iteration_s(4) > 0
     assert prefix.hit_tokens - hit_before == 4 * 96
     assert [s for s in bench.runner.slots if s is not None] == live  # the hits' slots were freed
+
+
+def test_arguments_that_cannot_fit_are_refused_before_the_model_loads(capsys):
+    assert main(["--live", "3", "--batch-buckets", "1", "8", "--capacity", "256", "--prefix-tokens", "96"]) == 2
+    assert "do not fit the largest batch bucket (8)" in capsys.readouterr().out  # 3 live + 8 hits (--rows 1 8)
+    assert main(["--capacity", "512", "--prefix-tokens", "600"]) == 2
+    assert "cannot hold 600 + 41 tokens" in capsys.readouterr().out
