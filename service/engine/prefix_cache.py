@@ -366,10 +366,22 @@ def copy_blocks(kv: KVCache, rows: list[int], starts: list[int], block_tokens: i
 
 def join_blocks(blocks: list[mx.array], capacity: int | None = None) -> KVCache:
     """Blocks [layers, 2, Hkv, block_tokens, D] (in prompt order) as a batch-1 cache: per layer
-    [1, Hkv, capacity or their total positions, D] (lazy; zero-padded up to ``capacity``)."""
+    [1, Hkv, capacity or their total positions, D] (lazy; zero-padded up to ``capacity``).
+
+    The blocks are concatenated once, then each layer's keys and values are copied into a
+    zeroed buffer of their own, laid out as a cache from :meth:`KVCache.allocate` is. Views
+    into the one concatenation would save those copies, but the compiled chunk step's attention
+    on CUDA (cuDNN) builds its plan for the layout of its inputs: a hit's first chunk at each
+    (T, C) then built a second one, under a request, that warm-up (on zeroed caches) never ran
+    (docs/BENCHMARKS.md, runs 21 and 22).
+    """
     full = mx.concatenate(blocks, axis=3)  # [layers, 2, Hkv, positions, D]
-    positions = full.shape[3]
-    if capacity is not None and capacity > positions:
-        full = mx.pad(full, [(0, 0), (0, 0), (0, 0), (0, capacity - positions), (0, 0)])
-    layers = range(full.shape[0])
-    return KVCache([full[layer, 0][None] for layer in layers], [full[layer, 1][None] for layer in layers])
+    layers, _, heads, positions, dim = full.shape
+    capacity = max(capacity or positions, positions)
+    at = mx.array([0, 0, 0, 0], mx.int32)
+
+    def own(part: mx.array) -> mx.array:  # [Hkv, positions, D] -> [1, Hkv, capacity, D], a buffer of its own
+        zeros = mx.zeros((1, heads, capacity, dim), full.dtype)
+        return mx.slice_update(zeros, part[None], at, (0, 1, 2, 3))
+
+    return KVCache([own(full[layer, 0]) for layer in range(layers)], [own(full[layer, 1]) for layer in range(layers)])
