@@ -8,6 +8,8 @@ export PYTHONPATH=. MLX_PTX_CACHE_DIR=$HOME/ptx PYTHONUNBUFFERED=1
 python3 -c "import service.api.app, llguidance, fastapi_offline, rich" || { echo "missing packages: carry them in .whl"; exit 2; }
 mkdir -p "$MLX_PTX_CACHE_DIR"
 R=$HOME/$RUN; mkdir -p "$R"
+# A kernel cache carried in .ptx/ptx.tgz (docs/CONTRIBUTING.md) is unpacked once, before any server starts.
+[ -f .ptx/ptx.tgz ] && [ ! -f "$R/ptx.done" ] && tar -C "$MLX_PTX_CACHE_DIR" -xzf .ptx/ptx.tgz && touch "$R/ptx.done"
 T0=$(date +%s)
 B="python3 -m service.cli bench"
 left() { local s=$(( ${BUDGET_S:-575} - ($(date +%s) - T0) )); echo $(( s > 1 ? s : 1 )); }
@@ -35,6 +37,23 @@ step() {  # name seconds-needed: run step_<name> unless done, or unless too litt
   say "step $name"
   "step_$name" && touch "$R/done.$name"
   pack "$name"
+}
+prefix_level() {  # name port streams requests args...: the prefix workload (a 1,500-token system prompt, 128 tokens out) on a fresh server
+  local name=$1 port=$2 c=$3 n=$4; shift 4
+  start "$name" "$port" "$@" || return 1
+  bench --url http://127.0.0.1:$port --workload chat-shared-prefix --system-tokens 1500 --concurrency "$c" \
+    --requests "$n" --max-tokens 128 --warmup-requests 1 --out "$R/$name.json"
+  curl -sf "localhost:$port/metrics" > "$R/$name.metrics.txt"; stop
+}
+PROBES=$PWD/docs/results/h100/run17  # run 17's probes (this file is sourced from the repository root)
+probe() {  # name port streams requests args...: that workload under run 17's probes (PRE: a first pass with a PRE-token system prompt)
+  local name=$1 port=$2 s=$3 n=$4; shift 4
+  python3 "$PROBES/probe_server.py" "$R/$name-server.jsonl" serve --port "$port" "$@" > "$R/$name.log" 2>&1 &
+  echo $! > /tmp/srv.pid
+  until curl -sf "localhost:$port/readyz" > "$R/$name-readyz.json"; do sleep 1; kill -0 "$(cat /tmp/srv.pid)" || return 1; done
+  [ -n "${PRE:-}" ] && timeout "$(left)" python3 "$PROBES/probe_client.py" "http://127.0.0.1:$port" "$R/$name-pre.jsonl" 1 2 "$PRE"
+  timeout "$(left)" python3 "$PROBES/probe_client.py" "http://127.0.0.1:$port" "$R/$name-client.jsonl" "$s" "$n"
+  curl -sf "localhost:$port/metrics" > "$R/$name.metrics.txt"; stop
 }
 first_burst() {  # name port concurrency server-args...: a fresh server, its first burst right after /readyz
   local name=$1 port=$2 n=$3; shift 3

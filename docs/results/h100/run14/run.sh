@@ -19,10 +19,7 @@ prefix_pair() {  # round: the prefix workload with the cache on, then off, each 
   for mode in on off; do
     if [ $mode = on ]; then port=$((8110 + 2 * round)); args=("${BASE[@]}")
     else port=$((8111 + 2 * round)); args=("${OFF[@]}"); fi
-    start prefix-$mode-$round $port "${args[@]}" || return 1
-    bench --url http://127.0.0.1:$port --workload chat-shared-prefix --system-tokens 1500 --concurrency 8 --requests 3 \
-      --max-tokens 128 --warmup-requests 1 --out $R/prefix-$mode-$round.json
-    curl -sf localhost:$port/metrics > $R/prefix-$mode-$round.metrics.txt; stop
+    prefix_level prefix-$mode-$round $port 8 3 "${args[@]}" || return 1
   done
 }
 step_prefix1() { prefix_pair 1; }

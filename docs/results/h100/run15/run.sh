@@ -10,7 +10,6 @@
 set -uo pipefail
 RUN=run15
 source docs/results/h100/lib.sh
-[ -f .ptx/ptx.tgz ] && [ ! -f "$R/ptx.done" ] && tar -C "$MLX_PTX_CACHE_DIR" -xzf .ptx/ptx.tgz && touch "$R/ptx.done"
 BASE=(--batch-buckets '[1,8,32]' --prompt-buckets '[64,256,512]' --capacity-buckets '[2048]' --warmup-batch 32)
 OFF=("${BASE[@]}" --prefix-cache-bytes 0)
 
@@ -19,18 +18,11 @@ step_hitprof() {
   timeout "$(left)" $B hit-profile --out "$R/hitprof-new.json" 2>&1 | grep -E "iteration|chunk_over" | head -6
   (cd .old && timeout "$(left)" $B hit-profile --out "$R/hitprof-old.json" 2>&1 | grep -E "iteration|chunk_over" | head -6)
 }
-prefix_level() {  # name port args...
-  local name=$1 port=$2; shift 2
-  start "$name" "$port" "$@" || return 1
-  bench --url http://127.0.0.1:$port --workload chat-shared-prefix --system-tokens 1500 --concurrency 8 --requests 3 \
-    --max-tokens 128 --warmup-requests 1 --out "$R/$name.json"
-  curl -sf "localhost:$port/metrics" > "$R/$name.metrics.txt"; stop
-}
 prefix_round() {
   local r=$1
-  prefix_level "prefix-new-$r" $((8110 + 3 * r)) "${BASE[@]}" || return 1
-  (cd .old && prefix_level "prefix-old-$r" $((8111 + 3 * r)) "${BASE[@]}") || return 1
-  prefix_level "prefix-off-$r" $((8112 + 3 * r)) "${OFF[@]}"
+  prefix_level "prefix-new-$r" $((8110 + 3 * r)) 8 3 "${BASE[@]}" || return 1
+  (cd .old && prefix_level "prefix-old-$r" $((8111 + 3 * r)) 8 3 "${BASE[@]}") || return 1
+  prefix_level "prefix-off-$r" $((8112 + 3 * r)) 8 3 "${OFF[@]}"
 }
 step_prefix1() { prefix_round 1; }
 step_prefix2() { prefix_round 2; }

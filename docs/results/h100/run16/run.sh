@@ -9,24 +9,16 @@
 set -uo pipefail
 RUN=run16
 source docs/results/h100/lib.sh
-[ -f .ptx/ptx.tgz ] && [ ! -f "$R/ptx.done" ] && tar -C "$MLX_PTX_CACHE_DIR" -xzf .ptx/ptx.tgz && touch "$R/ptx.done"
 BASE=(--batch-buckets '[1,8,32]' --prompt-buckets '[64,256,512]' --capacity-buckets '[2048]' --warmup-batch 32)
 OFF=("${BASE[@]}" --prefix-cache-bytes 0)
 
-level() {  # name port concurrency args...
-  local name=$1 port=$2 c=$3; shift 3
-  start "$name" "$port" "$@" || return 1
-  bench --url http://127.0.0.1:$port --workload chat-shared-prefix --system-tokens 1500 --concurrency "$c" \
-    --requests $(( c == 1 ? 12 : 3 )) --max-tokens 128 --warmup-requests 1 --out "$R/$name.json"
-  curl -sf "localhost:$port/metrics" > "$R/$name.metrics.txt"; stop
-}
 step_warm() { start warm 8090 "${BASE[@]}" && stop; }
-step_c1() { level on-c1 8101 1 "${BASE[@]}" && level off-c1 8102 1 "${OFF[@]}"; }
+step_c1() { prefix_level on-c1 8101 1 12 "${BASE[@]}" && prefix_level off-c1 8102 1 12 "${OFF[@]}"; }
 si_round() {
   local r=$1 si p=$((8110 + 10 * $1))
   for si in 0.005 0.001 0.0005; do
-    level "on-si$si-$r" $p 8 "${BASE[@]}" --switch-interval-s $si || return 1; p=$((p + 1))
-    level "off-si$si-$r" $p 8 "${OFF[@]}" --switch-interval-s $si || return 1; p=$((p + 1))
+    prefix_level "on-si$si-$r" $p 8 3 "${BASE[@]}" --switch-interval-s $si || return 1; p=$((p + 1))
+    prefix_level "off-si$si-$r" $p 8 3 "${OFF[@]}" --switch-interval-s $si || return 1; p=$((p + 1))
   done
 }
 step_si1() { si_round 1; }

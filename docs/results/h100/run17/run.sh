@@ -4,22 +4,12 @@
 # request's Sequence to its first token) averaged 26-35 ms. probe_server.py serves with per-request
 # times (app reached, Sequence made, admitted, first token, first body writes) and
 # probe_client.py runs the prefix workload with per-request client times, both on CLOCK_MONOTONIC.
-# Cache on and off, 8 streams and 1. From the repository root: bash docs/results/h100/run17/run.sh
+# Cache on and off, 8 streams and 1 (probe: ../lib.sh). From the repository root:
+#   bash docs/results/h100/run17/run.sh
 set -uo pipefail
 RUN=run17
 source docs/results/h100/lib.sh
-[ -f .ptx/ptx.tgz ] && [ ! -f "$R/ptx.done" ] && tar -C "$MLX_PTX_CACHE_DIR" -xzf .ptx/ptx.tgz && touch "$R/ptx.done"
-P=docs/results/h100/run17
 BASE=(--batch-buckets '[1,8,32]' --prompt-buckets '[64,256,512]' --capacity-buckets '[2048]' --warmup-batch 32)
-probe() {  # name port streams requests args...
-  local name=$1 port=$2 s=$3 n=$4; shift 4
-  python3 $P/probe_server.py "$R/$name-server.jsonl" serve --port "$port" "$@" > "$R/$name.log" 2>&1 &
-  echo $! > /tmp/srv.pid
-  until curl -sf "localhost:$port/readyz" > /dev/null; do sleep 1; kill -0 "$(cat /tmp/srv.pid)" || return 1; done
-  [ -n "${PRE:-}" ] && timeout "$(left)" python3 $P/probe_client.py "http://127.0.0.1:$port" "$R/$name-pre.jsonl" 1 2 "$PRE"
-  timeout "$(left)" python3 $P/probe_client.py "http://127.0.0.1:$port" "$R/$name-client.jsonl" "$s" "$n"
-  curl -sf "localhost:$port/metrics" > "$R/$name.metrics.txt"; stop
-}
 step_warm() { start warm 8090 "${BASE[@]}" && stop; }
 step_on8() { probe on8 8101 8 3 "${BASE[@]}" && probe on8b 8102 8 3 "${BASE[@]}"; }
 step_off8() { probe off8 8103 8 3 "${BASE[@]}" --prefix-cache-bytes 0; }

@@ -4,21 +4,11 @@
 # 8 chats with a 1,500-token system prompt reach the engine one by one, about 3 ms apart: each
 # request's tokenization (about 2 ms here) ran on the event loop in turn. Probes of run 17, 8
 # streams of 3 requests, fresh servers, old and new alternating, then one server with the cache off.
-# From the repository root: bash docs/results/h100/run19/run.sh
+# (probe: ../lib.sh.) From the repository root: bash docs/results/h100/run19/run.sh
 set -uo pipefail
 RUN=run19
 source docs/results/h100/lib.sh
-[ -f .ptx/ptx.tgz ] && [ ! -f "$R/ptx.done" ] && tar -C "$MLX_PTX_CACHE_DIR" -xzf .ptx/ptx.tgz && touch "$R/ptx.done"
-P=$PWD/docs/results/h100/run17
 BASE=(--batch-buckets '[1,8,32]' --prompt-buckets '[64,256,512]' --capacity-buckets '[2048]' --warmup-batch 32)
-probe() {  # name port streams requests args...
-  local name=$1 port=$2 s=$3 n=$4; shift 4
-  python3 $P/probe_server.py "$R/$name-server.jsonl" serve --port "$port" "$@" > "$R/$name.log" 2>&1 &
-  echo $! > /tmp/srv.pid
-  until curl -sf "localhost:$port/readyz" > "$R/$name-readyz.json"; do sleep 1; kill -0 "$(cat /tmp/srv.pid)" || return 1; done
-  timeout "$(left)" python3 $P/probe_client.py "http://127.0.0.1:$port" "$R/$name-client.jsonl" "$s" "$n"
-  stop
-}
 step_warm() { start warm 8090 "${BASE[@]}" && stop; }
 step_a() { (cd .old && probe old8a 8101 8 3 "${BASE[@]}") && probe new8a 8102 8 3 "${BASE[@]}"; }
 step_b() { probe new8b 8103 8 3 "${BASE[@]}" && (cd .old && probe old8b 8104 8 3 "${BASE[@]}"); }

@@ -8,7 +8,6 @@
 set -uo pipefail
 RUN=run20
 source docs/results/h100/lib.sh
-[ -f .ptx/ptx.tgz ] && [ ! -f "$R/ptx.done" ] && tar -C "$MLX_PTX_CACHE_DIR" -xzf .ptx/ptx.tgz && touch "$R/ptx.done"
 M=$HOME/model-1b
 BASE=(--model "$M" --batch-buckets '[1,8,32]' --prompt-buckets '[64,256,512]' --capacity-buckets '[2048]' --warmup-batch 32)
 OFF=("${BASE[@]}" --prefix-cache-bytes 0)
@@ -17,16 +16,9 @@ step_model() {
     python3 docs/results/h100/run20/scale_model.py "$HOME/conv" "$M"
 }
 step_warm() { start warm 8090 "${BASE[@]}" && stop; }
-level() {  # name port concurrency args...
-  local name=$1 port=$2 c=$3; shift 3
-  start "$name" "$port" "$@" || return 1
-  bench --url http://127.0.0.1:$port --workload chat-shared-prefix --system-tokens 1500 --concurrency "$c" \
-    --requests $(( c == 1 ? 8 : 3 )) --max-tokens 128 --warmup-requests 1 --out "$R/$name.json"
-  curl -sf "localhost:$port/metrics" > "$R/$name.metrics.txt"; stop
-}
-step_p1() { level on8-1 8101 8 "${BASE[@]}" && level off8-1 8102 8 "${OFF[@]}"; }
-step_p2() { level off8-2 8103 8 "${OFF[@]}" && level on8-2 8104 8 "${BASE[@]}"; }
-step_c1() { level on1 8105 1 "${BASE[@]}" && level off1 8106 1 "${OFF[@]}"; }
+step_p1() { prefix_level on8-1 8101 8 3 "${BASE[@]}" && prefix_level off8-1 8102 8 3 "${OFF[@]}"; }
+step_p2() { prefix_level off8-2 8103 8 3 "${OFF[@]}" && prefix_level on8-2 8104 8 3 "${BASE[@]}"; }
+step_c1() { prefix_level on1 8105 1 8 "${BASE[@]}" && prefix_level off1 8106 1 8 "${OFF[@]}"; }
 step model 60
 step warm 400
 step p1 90

@@ -7,7 +7,6 @@
 set -uo pipefail
 RUN=run21
 source docs/results/h100/lib.sh
-[ -f .ptx/ptx.tgz ] && [ ! -f "$R/ptx.done" ] && tar -C "$MLX_PTX_CACHE_DIR" -xzf .ptx/ptx.tgz && touch "$R/ptx.done"
 P=$PWD/docs/results/h100/run17
 BASE=(--batch-buckets '[1,8,32]' --prompt-buckets '[64,256,512]' --capacity-buckets '[2048]' --warmup-batch 32)
 first_hit() {  # name port

@@ -7,7 +7,6 @@
 set -uo pipefail
 RUN=run22
 source docs/results/h100/lib.sh
-[ -f .ptx/ptx.tgz ] && [ ! -f "$R/ptx.done" ] && tar -C "$MLX_PTX_CACHE_DIR" -xzf .ptx/ptx.tgz && touch "$R/ptx.done"
 step_layout() { timeout "$(left)" python3 docs/results/h100/run22/layout.py 2>&1 | tee "$R/layout.txt" | tail -4; }
 step_layout2() { timeout "$(left)" python3 docs/results/h100/run22/layout.py 2>&1 | tee "$R/layout2.txt" | tail -4; }
 step layout 120

@@ -7,21 +7,11 @@
 # * first: run 21's first hit after a cold prefill, probes, no py-spy, old and new;
 # * hitprof: `stepserve bench hit-profile`, old and new (the gather's own cost);
 # * prefix: the prefix workload (8 streams), old and new, and the cache off once.
-# From the repository root: bash docs/results/h100/run23/run.sh
+# (probe: ../lib.sh.) From the repository root: bash docs/results/h100/run23/run.sh
 set -uo pipefail
 RUN=run23
 source docs/results/h100/lib.sh
-[ -f .ptx/ptx.tgz ] && [ ! -f "$R/ptx.done" ] && tar -C "$MLX_PTX_CACHE_DIR" -xzf .ptx/ptx.tgz && touch "$R/ptx.done"
-P=$PWD/docs/results/h100/run17
 BASE=(--batch-buckets '[1,8,32]' --prompt-buckets '[64,256,512]' --capacity-buckets '[2048]' --warmup-batch 32)
-probe() {  # name port streams requests args...
-  local name=$1 port=$2 s=$3 n=$4; shift 4
-  python3 $P/probe_server.py "$R/$name-server.jsonl" serve --port "$port" "$@" > "$R/$name.log" 2>&1 &
-  echo $! > /tmp/srv.pid
-  until curl -sf "localhost:$port/readyz" > /dev/null; do sleep 1; kill -0 "$(cat /tmp/srv.pid)" || return 1; done
-  timeout "$(left)" python3 $P/probe_client.py "http://127.0.0.1:$port" "$R/$name-client.jsonl" "$s" "$n"
-  stop
-}
 step_warm() { start warm 8090 "${BASE[@]}" && stop; }
 step_layout() { timeout "$(left)" python3 docs/results/h100/run22/layout.py 2>&1 | tee "$R/layout.txt" | tail -2; }
 step_first() {
