@@ -61,21 +61,20 @@ class Prefiller:
         self.runner, self.chunk_tokens, self.prefix = runner, chunk_tokens, prefix
         self.whole_tokens = max(whole_tokens, chunk_tokens)
         self.rows_cap = LAST_CHUNK_ROWS  # the engine lowers it to its warmed batch (see last_chunk_rows)
-        self._gathered: dict[tuple, tuple[tuple, KVCache]] = {}  # this step's staging caches, by hit (match_prefix)
 
     def run(self, seqs: list[Sequence], out: RunnerOutput) -> None:
         """Advance each request's prompt by one chunk (or whole), appending first tokens,
         step stats and failures to ``out``. Every call is queued first and the first tokens
         are read back together: one host sync for the whole step's prefill work."""
         self._pending: list[_Pending] = []
-        self._gathered.clear()
+        gathered: dict | None = {} if self.runner.executor.batches_chunks else None  # this step's, by hit
         whole: dict[int, list[Sequence]] = {}
         finals: dict[tuple[int, int], list[Sequence]] = {}  # last chunks, by (chunk bucket T, staging C)
         for seq in seqs:
             try:
                 if seq.started is None:  # admitted this step
                     seq.started = time.perf_counter()
-                    self.match_prefix(seq)
+                    self.match_prefix(seq, gathered)
                 if seq.num_computed == 0 and len(seq.prompt_ids) <= self.chunk_tokens:
                     whole.setdefault(self.runner.buckets.prompt_for(len(seq.prompt_ids)), []).append(seq)
                 elif (last := self._last_chunk(seq)) is not None:
@@ -124,27 +123,28 @@ class Prefiller:
             pos += n
         return plan
 
-    def match_prefix(self, seq: Sequence) -> None:
+    def match_prefix(self, seq: Sequence, gathered: dict | None = None) -> None:
         """Start ``seq``'s staging cache from the prefix cache's blocks, if it has any.
 
-        Where the executor batches last chunks (one process on a GPU), requests of one step
-        that hit the same blocks at the same staging capacity (chats sharing a system prompt)
-        share one gathered cache: MLX arrays are immutable and a chunk step returns a new
-        cache, so each request still prefills into its own. (A pipeline group's rank 0 names
-        each cache by a handle that its chunk step moves to the result, so there every
-        request gathers its own.)"""
+        ``gathered``: staging caches already gathered this step, by hit and capacity (``run``
+        passes one where the executor batches last chunks: one process on a GPU). Requests of
+        one step that hit the same blocks at the same staging capacity (chats sharing a system
+        prompt) then share one gathered cache: MLX arrays are immutable and a chunk step returns
+        a new cache, so each request still prefills into its own. (A pipeline group's rank 0
+        names each cache by a handle that its chunk step moves to the result, so there every
+        request gathers its own.) None: gather for this request alone."""
         hit = self.prefix.match(seq.prompt_ids)
         if hit.num_tokens == 0:
             return
         first = self.chunk_plan(len(seq.prompt_ids), hit.num_tokens)[0]
         capacity = self.runner.buckets.staging_for(first[0] + first[2])
-        if not self.runner.executor.batches_chunks:
+        if gathered is None:
             seq.staging = self.prefix.gather(hit, capacity)  # [1, Hkv, C, D] per layer
         else:
             key = (*(id(b) for b in hit.blocks), capacity)  # the blocks are kept with it: their ids stay theirs
-            if key not in self._gathered:
-                self._gathered[key] = (hit.blocks, self.prefix.gather(hit, capacity))
-            seq.staging = self._gathered[key][1]
+            if key not in gathered:
+                gathered[key] = (hit.blocks, self.prefix.gather(hit, capacity))
+            seq.staging = gathered[key][1]
         seq.num_computed = seq.cached_tokens = hit.num_tokens
 
     def next_chunk(self, seq: Sequence) -> tuple[KVCache, list[int], int, int]:

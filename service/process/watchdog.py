@@ -105,8 +105,9 @@ class EngineWatchdog:
         if self.stall_limit_s is None:
             return False
         if self.lost_rank is not None:
-            return engine.runner.executor.stalled_s() > LOST_RANK_STALL_S
-        limit = self.stall_limit_s * (1 if engine.ready.is_set() else WARMUP_STALL_FACTOR)
+            limit = LOST_RANK_STALL_S
+        else:
+            limit = self.stall_limit_s * (1 if engine.ready.is_set() else WARMUP_STALL_FACTOR)
         return engine.runner.executor.stalled_s() > limit
 
     def _fail_hung(self, hung: list[Engine]) -> None:
