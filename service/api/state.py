@@ -28,7 +28,11 @@ class AppState:
     ranks: list[RankInfo] | None = None  # a pipeline group's ranks, on its rank 0 (None: one process)
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:
+    """The app's :class:`AppState`. A coroutine on purpose: FastAPI runs a plain ``def``
+    dependency in its thread pool, and that trip (out to a worker and back to the event loop)
+    waits twice for the GIL, each time up to the switch interval while the engine thread runs
+    Python, on every request."""
     return request.app.state.stepserve
 
 
