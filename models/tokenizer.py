@@ -26,6 +26,8 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.decoders import DecodeStream
 
+from models.segments import SegmentEncoder
+
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -134,6 +136,12 @@ class ChatTokenizer:
     add_bos: bool
     stop_token_ids: frozenset[int]
     _template: Any = field(default=None, repr=False)
+    #: Reuses the ids of long pieces between added tokens (a chat's system turn); None where
+    #: the tokenizer's pieces are not independent (``models.segments``).
+    segments: SegmentEncoder | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.segments = SegmentEncoder.build(self.tokenizer)
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any], path: Path | str = "<gguf>") -> ChatTokenizer:
@@ -186,8 +194,12 @@ class ChatTokenizer:
         """Token ids of a raw prompt; special-token text (``<|im_start|>``) maps to its id.
         With ``add_bos``, BOS is prepended unless the text already starts with it (a chat
         template that writes ``{{ bos_token }}``, as Gemma's does: transformers'
-        ``apply_chat_template`` does not add a second one either)."""
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        ``apply_chat_template`` does not add a second one either). Long pieces between added
+        tokens seen before are not encoded again (:attr:`segments`): the ids are the same."""
+        if self.segments is not None:
+            ids = self.segments.encode(text)
+        else:
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id, *ids]
         return ids
