@@ -364,6 +364,12 @@ def copy_blocks(kv: KVCache, rows: list[int], starts: list[int], block_tokens: i
     return [mx.contiguous(span[:, :, u, :, s - lo : s - lo + block_tokens]) for u in range(len(rows)) for s in starts]
 
 
+def padded_block_count(count: int, limit: int) -> int:
+    """``count`` blocks rounded up to a power of two, but to no more than ``limit`` (the blocks
+    a staging cache holds) nor fewer than ``count``."""
+    return max(count, min(1 << (count - 1).bit_length(), limit))
+
+
 def join_blocks(blocks: list[mx.array], capacity: int | None = None) -> KVCache:
     """Blocks [layers, 2, Hkv, block_tokens, D] (in prompt order) as a batch-1 cache: per layer
     [1, Hkv, capacity or their total positions, D] (lazy; zero-padded up to ``capacity``).
@@ -374,10 +380,20 @@ def join_blocks(blocks: list[mx.array], capacity: int | None = None) -> KVCache:
     on CUDA (cuDNN) builds its plan for the layout of its inputs: a hit's first chunk at each
     (T, C) then built a second one, under a request, that warm-up (on zeroed caches) never ran
     (docs/BENCHMARKS.md, runs 21 and 22).
+
+    The concatenation takes :func:`padded_block_count` inputs, the blocks then zero blocks: on
+    CUDA it is one copy per input, and MLX builds a CUDA graph the first time it meets a new
+    sequence of kernels, so each new block count built one under a request (docs/BENCHMARKS.md,
+    run 27); padded, the counts up to a power of two share one.
     """
-    full = mx.concatenate(blocks, axis=3)  # [layers, 2, Hkv, positions, D]
-    layers, _, heads, positions, dim = full.shape
+    block_tokens = blocks[0].shape[3]
+    positions = len(blocks) * block_tokens
     capacity = max(capacity or positions, positions)
+    pad = padded_block_count(len(blocks), capacity // block_tokens) - len(blocks)
+    if pad:
+        blocks = [*blocks, *[mx.zeros(blocks[0].shape, blocks[0].dtype)] * pad]
+    full = mx.concatenate(blocks, axis=3)  # [layers, 2, Hkv, padded positions, D]
+    layers, _, heads, positions, dim = full.shape
     at = mx.array([0, 0, 0, 0], mx.int32)
 
     def own(part: mx.array) -> mx.array:  # [Hkv, positions, D] -> [1, Hkv, capacity, D], a buffer of its own

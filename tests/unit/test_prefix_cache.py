@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from models.kv_cache import KVCache
-from service.engine.prefix_cache import LOCAL_BLOCKS, PrefixCache
+from service.engine.prefix_cache import LOCAL_BLOCKS, PrefixCache, padded_block_count
 from service.metrics import Metrics
 from tests.support import TINY, new_cache
 
@@ -259,3 +259,23 @@ def test_metrics_record_the_counters_increase_and_the_bytes_held():
     cache.match(list(range(9)))
     metrics.record_prefix_cache(cache.take_stat("m"))
     assert [sample(n) for n in names] == [17, 4, 1, BLOCK_BYTES]
+
+
+def test_block_counts_are_padded_to_a_power_of_two_within_the_staging_capacity():
+    assert [padded_block_count(n, 64) for n in (1, 2, 3, 5, 17, 32, 33, 47, 64)] == [1, 2, 4, 8, 32, 32, 64, 64, 64]
+    assert padded_block_count(47, 50) == 50 and padded_block_count(47, 47) == 47  # never past what the cache holds
+
+
+@pytest.mark.parametrize(("count", "capacity"), [(1, 4), (3, 12), (3, 40), (5, 24), (5, 64), (7, 30)])
+def test_a_gather_holds_the_blocks_then_zeros_up_to_its_capacity(count, capacity):
+    cache = cached()
+    tokens = list(range(100, 100 + count * BLOCK + 1))
+    kv = prompt_kv(len(tokens))
+    cache.insert(tokens, kv)
+    hit = cache.match(tokens)
+    assert len(hit.blocks) == count
+    got = cache.gather(hit, capacity)
+    n = count * BLOCK
+    for g, want in zip(got.keys + got.values, prefix(kv, n).keys + prefix(kv, n).values, strict=True):
+        assert g.shape[2] == capacity
+        assert mx.array_equal(g[:, :, :n], want).item() and not mx.any(g[:, :, n:]).item()
