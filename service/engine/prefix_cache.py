@@ -364,6 +364,21 @@ def copy_blocks(kv: KVCache, rows: list[int], starts: list[int], block_tokens: i
     return [mx.contiguous(span[:, :, u, :, s - lo : s - lo + block_tokens]) for u in range(len(rows)) for s in starts]
 
 
+_ZERO_BLOCKS: dict[tuple[tuple[int, ...], mx.Dtype], mx.array] = {}
+
+
+def _zero_block(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """One evaluated block of zeros per shape and dtype, kept: a padded concatenation then reads
+    it as it reads the blocks, with no fill of its own, so the counts padded to a power of two
+    and that power itself run the same kernels."""
+    key = (tuple(shape), dtype)
+    if key not in _ZERO_BLOCKS:
+        zeros = mx.zeros(shape, dtype)
+        mx.eval(zeros)
+        _ZERO_BLOCKS[key] = zeros
+    return _ZERO_BLOCKS[key]
+
+
 def padded_block_count(count: int, limit: int) -> int:
     """``count`` blocks rounded up to a power of two, but to no more than ``limit`` (the blocks
     a staging cache holds) nor fewer than ``count``."""
@@ -391,7 +406,7 @@ def join_blocks(blocks: list[mx.array], capacity: int | None = None) -> KVCache:
     capacity = max(capacity or positions, positions)
     pad = padded_block_count(len(blocks), capacity // block_tokens) - len(blocks)
     if pad:
-        blocks = [*blocks, *[mx.zeros(blocks[0].shape, blocks[0].dtype)] * pad]
+        blocks = [*blocks, *[_zero_block(blocks[0].shape, blocks[0].dtype)] * pad]
     full = mx.concatenate(blocks, axis=3)  # [layers, 2, Hkv, padded positions, D]
     layers, _, heads, positions, dim = full.shape
     at = mx.array([0, 0, 0, 0], mx.int32)
