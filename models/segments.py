@@ -96,7 +96,7 @@ class SegmentEncoder:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added), equal to encoding it whole."""
         if self._split is None or len(text) < MIN_CACHED_CHARS:
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
+            return self._whole(text)
         ids: list[int] = []
         for i, piece in enumerate(self._split.split(text)):
             if i % 2:  # re.split puts the captured added tokens at odd indices
@@ -104,8 +104,11 @@ class SegmentEncoder:
             elif len(piece) >= MIN_CACHED_CHARS:
                 ids += self._piece(piece)
             elif piece:
-                ids += self.tokenizer.encode(piece, add_special_tokens=False).ids
+                ids += self._whole(piece)
         return ids
+
+    def _whole(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def _piece(self, piece: str) -> list[int]:
         with self._lock:
@@ -114,7 +117,7 @@ class SegmentEncoder:
                 self._kept.move_to_end(piece)
                 self.hits += 1
                 return kept
-        ids = self.tokenizer.encode(piece, add_special_tokens=False).ids
+        ids = self._whole(piece)
         if len(piece) <= CACHE_CHARS:
             with self._lock:
                 self.misses += 1

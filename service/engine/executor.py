@@ -32,8 +32,8 @@ from models.kv_cache import KVCache, Windows
 from models.loader import LoadedModel
 from service.engine import warmup
 from service.engine.compile_cache import CompileCache, StepKey, StepSpec
+from service.engine.kv_blocks import copy_blocks, join_blocks
 from service.engine.prefill import batches_last_chunks
-from service.engine.prefix_cache import copy_blocks, join_blocks
 
 MODEL_PHASES = ("prefill", "chunk", "decode")  # run by every rank of a group; the rest only where the head is
 
@@ -192,14 +192,14 @@ class Executor:
     def save_blocks(self, kv: KVCache, rows: list[int], starts: list[int], block_tokens: int) -> list[mx.array]:
         """The prefix cache's new blocks: for each row r of ``rows``, then each start s,
         positions [s, s + block_tokens) of row r of ``kv``, as [layers, 2, Hkv, block_tokens,
-        D] (see :func:`service.engine.prefix_cache.copy_blocks`); their evaluation is queued."""
+        D] (see :func:`service.engine.kv_blocks.copy_blocks`); their evaluation is queued."""
         blocks = copy_blocks(kv, rows, starts, block_tokens)
         mx.async_eval(blocks)
         return blocks
 
     def gather_blocks(self, blocks: list[mx.array], capacity: int) -> KVCache:
         """A batch-1 cache of ``capacity`` positions starting with ``blocks`` (prefix-cache
-        blocks, in prompt order; :func:`service.engine.prefix_cache.join_blocks`)."""
+        blocks, in prompt order; :func:`service.engine.kv_blocks.join_blocks`)."""
         return join_blocks(blocks, capacity)
 
     def warm(self, phase: str, batch: int, size: int, capacity: int = 0, repeats: int = 3) -> bool:

@@ -11,7 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from models.kv_cache import KVCache
-from service.engine.prefix_cache import LOCAL_BLOCKS, PrefixCache, padded_block_count
+from service.engine.kv_blocks import padded_block_count
+from service.engine.prefix_cache import LOCAL_BLOCKS, PrefixCache
 from service.metrics import Metrics
 from tests.support import TINY, new_cache
 
