@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Literal, cast
 
@@ -60,9 +61,10 @@ class LoadedModel:
         """Decoder layers this process holds (and keeps a KV cache for): all of them, or its stage's."""
         return self.args.num_hidden_layers if self.stage is None else self.stage.stop - self.stage.start
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
-        """Bytes of all parameters."""
+        """Bytes of all parameters, counted once: ``params`` is not replaced after loading, and
+        memory admission (:func:`service.process.memory.admit`) asks for it on every request."""
         # Without a ``destination``, tree_flatten returns the list of its union return type.
         leaves = cast(list[tuple[str, mx.array]], tree_flatten(self.params))
         return sum(leaf.nbytes for _, leaf in leaves)
