@@ -16,10 +16,10 @@ kernel launches and the wait), median of ``--repeats``:
 * ``save``: the prompt's new full blocks copied into the prefix cache (:meth:`PrefixCache.insert`);
 * ``join``: the staging row copied into the decode cache (:meth:`ModelRunner.join`).
 
-``iteration_s`` is the same hit through ``prefill_requests`` and ``join`` as the engine calls
-them, wall time to the evaluated decode cache (median), and ``rows_iteration_s`` the same for
-``--rows`` hits at once (their last chunks in one call where the device batches them). The
-reference is the decode step of :mod:`service.bench.profile` at (``--live`` + 1, C).
+``iteration_s`` is the same hit through ``prefill_requests``, ``join`` and ``save_prefixes`` as
+the engine calls them, wall time to the evaluated decode cache (median), and
+``rows_iteration_s`` the same for ``--rows`` hits at once (their last chunks in one call where
+the device batches them). The reference is the decode step of :mod:`service.bench.profile` at (``--live`` + 1, C).
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ class HitBench:
         while any(not s.prompt_done for s in seqs):
             self.runner.prefill_requests([s for s in seqs if not s.prompt_done])
         self.runner.join(seqs)
+        self.runner.save_prefixes()
         mx.eval(self.runner.kv)
         if not keep:
             for seq in seqs:

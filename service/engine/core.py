@@ -232,12 +232,14 @@ class Engine:
             self._finish(seq, reason)
         if plan.prefill:
             self._apply(self.runner.prefill_requests(plan.prefill))
-            stat = self.runner.prefix.take_stat(self.model.name)
-            if self.ready.is_set():  # the warm-up rehearsal's lookups are not served traffic
-                self.metrics.record_prefix_cache(stat)
             self._record_moves(self.runner.join([s for s in plan.prefill if s.finish_reason is None]))
         busy = self.runner.busy
         self._apply(self.runner.decode_requests())
+        if plan.prefill:  # after the first tokens went out and the decode step is queued
+            self.runner.save_prefixes()
+            stat = self.runner.prefix.take_stat(self.model.name)
+            if self.ready.is_set():  # the warm-up rehearsal's lookups are not served traffic
+                self.metrics.record_prefix_cache(stat)
         selector = self.runner.selector
         if selector.masks and self.ready.is_set():
             self.metrics.grammar_masks.labels(self.model.name).inc(selector.masks)

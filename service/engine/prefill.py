@@ -7,8 +7,9 @@ T; at most the step's token budget of padded tokens per call). Any other prompt 
 per engine step (``chunk`` at (1, T, C)): its staging cache [1, Hkv, C, D] starts with the prefix
 cache's blocks, if any, grows (by staging capacity bucket) as the prompt does, and each chunk
 attends to what the cache holds so far, at offsets passed as arrays. Either way, once the
-whole prompt is in, its first token is sampled, its full blocks go into the prefix cache and
-its cache row waits in ``seq.prefilled`` for a decode slot (:meth:`ModelRunner.join`).
+whole prompt is in, its first token is sampled, its cache row waits in ``seq.prefilled`` for a
+decode slot (:meth:`ModelRunner.join`) and, once the step's first tokens are sent, its full
+blocks go into the prefix cache (:meth:`Prefiller.save_prefixes`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,20 @@ class Prefiller:
         self.runner, self.chunk_tokens, self.prefix = runner, chunk_tokens, prefix
         self.whole_tokens = max(whole_tokens, chunk_tokens)
         self.rows_cap = LAST_CHUNK_ROWS  # the engine lowers it to its warmed batch (see last_chunk_rows)
+        self._saves: list[tuple[list[tuple[list[int], int]], KVCache]] = []  # (prompts and rows, their cache)
+
+    def save_prefixes(self) -> None:
+        """Store the full blocks of the prompts prefilled since the last call in the prefix
+        cache (:meth:`PrefixCache.insert_rows`).
+
+        The engine calls it once the step's first tokens are sent and its decode step is
+        queued: the block copies are then off the path to a first token, and still stored
+        before the next step's prefix lookups (:meth:`ModelRunner.prefill_requests` also
+        saves what a caller left unsaved). Raises ValueError as ``insert_rows``.
+        """
+        saves, self._saves = self._saves, []
+        for prompts, kv in saves:
+            self.prefix.insert_rows(prompts, kv)
 
     def run(self, seqs: list[Sequence], out: RunnerOutput) -> None:
         """Advance each request's prompt by one chunk (or whole), appending first tokens,
@@ -216,8 +231,8 @@ class Prefiller:
 
     def _read_back(self, out: RunnerOutput) -> None:
         """Wait once for every queued call; then, for each prefilled request: its first
-        token, its prompt's blocks into the prefix cache, its cache row parked for
-        :meth:`ModelRunner.join`."""
+        token, its cache row parked for :meth:`ModelRunner.join` and its prompt's blocks kept
+        for :meth:`save_prefixes`."""
         pending, self._pending = self._pending, []
         try:
             self.runner.wait_for([p.tokens for p in pending if p.tokens is not None], [p.kv.keys for p in pending])
@@ -234,7 +249,7 @@ class Prefiller:
             token_list = self.runner.read_tokens(p.tokens)
             self.runner.observe(list(p.group), token_list, p.logprobs)
             rows = [p.kv_rows[i] if p.kv_rows else i for i in range(len(p.group))]
-            self.prefix.insert_rows([(seq.prompt_ids, row) for seq, row in zip(p.group, rows, strict=True)], p.kv)
+            self._saves.append(([(seq.prompt_ids, row) for seq, row in zip(p.group, rows, strict=True)], p.kv))
             for i, (seq, row) in enumerate(zip(p.group, rows, strict=True)):
                 seq.position = len(seq.prompt_ids)
                 seq.prefilled, seq.staging = (p.kv, row), None

@@ -17,7 +17,8 @@ from service.engine.compile_cache import CompileCache
 from service.engine.core import Engine, WarmupSpec
 from service.engine.executor import Executor
 from service.engine.prefix_cache import PrefixCache
-from service.engine.sequence import FinalEvent, FinishReason, SamplingParams, Sequence
+from service.engine.runner import ModelRunner
+from service.engine.sequence import FinalEvent, FinishReason, SamplingParams, Sequence, TokenEvent
 from service.metrics import Metrics
 from tests.support import TINY, WordTokenizer, prefill_one, random_params
 
@@ -187,6 +188,39 @@ def test_prefix_hits_arriving_together_prefill_their_last_chunks_in_one_call(par
         assert tokens == reference(params, prompt, m, frozenset(), limit), f"prompt {prompt}"
     assert [final.cached_tokens for _, final in results] == [0, 20, 20, 20, 20]
     assert any(n == 2 and k == 1 for (n, _), k in zip(calls, staged, strict=True)), "each hit gathered its own"
+
+
+def test_a_prompts_blocks_are_saved_after_its_first_token_is_sent(params, monkeypatch):
+    """The prefix cache's copies of a prompt's blocks are made after its first token is sent
+    and the step's decode is queued (off the path to a first token), and still within that
+    step: the next request sharing its prefix hits it."""
+    engine, _ = chunking_engine(params, frozenset(), 10**7)
+    order: list[str] = []
+    insert_rows, decode_requests = PrefixCache.insert_rows, ModelRunner.decode_requests
+    monkeypatch.setattr(PrefixCache, "insert_rows", lambda *a: (order.append("save"), insert_rows(*a))[1])
+    monkeypatch.setattr(ModelRunner, "decode_requests", lambda *a: (order.append("decode"), decode_requests(*a))[1])
+    system = list(range(40, 52))  # 12 tokens: 3 blocks of 4
+    finals: list[FinalEvent] = []
+
+    def emit(event):
+        if isinstance(event, TokenEvent) and "token" not in order:
+            order.append("token")
+        if isinstance(event, FinalEvent):
+            finals.append(event)
+
+    first = Sequence(system + [3, 4], SamplingParams(max_tokens=3), engine.model.tokenizer.detokenizer(), emit)
+    engine.submit(first)
+    while "token" not in order:  # the step of the last chunk
+        order.clear()
+        engine.step()
+    assert order == ["token", "decode", "save"], order
+    while not finals:
+        engine.step()
+    second = Sequence(system + [5], SamplingParams(max_tokens=2), engine.model.tokenizer.detokenizer(), emit)
+    engine.submit(second)
+    while len(finals) < 2:
+        engine.step()
+    assert [f.cached_tokens for f in finals] == [0, 12]
 
 
 def test_a_request_cancelled_mid_prefill_frees_everything(params):
