@@ -7,7 +7,7 @@
 # .old/; then run 17's probes on each. (prefix_level, probe: ../lib.sh.)
 # From the repository root: bash docs/results/h100/run32/run.sh
 set -uo pipefail
-RUN=run32
+RUN=${RUN:-run32}  # run 34 reran this script under its own name
 source docs/results/h100/lib.sh
 BASE=(--batch-buckets '[1,8,32]' --prompt-buckets '[64,256,512]' --capacity-buckets '[2048]' --warmup-batch 32)
 old() { (cd .old && "$@"); }
