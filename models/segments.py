@@ -75,13 +75,9 @@ class SegmentEncoder:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        added = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values()), key=len, reverse=True)
-        self._ids: dict[str, int] = {}
-        for text in added:
-            token_id = tokenizer.token_to_id(text)
-            assert token_id is not None  # an added token is in the vocabulary
-            self._ids[text] = token_id
+        self._ids = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
         # longest first: at one position the longest added token wins, as in tokenizers' own split
+        added = sorted(self._ids, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
         self._kept: OrderedDict[str, list[int]] = OrderedDict()
         self._kept_chars = 0

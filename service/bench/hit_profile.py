@@ -19,7 +19,8 @@ kernel launches and the wait), median of ``--repeats``:
 ``iteration_s`` is the same hit through ``prefill_requests``, ``join`` and ``save_prefixes`` as
 the engine calls them, wall time to the evaluated decode cache (median), and
 ``rows_iteration_s`` the same for ``--rows`` hits at once (their last chunks in one call where
-the device batches them). The reference is the decode step of :mod:`service.bench.profile` at (``--live`` + 1, C).
+the device batches them). The reference is the decode step of :mod:`service.bench.profile` at
+(``--live`` + 1, C).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class HitBench:
         while any(not s.prompt_done for s in seqs):
             self.runner.prefill_requests([s for s in seqs if not s.prompt_done])
         self.runner.join(seqs)
-        self.runner.save_prefixes()
+        self.runner.prefiller.save_prefixes()
         mx.eval(self.runner.kv)
         if not keep:
             for seq in seqs:

@@ -236,7 +236,7 @@ class Engine:
         busy = self.runner.busy
         self._apply(self.runner.decode_requests())
         if plan.prefill:  # after the first tokens went out and the decode step is queued
-            self.runner.save_prefixes()
+            self.runner.prefiller.save_prefixes()
             stat = self.runner.prefix.take_stat(self.model.name)
             if self.ready.is_set():  # the warm-up rehearsal's lookups are not served traffic
                 self.metrics.record_prefix_cache(stat)

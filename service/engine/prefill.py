@@ -70,8 +70,8 @@ class Prefiller:
 
         The engine calls it once the step's first tokens are sent and its decode step is
         queued: the block copies are then off the path to a first token, and still stored
-        before the next step's prefix lookups (:meth:`ModelRunner.prefill_requests` also
-        saves what a caller left unsaved). Raises ValueError as ``insert_rows``.
+        before the next step's prefix lookups (:meth:`run` first saves what a caller left
+        unsaved). Raises ValueError as ``insert_rows``.
         """
         saves, self._saves = self._saves, []
         for prompts, kv in saves:
@@ -81,6 +81,7 @@ class Prefiller:
         """Advance each request's prompt by one chunk (or whole), appending first tokens,
         step stats and failures to ``out``. Every call is queued first and the first tokens
         are read back together: one host sync for the whole step's prefill work."""
+        self.save_prefixes()  # the previous call's, where its caller did not
         self._pending: list[_Pending] = []
         gathered: dict | None = {} if self.runner.executor.batches_chunks else None  # this step's, by hit
         whole: dict[int, list[Sequence]] = {}

@@ -76,17 +76,11 @@ class ModelRunner:
     def prefill_requests(self, seqs: list[Sequence]) -> RunnerOutput:
         """Advance each request's prompt by one chunk, or prefill it whole (see
         :mod:`service.engine.prefill`); a request whose prompt is now complete gets its first
-        token in ``tokens``. Call :meth:`join` with those that did not stop at it, and
-        :meth:`save_prefixes` once their tokens are sent (else this call's next one saves them
-        first)."""
-        self.prefiller.save_prefixes()
+        token in ``tokens``. Call :meth:`join` with those that did not stop at it, then
+        ``prefiller.save_prefixes`` once their tokens are sent (:meth:`Prefiller.save_prefixes`)."""
         out = RunnerOutput()
         self.prefiller.run(seqs, out)
         return out
-
-    def save_prefixes(self) -> None:
-        """Store the prompts prefilled so far in the prefix cache (:meth:`Prefiller.save_prefixes`)."""
-        self.prefiller.save_prefixes()
 
     def keep_key(self, seq: Sequence, key: mx.array | None) -> None:
         """Remember a seeded request's next PRNG key (uint32 [2]); None: unseeded."""
