@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install stepserve on a Mac mini as a launchd service (README, "Deployment").
+# Install stepserve on a Mac mini as a launchd service (docs/DEPLOYMENT.md).
 #
 #   sudo deploy/install-macos.sh [--agent | --daemon] [--user NAME] [--python PATH] [--dry-run]
 #   sudo deploy/install-macos.sh --group --hostfile FILE [--agent | --daemon] [--user NAME] [--dry-run]
@@ -14,7 +14,7 @@
 #   --group      one model split over several minis: this mini runs rank 0 and the group's job
 #                (com.stepserve.group: stepserve launch --hostfile /opt/stepserve/hostfile.json)
 #   --hostfile F the group's mlx.launch hostfile, copied to /opt/stepserve/hostfile.json; its
-#                first host is this mini, with "ssh": "127.0.0.1" (README, "Several Macs, one model")
+#                first host is this mini, with "ssh": "127.0.0.1" (docs/DEPLOYMENT.md, "Several Macs, one model")
 #   --member     another mini of a group: the venv, settings and directories, no job (rank 0's
 #                mini starts its rank over ssh as NAME)
 #   --uninstall  stop the service, remove its plist, venv and temp dir (keeps config and logs)
