@@ -3,6 +3,7 @@ random model of the unit tests, the README's commands and the deployment files' 
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -13,6 +14,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -179,6 +182,23 @@ def new_cache(batch, capacity, args=TINY, fill=None):
             [mx.random.normal(k.shape) * fill for k in kv.keys], [mx.random.normal(v.shape) * fill for v in kv.values]
         )
     return kv
+
+
+@contextmanager
+def no_buffer_cache() -> Iterator[None]:
+    """MLX without its buffer cache inside the block: earlier garbage collected, the cache
+    emptied and limited to 0 bytes (the old limit restored after). Every array then gets a
+    buffer of its own size and gives it back when freed, so ``mx.get_active_memory()`` and
+    ``mx.get_peak_memory()`` count the arrays alive, whichever tests ran before: a cached
+    buffer handed out for a smaller array counts its own, larger size as active."""
+    gc.collect()
+    mx.synchronize()
+    limit = mx.set_cache_limit(0)
+    mx.clear_cache()
+    try:
+        yield
+    finally:
+        mx.set_cache_limit(limit)
 
 
 def prefill_one(params, ids, args=TINY):
