@@ -226,6 +226,11 @@ def measure(side: Side, round_: int, args: argparse.Namespace, records: Records)
     }
 
 
+def schedule(rounds: int) -> list[tuple[int, str]]:
+    """(round, side key) in the order the servers run: A then B in even rounds, B then A in odd."""
+    return [(r, key) for r in range(rounds) for key in (("a", "b") if r % 2 == 0 else ("b", "a"))]
+
+
 def ratios(a: dict, b: dict) -> dict[str, float | None]:
     """B / A of each of :data:`FIGURES` in two :func:`~service.bench.common.level_figures`;
     None where either is missing or zero."""
@@ -362,11 +367,7 @@ def main(argv: list[str]) -> int:
     args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="stepserve-settings-ab-"))
     args.log_dir.mkdir(parents=True, exist_ok=True)
     records: Records = {key: {name: {} for name in args.workload} for key in sides}
-    servers = [
-        measure(sides[key], round_, args, records)
-        for round_ in range(args.rounds)
-        for key in (("a", "b") if round_ % 2 == 0 else ("b", "a"))
-    ]
+    servers = [measure(sides[key], round_, args, records) for round_, key in schedule(args.rounds)]
     title = f"{preset.label if preset else ''}{sides['b'].name}/{sides['a'].name}"
     described = {key: side.describe(args.serve_args) for key, side in sides.items()}
     pooled = pool(servers, records, target)
