@@ -163,7 +163,7 @@ def git_describe(path: Path) -> str | None:
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
 def warmup_seconds(readyz: dict, log: str) -> float | None:
