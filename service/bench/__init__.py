@@ -18,6 +18,8 @@ def main(argv: list[str]) -> int:
       (:mod:`service.bench.steps`);
     * ``profile …``: where a decode step's time goes (:mod:`service.bench.profile`);
     * ``ab …``: two running servers, the same requests alternating (:mod:`service.bench.ab`);
+    * ``settings-ab …``: two serve configurations (or source trees) of one model, fresh servers
+      started in alternating order, the same load on each, B / A (:mod:`service.bench.settings_ab`);
     * ``pipeline …``: one process against pipeline ranks per decode step (:mod:`service.bench.pipeline`);
     * ``group …``: one ``stepserve serve`` against a ``stepserve launch`` group, through HTTP
       (:mod:`service.bench.group`);
@@ -41,6 +43,10 @@ def main(argv: list[str]) -> int:
         from service.bench.ab import main as ab
 
         return ab(argv[1:])
+    if argv[:1] == ["settings-ab"]:
+        from service.bench.settings_ab import main as settings_ab
+
+        return settings_ab(argv[1:])
     if argv[:1] == ["profile"]:
         from service.bench.profile import main as profile
 

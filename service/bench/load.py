@@ -13,6 +13,10 @@ after another. Workloads (``--workload``):
   throughout, the rest unchanged) or repeat a given text word for word, the passages
   (about ``--system-tokens`` tokens) generated here, a different one per request;
 * ``chat``: ``POST /v1/chat/completions``, open-ended questions (nothing to copy);
+* ``long``: ``POST /v1/completions``, a short essay prompt (under 20 tokens, a different one
+  per request) generating exactly ``--max-tokens`` tokens: the request sets ``ignore_eos``, so
+  the model's end-of-sequence token does not stop it (a server without that field may stop early:
+  the completion tokens say);
 * ``long-arrival`` and ``first-burst`` are forms of their own (``--workload NAME --help``).
 
 Reported per level: aggregate tokens/s (all completion tokens over the level's wall time),
@@ -53,7 +57,7 @@ from service.bench.common import (
 from service.bench.constrained_schemas import SCHEMAS
 from service.bench.prompts import copy_task, estimate_tokens, passage, system_prompt
 
-LOAD_WORKLOADS = ("essays", "chat-shared-prefix", "copy", "chat")
+LOAD_WORKLOADS = ("essays", "chat-shared-prefix", "copy", "chat", "long")
 WORKLOADS = (*LOAD_WORKLOADS, "long-arrival", "first-burst")
 PROMPTS = essay_prompts()
 
@@ -86,8 +90,13 @@ class Workload:
 
     def request(self, slot: int) -> tuple[str, dict]:
         """Path and JSON body of one request: for essays, prompt ``slot`` of the set (cycling);
-        for chat, the next user turn of this run (``slot`` is not used)."""
+        for chat, copy and long, the next request of this run (``slot`` is not used)."""
         stream = {"max_tokens": self.max_tokens, "temperature": 0, "stream": True}
+        if self.name == "long":
+            turn = next(self._turns)
+            prompt = f"Essay {turn}: write at length about {ESSAY_TOPICS[turn % len(ESSAY_TOPICS)]}.\n\nEssay:"
+            body = {"model": self.model, "prompt": prompt, **stream, "ignore_eos": True}
+            return "/v1/completions", body | {"stream_options": {"include_usage": True}}
         if self.name in ("copy", "chat"):
             turn = next(self._turns)
             topic = ESSAY_TOPICS[turn % len(ESSAY_TOPICS)]
@@ -111,8 +120,10 @@ class Workload:
 
     def describe(self) -> dict:
         """The workload's settings for the JSON result."""
-        openai = self.system or self.name in ("copy", "chat")
+        openai = self.system or self.name in ("copy", "chat", "long")
         info = {"workload": self.name, "api": "openai" if openai else self.api, "max_tokens": self.max_tokens}
+        if self.name == "long":
+            info["ignore_eos"] = True
         if self.name == "copy":
             info["passage_tokens_estimate"] = estimate_tokens(passage(0, self.system_tokens))
         if self.constrained:
@@ -132,6 +143,7 @@ async def run_level(
     requests_per_stream: int,
     workload: Workload,
     transport: httpx.AsyncBaseTransport | None = None,
+    sink: list[Stream] | None = None,
 ) -> dict:
     """Run one concurrency level: ``concurrency`` client streams, each sending
     ``requests_per_stream`` requests of ``workload`` back to back (stream i's j-th request is
@@ -146,7 +158,8 @@ async def run_level(
     Returns :func:`~service.bench.common.level_figures` with ``concurrency`` (and, when K > 0,
     ``constrained_requests`` and ``constrained_closed_early``); a request that failed (a
     non-200 answer, an error event or an httpx.HTTPError) counts in ``errors`` only.
-    ``transport``: the httpx transport to use (tests); None: the network.
+    ``transport``: the httpx transport to use (tests); None: the network. ``sink``: when given,
+    the records of the requests that ended well are appended to it (to pool levels' figures).
     """
     records: list[Stream] = []
     errors, constrained_requests = 0, 0
@@ -191,12 +204,21 @@ async def run_level(
         start = time.perf_counter()
         await asyncio.gather(*(stream(client, i) for i in range(concurrency)))
         elapsed = time.perf_counter() - start
+    if sink is not None:
+        sink.extend(records)
     extra = {"constrained_requests": constrained_requests, "constrained_closed_early": closed_early}
     extra = extra if workload.constrained else {}
     return {"concurrency": concurrency, **level_figures(records, errors, elapsed), **extra}
 
 
-def run(url: str, levels: list[int], requests_per_stream: int, workload: Workload, warmup_requests: int = 0) -> dict:
+def run(
+    url: str,
+    levels: list[int],
+    requests_per_stream: int,
+    workload: Workload,
+    warmup_requests: int = 0,
+    records: dict[int, list[Stream]] | None = None,
+) -> dict:
     """Every concurrency level in turn (:func:`run_level`), with the compile misses the server
     counted in each (None for a server without stepserve's /metrics, such as mlx_lm.server).
 
@@ -204,6 +226,8 @@ def run(url: str, levels: list[int], requests_per_stream: int, workload: Workloa
     stream, so that a server which builds its kernels on first use (on CUDA, NVRTC takes
     seconds per new kernel) is measured warm; misses during that pass are reported as
     ``warmup_compile_misses`` (stepserve should have none: it warms up before it is ready).
+    ``records``: when given, each level's timed requests that ended well are appended to
+    ``records[concurrency]`` (warm-up requests are not).
     Raises httpx.HTTPError when the server does not answer.
     """
     with httpx.Client(base_url=url, timeout=60) as client:
@@ -224,7 +248,8 @@ def run(url: str, levels: list[int], requests_per_stream: int, workload: Workloa
             masks_before = read() if read else {}
             engine_before = scrape_by(client, ENGINE, "kind") if read else {}
             workload.streams = level
-            result = asyncio.run(run_level(url, level, requests_per_stream, workload))
+            sink = None if records is None else records.setdefault(level, [])
+            result = asyncio.run(run_level(url, level, requests_per_stream, workload, sink=sink))
             result["compile_misses"] = misses() - timed if stepserve else None
             if read:
                 result |= server_side(masks_before, read(), engine_before, scrape_by(client, ENGINE, "kind"))
@@ -269,6 +294,8 @@ OTHER_FORMS = """other forms (each has --help):
   stepserve bench --workload first-burst ...   TTFT of a just-ready server's first burst against its second
   stepserve bench --side-by-side ...           stepserve and its peers on the same weights
   stepserve bench --micro ...                  plain vs compiled, in-process
+  stepserve bench settings-ab ...              two serve configurations, servers started here in turn
+  stepserve bench ab ...                       two running servers, the same requests alternating
   stepserve bench steps ...                    one prefill and decode step per dtype, weight format, compile mode
   stepserve bench profile ...                  where a decode step's time goes
   stepserve bench pipeline ...                 one process against pipeline ranks per decode step, in-process

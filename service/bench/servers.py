@@ -59,7 +59,8 @@ def serving(
 ) -> Iterator[tuple[str, int]]:
     """Run ``command --port PORT`` (a free loopback port; environment ``env``, default this
     process's), output to ``log``, until the block ends; yields (base URL, process id) once
-    ``GET ready_path`` answers 200.
+    ``GET ready_path`` answers 200. On leaving the block the process gets SIGTERM (a stepserve
+    drains), and SIGKILL if it has not exited within 120 s; it has exited when the block ends.
 
     Raises:
         SystemExit: the process exited before it was ready, or was not ready within
@@ -79,7 +80,11 @@ def serving(
         yield url, proc.pid
     finally:
         proc.terminate()
-        proc.wait(120)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _answers(url: str) -> bool:

@@ -1,0 +1,390 @@
+"""``stepserve bench settings-ab``: two configurations of one model, A and B, each served by a
+fresh ``stepserve serve`` started here, the same load against each, and B / A.
+
+    stepserve bench settings-ab --preset prefix --serve-args="--model DIR"
+    stepserve bench settings-ab --preset speculative --serve-args="--model DIR --compile on"
+    stepserve bench settings-ab --a off="--prefix-cache-bytes 0" --b on="" --workload chat
+    stepserve bench settings-ab --a old="" --a-dir CHECKOUT --b new="" --serve-args="--model DIR"
+
+A and B are ``NAME=FLAGS``: extra ``stepserve serve`` flags (quoted, possibly empty) after the
+``--serve-args`` both get. Write ``--serve-args=...`` with ``=`` (a value that starts with ``-``
+is read as an option otherwise).
+
+Each round serves A and B one after the other, never both at once, alternating the order (round
+0: A then B; round 1: B then A; ...) so that a drift of the machine falls on both. A server starts
+on a free loopback port as ``CMD serve SERVE_ARGS FLAGS --port PORT``; once ``/readyz`` answers
+200 it gets every workload at every ``--concurrency`` level (:func:`service.bench.load.run`: per
+level one untimed warm-up request per stream, then ``--requests`` timed ones per stream, greedy
+and streamed), then SIGTERM, and it has exited before the next server starts.
+
+Workloads (``--workload``):
+
+* ``chat``: the load tool's chat-shared-prefix: ``/v1/chat/completions``, a shared system prompt
+  of about ``--system-tokens`` (450) tokens and a short user turn of its own per request,
+  ``--chat-max-tokens`` (128) tokens out at most;
+* ``long``: one generation of ``--long-max-tokens`` (512) tokens per request from a short prompt,
+  ``/v1/completions`` with ``ignore_eos`` (the API's field to generate past end-of-sequence).
+
+Each server gets the same requests in the same order. Reported per workload and level, pooled
+over rounds (the timed requests of every round together; aggregate tok/s is all their completion
+tokens over the level's wall times summed): aggregate tok/s, per-stream tok/s p50, TTFT p50 and
+ITL p50 of A and of B, and B / A of each (tok/s: above 1, B is faster; TTFT and ITL: below 1,
+B is faster), with each round's B / A of aggregate tok/s beside it; per server: seconds from
+start to ready, the warm-up's seconds (from ``/readyz``, else its log), the BLAS it loaded. With
+a target (a preset's, or ``--target``), whether B / A of aggregate tok/s meets it at each level.
+Tables go to stderr, JSON to stdout and ``--out``; servers' logs to ``--log-dir``.
+
+Presets (``--a``, ``--b``, ``--concurrency``, ``--target`` given too override theirs):
+
+* ``prefix``: A ``off`` = ``--prefix-cache-bytes 0``, B ``on`` = the defaults; chat and long at
+  1 stream; target 0.97 (the prefix cache costs a single stream at most 3%);
+* ``speculative``: A ``off`` = ``--speculative off``, B ``lookup`` = ``--speculative lookup``;
+  chat and long at 1, 8 and 32 streams; target 1.0.
+
+Which code a side runs:
+
+* by default, this source tree: ``PYTHON -P -m service.cli`` (this Python; ``-P``: not the
+  working directory's ``service/``) with this tree first on ``PYTHONPATH``;
+* ``--a-dir DIR`` / ``--b-dir DIR``: the source tree DIR (e.g. ``git worktree add DIR COMMIT``
+  of an older commit), the same way with DIR first on ``PYTHONPATH``; the working directory
+  stays this one, so relative paths in the flags mean the same on both sides;
+* ``--stepserve CMD`` (both) or ``--a-cmd CMD`` / ``--b-cmd CMD``: any command that takes
+  ``serve FLAGS`` (e.g. another environment's ``stepserve``), run as it is, or with DIR first on
+  ``PYTHONPATH`` when ``--a-dir`` / ``--b-dir`` is given too.
+
+The JSON names each side's command, source tree and its ``git describe`` (commit, ``-dirty``
+when changed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from rich.table import Table
+
+from service.bench.common import Stream, fmt, level_figures, report
+from service.bench.load import Workload, run
+from service.bench.servers import START_TIMEOUT_S, process_blas, serving
+
+ROOT = Path(__file__).resolve().parents[2]  # the source tree this module is part of
+STEPSERVE = [sys.executable, "-P", "-m", "service.cli"]
+FIGURES = ("aggregate_tok_s", "per_stream_tok_s_p50", "ttft_s_p50", "itl_s_p50")
+WARMUP_LOG = re.compile(r"warm-up done: \d+ buckets in ([\d.]+) s")  # service.engine.core's log line
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named A/B: the two sides as ``NAME=FLAGS``, the concurrency levels and the target of
+    B / A aggregate tok/s."""
+
+    label: str  # what B / A compares, before "B/A" in titles
+    a: str
+    b: str
+    concurrency: tuple[int, ...]
+    target: float
+
+
+PRESETS = {
+    "prefix": Preset("prefix cache ", "off=--prefix-cache-bytes 0", "on=", (1,), 0.97),
+    "speculative": Preset("speculation ", "off=--speculative off", "lookup=--speculative lookup", (1, 8, 32), 1.0),
+}
+
+
+@dataclass(frozen=True)
+class Side:
+    """One configuration: ``key`` "a" or "b", its ``name``, the ``flags`` it adds to
+    ``stepserve serve``, the ``command`` that runs stepserve (``serve`` is appended) and the
+    ``source`` tree put first on ``PYTHONPATH`` (None: the command's own environment)."""
+
+    key: str
+    name: str
+    flags: tuple[str, ...]
+    command: tuple[str, ...]
+    source: Path | None
+
+    def serve_command(self, serve_args: list[str]) -> list[str]:
+        """``COMMAND serve SERVE_ARGS FLAGS`` (its flags last: they override the shared ones)."""
+        return [*self.command, "serve", *serve_args, *self.flags]
+
+    def env(self) -> dict[str, str]:
+        """This process's environment, with :attr:`source` first on ``PYTHONPATH``."""
+        env = dict(os.environ)
+        if self.source is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(self.source), env.get("PYTHONPATH"))))
+        return env
+
+    def describe(self, serve_args: list[str]) -> dict:
+        """The side for the JSON: name, flags, command, source tree and its git description."""
+        return {
+            "name": self.name,
+            "flags": shlex.join(self.flags),
+            "command": shlex.join(self.serve_command(serve_args)),
+            "source": str(self.source) if self.source else None,
+            "commit": git_describe(self.source) if self.source else None,
+        }
+
+
+def make_side(key: str, spec: str, command: str | None, source: Path | None) -> Side:
+    """The side ``key`` from ``NAME=FLAGS`` (``spec``; FLAGS split as a shell would, possibly
+    empty), a command line (None: :data:`STEPSERVE`) and a source tree (None: this one with the
+    default command, the command's own environment with another). Raises SystemExit when the
+    name is empty or ``source`` has no ``service/cli.py``."""
+    name, _, flags = spec.partition("=")
+    if not name:
+        raise SystemExit(f"--{key} '{spec}': give NAME=FLAGS, e.g. off='--prefix-cache-bytes 0'")
+    if source is not None and not (source / "service" / "cli.py").is_file():
+        raise SystemExit(f"--{key}-dir {source}: not a stepserve source tree (no service/cli.py)")
+    if source is None and command is None:
+        source = ROOT
+    argv = tuple(shlex.split(command)) if command else tuple(STEPSERVE)
+    return Side(key, name, tuple(shlex.split(flags)), argv, source.resolve() if source else None)
+
+
+def git_describe(path: Path) -> str | None:
+    """``git describe --always --dirty --abbrev=12`` of the checkout at ``path``; None where
+    ``path`` is no git checkout or git is not installed."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(path), "describe", "--always", "--dirty", "--abbrev=12"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+def warmup_seconds(readyz: dict, log: str) -> float | None:
+    """A server's warm-up seconds: the sum of ``/readyz``'s ``models.*.warmup_s``, else of the
+    "warm-up done: N buckets in S s" lines of its ``log``; None when neither says."""
+    models = readyz.get("models") or {}
+    values = [m["warmup_s"] for m in models.values() if isinstance(m, dict) and m.get("warmup_s") is not None]
+    if values:
+        return sum(values)
+    found = WARMUP_LOG.findall(log)
+    return sum(map(float, found)) if found else None
+
+
+def workloads(args: argparse.Namespace) -> dict[str, Callable[[], Workload]]:
+    """{name: a maker of a fresh :class:`Workload`} for each of ``args.workload``: fresh per
+    server, so every server gets the same requests in the same order."""
+    chat, long = args.chat_max_tokens, args.long_max_tokens
+    makers = {
+        "chat": lambda: Workload("chat-shared-prefix", max_tokens=chat, system_tokens=args.system_tokens),
+        "long": lambda: Workload("long", max_tokens=long),
+    }
+    return {name: makers[name] for name in args.workload}
+
+
+Records = dict[str, dict[str, dict[int, list[Stream]]]]  # side key -> workload -> concurrency -> timed requests
+
+
+def measure(side: Side, round_: int, args: argparse.Namespace, records: Records) -> dict:
+    """Start ``side``'s server, wait for ready, run every workload at every level on it and
+    stop it. The timed requests are added to ``records[side.key]``. Returns the server's record:
+    round, side, command, URL and process id (both gone now), seconds to ready, warm-up seconds,
+    ``/readyz`` (less the per-bucket list), BLAS, log path and {workload: load.run() result}.
+    Raises SystemExit when the server does not get ready (with its log's tail)."""
+    log = args.log_dir / f"round{round_}-{side.key}-{side.name}.log"
+    command = side.serve_command(args.serve_args)
+    start = time.perf_counter()
+    with serving(side.name, command, "/readyz", log, args.ready_timeout_s, side.env()) as (url, pid):
+        ready_s = time.perf_counter() - start
+        readyz = httpx.get(f"{url}/readyz", timeout=60).json()
+        blas = process_blas(pid)
+        results = {
+            name: run(url, args.concurrency, args.requests, make(), args.warmup_requests, records[side.key][name])
+            for name, make in workloads(args).items()
+        }
+    for model in (readyz.get("models") or {}).values():
+        model.pop("buckets", None)
+    return {
+        "round": round_,
+        "side": side.key,
+        "name": side.name,
+        "command": shlex.join([*command, "--port", url.rsplit(":", 1)[1]]),
+        "url": url,
+        "pid": pid,
+        "ready_s": ready_s,
+        "warmup_s": warmup_seconds(readyz, log.read_text(errors="replace")),
+        "readyz": readyz,
+        "blas": blas,
+        "log": str(log),
+        "results": results,
+    }
+
+
+def schedule(rounds: int) -> list[tuple[int, str]]:
+    """(round, side key) in the order the servers run: A then B in even rounds, B then A in odd."""
+    return [(r, key) for r in range(rounds) for key in (("a", "b") if r % 2 == 0 else ("b", "a"))]
+
+
+def ratios(a: dict, b: dict) -> dict[str, float | None]:
+    """B / A of each of :data:`FIGURES` in two :func:`~service.bench.common.level_figures`;
+    None where either is missing or zero."""
+    return {k: b[k] / a[k] if a[k] and b[k] else None for k in FIGURES}
+
+
+def pool(servers: list[dict], records: Records, target: float | None) -> dict[str, list[dict]]:
+    """{workload: per level, A's and B's figures pooled over rounds (the timed requests of every
+    round; errors and wall seconds summed), B / A of each figure, each round's B / A and whether
+    B / A aggregate tok/s meets ``target`` (None without one)}."""
+    pooled: dict[str, list[dict]] = {}
+    for name in records["a"]:
+        rows = []
+        for level in records["a"][name]:
+            per_round = {side: _levels(servers, side, name, level) for side in ("a", "b")}
+            figures = {
+                side: level_figures(
+                    records[side][name][level],
+                    sum(r["errors"] for r in per_round[side]),
+                    sum(r["elapsed_s"] for r in per_round[side]),
+                )
+                for side in ("a", "b")
+            }
+            ratio = ratios(figures["a"], figures["b"])
+            met = None if target is None or ratio["aggregate_tok_s"] is None else ratio["aggregate_tok_s"] >= target
+            by_round = [ratios(a, b) for a, b in zip(per_round["a"], per_round["b"], strict=True)]
+            rows.append(
+                {"concurrency": level, **figures, "b_over_a": ratio, "b_over_a_by_round": by_round, "target_met": met}
+            )
+        pooled[name] = rows
+    return pooled
+
+
+def _levels(servers: list[dict], side: str, workload: str, level: int) -> list[dict]:
+    """``side``'s figures of ``workload`` at ``level`` in each round, in round order."""
+    return [
+        r
+        for s in sorted(servers, key=lambda s: s["round"])
+        if s["side"] == side
+        for r in s["results"][workload]["levels"]
+        if r["concurrency"] == level
+    ]
+
+
+def _workload_table(name: str, rows: list[dict], a: Side, b: Side, title: str) -> Table:
+    table = Table(title=f"{title}: {name} (pooled over rounds; B = {b.name}, A = {a.name})")
+    columns = ("streams", "agg tok/s A/B", "B/A", "per-stream tok/s A/B", "B/A", "TTFT p50 ms A/B", "B/A")
+    for col in (*columns, "ITL p50 ms A/B", "B/A", "agg B/A by round", "tokens A/B", "errors A/B", "target met"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        fa, fb, q = r["a"], r["b"], r["b_over_a"]
+        table.add_row(
+            str(r["concurrency"]),
+            f"{fmt(fa['aggregate_tok_s'], digits=1)}/{fmt(fb['aggregate_tok_s'], digits=1)}",
+            fmt(q["aggregate_tok_s"]),
+            f"{fmt(fa['per_stream_tok_s_p50'], digits=1)}/{fmt(fb['per_stream_tok_s_p50'], digits=1)}",
+            fmt(q["per_stream_tok_s_p50"]),
+            f"{fmt(fa['ttft_s_p50'], 1e3, 1)}/{fmt(fb['ttft_s_p50'], 1e3, 1)}",
+            fmt(q["ttft_s_p50"]),
+            f"{fmt(fa['itl_s_p50'], 1e3, 2)}/{fmt(fb['itl_s_p50'], 1e3, 2)}",
+            fmt(q["itl_s_p50"]),
+            " ".join(fmt(x["aggregate_tok_s"]) for x in r["b_over_a_by_round"]),
+            f"{fa['completion_tokens']}/{fb['completion_tokens']}",
+            f"{fa['errors']}/{fb['errors']}",
+            {True: "yes", False: "no", None: "-"}[r["target_met"]],
+        )
+    return table
+
+
+def _server_table(servers: list[dict], sides: dict[str, dict]) -> Table:
+    table = Table(title="servers, in the order they ran")
+    for col in ("round", "side", "server", "ready s", "warm-up s", "BLAS", "source"):
+        table.add_column(col, justify="right")
+    for s in servers:
+        side = sides[s["side"]]
+        source = side["commit"] or side["source"] or side["command"]
+        row = (s["side"].upper(), s["name"], fmt(s["ready_s"], digits=1), fmt(s["warmup_s"], digits=1), s["blas"])
+        table.add_row(str(s["round"]), *row, source)
+    return table
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stepserve bench settings-ab",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="a named A/B (see above)")
+    for key in ("a", "b"):
+        parser.add_argument(
+            f"--{key}", metavar="NAME=FLAGS", help=f"side {key.upper()}: its name and extra serve flags (quoted)"
+        )
+        parser.add_argument(f"--{key}-dir", type=Path, metavar="DIR", help=f"run {key.upper()} from source tree DIR")
+        parser.add_argument(f"--{key}-cmd", metavar="CMD", help=f"the command that runs stepserve for {key.upper()}")
+    parser.add_argument("--stepserve", metavar="CMD", help="the command that runs stepserve for both sides")
+    parser.add_argument(
+        "--serve-args", type=shlex.split, default="", metavar="ARGS", help="serve flags for both, e.g. --serve-args=..."
+    )
+    parser.add_argument("--workload", nargs="+", choices=["chat", "long"], default=["chat", "long"])
+    parser.add_argument("--concurrency", type=int, nargs="+", metavar="N", help="client streams per level (default: 1)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds, each serving A and B once")
+    parser.add_argument("--requests", type=int, default=3, help="timed requests per stream, level and round")
+    parser.add_argument("--warmup-requests", type=int, default=1, help="untimed requests per stream before each level")
+    parser.add_argument("--system-tokens", type=int, default=450, help="chat: the shared system prompt's tokens, about")
+    parser.add_argument("--chat-max-tokens", type=int, default=128)
+    parser.add_argument("--long-max-tokens", type=int, default=512)
+    parser.add_argument("--target", type=float, help="B / A aggregate tok/s to meet at every level")
+    parser.add_argument("--ready-timeout-s", type=float, default=START_TIMEOUT_S, help="per server start")
+    parser.add_argument("--log-dir", type=Path, help="the servers' logs (default: a new temporary directory)")
+    parser.add_argument("--out", type=Path, help="write the JSON result here too")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """``stepserve bench settings-ab [options]`` (``argv``: the options): serve
+    A and B in alternating order for every round, measure, print the tables to stderr and the
+    JSON to stdout (and ``--out``). Returns 0. Raises SystemExit on bad arguments or a server
+    that does not get ready."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.preset] if args.preset else None
+    specs = {"a": args.a or (preset.a if preset else ""), "b": args.b or (preset.b if preset else "")}
+    if not specs["a"] or not specs["b"]:
+        parser.error("give --a and --b (NAME=FLAGS), or --preset")
+    sides = {
+        key: make_side(key, spec, getattr(args, f"{key}_cmd") or args.stepserve, getattr(args, f"{key}_dir"))
+        for key, spec in specs.items()
+    }
+    if sides["a"].name == sides["b"].name:
+        parser.error(f"A and B are both named '{sides['a'].name}'")
+    args.concurrency = list(dict.fromkeys(args.concurrency or (preset.concurrency if preset else (1,))))
+    target = args.target if args.target is not None else (preset.target if preset else None)
+    args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="stepserve-settings-ab-"))
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    records: Records = {key: {name: {} for name in args.workload} for key in sides}
+    servers = [measure(sides[key], round_, args, records) for round_, key in schedule(args.rounds)]
+    title = f"{preset.label if preset else ''}{sides['b'].name}/{sides['a'].name}"
+    described = {key: side.describe(args.serve_args) for key, side in sides.items()}
+    pooled = pool(servers, records, target)
+    result = {
+        "title": title,
+        "preset": args.preset,
+        **described,
+        "serve_args": shlex.join(args.serve_args),
+        "workloads": {name: make().describe() for name, make in workloads(args).items()},
+        "concurrency": args.concurrency,
+        "rounds": args.rounds,
+        "requests_per_stream": args.requests,
+        "warmup_requests_per_stream": args.warmup_requests,
+        "target": target,
+        "pooled": pooled,
+        "servers": servers,
+        "log_dir": str(args.log_dir),
+    }
+    tables = [_workload_table(name, rows, sides["a"], sides["b"], title) for name, rows in pooled.items()]
+    return report(result, ["settings-ab", *argv], [*tables, _server_table(servers, described)], args.out)
