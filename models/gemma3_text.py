@@ -149,7 +149,7 @@ def _embed(params: Params, tokens: mx.array, args: ModelArgs) -> mx.array:
     return x * mx.array(args.hidden_size**0.5, mx.bfloat16).astype(x.dtype)
 
 
-GEMMA3 = Decoder(_embed, _block, llama._final_logits)
+GEMMA3 = Decoder(_embed, _block, llama.final_logits)
 
 
 def prefill(params: Params, tokens: mx.array, lengths: mx.array, cache: KVCache, *, args: ModelArgs):

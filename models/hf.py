@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from models.architectures import UnsupportedArchitectureError
 from models.architectures import architecture as _architecture
-from models.gguf import ModelLoadError
+from models.errors import ModelLoadError
 from models.layers import Params, quantized_bits
 from models.model_args import ModelArgs
 from models.tokenizer import ChatTokenizer

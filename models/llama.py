@@ -57,14 +57,14 @@ def project_qkv(p: Params, x: mx.array, args: ModelArgs) -> tuple[mx.array, mx.a
     return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
-def _final_logits(params: Params, h: mx.array, args: ModelArgs) -> mx.array:
+def final_logits(params: Params, h: mx.array, args: ModelArgs) -> mx.array:
     """h [B, H] -> float32 logits [B, V]."""
     h = mx.fast.rms_norm(h, params["norm"]["weight"], args.rms_norm_eps)
     head = params.get("lm_head", params["embed_tokens"])
     return linear(h, head, args.quant_group_size).astype(mx.float32)
 
 
-def _embed(params: Params, tokens: mx.array, args: ModelArgs) -> mx.array:
+def embed_tokens(params: Params, tokens: mx.array, args: ModelArgs) -> mx.array:
     """tokens int32 [B, L] -> x [B, L, H]."""
     return embed(tokens, params["embed_tokens"], args.quant_group_size)
 
@@ -115,14 +115,16 @@ class Decoder:
     logits: Callable[[Params, mx.array, Any], mx.array]
 
 
-LLAMA = Decoder(_embed, _block, _final_logits)
+LLAMA = Decoder(embed_tokens, _block, final_logits)
 
 
-def _blocks(
+def run_blocks(
     decoder: Decoder, params: Params, x: mx.array, offset, cache: KVCache, attention, args
 ) -> tuple[mx.array, KVCache]:
-    """Every layer's block in turn, layer i attending with ``attention(args.window(i))``.
-    x [B, L, H] -> (x [B, L, H], the new cache)."""
+    """Every layer's block in turn, layer i attending with ``attention(args.window(i))`` (an
+    :class:`models.attention.PromptAttention` or :class:`models.attention.CacheAttention`) and
+    RoPE ``offset`` (int 0, or int32 [B]). x [B, L, H] -> (x [B, L, H], the new cache). The
+    step functions here and a pipeline stage's (:mod:`models.pipeline`) run their layers with it."""
     new_keys, new_values = [], []
     for i, (layer, keys, values) in enumerate(zip(params["layers"], cache.keys, cache.values, strict=True)):
         x, keys, values = decoder.block(layer, x, offset, keys, values, attention(args.window(i)), args, i)
@@ -138,7 +140,7 @@ def run_chunk(
     T = tokens.shape[1]
     x = decoder.embed(params, tokens, args)  # [B, T, H]
     positions = offsets[:, None] + mx.arange(T)[None, :]  # [B, T]
-    x, cache = _blocks(decoder, params, x, offsets, cache, CacheAttention(positions, args.attention_scale), args)
+    x, cache = run_blocks(decoder, params, x, offsets, cache, CacheAttention(positions, args.attention_scale), args)
     last = mx.take_along_axis(x, (lengths - 1).astype(mx.int32)[:, None, None], axis=1)  # [B, 1, H]
     return decoder.logits(params, last[:, 0, :], args), cache
 
@@ -148,7 +150,7 @@ def run_prefill(
 ) -> tuple[mx.array, KVCache]:
     """:func:`prefill` for ``decoder``'s family."""
     x = decoder.embed(params, tokens, args)  # [B, T, H]
-    x, cache = _blocks(decoder, params, x, 0, cache, PromptAttention(tokens.shape[1], args.attention_scale), args)
+    x, cache = run_blocks(decoder, params, x, 0, cache, PromptAttention(tokens.shape[1], args.attention_scale), args)
     last = mx.take_along_axis(x, (lengths - 1).astype(mx.int32)[:, None, None], axis=1)  # [B, 1, H]
     return decoder.logits(params, last[:, 0, :], args), cache
 
@@ -159,7 +161,7 @@ def run_decode(
     """:func:`decode` for ``decoder``'s family."""
     x = decoder.embed(params, tokens[:, None], args)  # [B, 1, H]
     attention = CacheAttention(positions[:, None], args.attention_scale)
-    x, cache = _blocks(decoder, params, x, positions, cache, attention, args)
+    x, cache = run_blocks(decoder, params, x, positions, cache, attention, args)
     return decoder.logits(params, x[:, 0, :], args), cache
 
 
@@ -173,7 +175,7 @@ def run_verify(
     L = tokens.shape[1]
     x = decoder.embed(params, tokens, args)  # [B, L, H]
     at = positions[:, None] + mx.arange(L)[None, :]  # [B, L]
-    x, cache = _blocks(decoder, params, x, positions, cache, CacheAttention(at, args.attention_scale), args)
+    x, cache = run_blocks(decoder, params, x, positions, cache, CacheAttention(at, args.attention_scale), args)
     B, _, H = x.shape
     return decoder.logits(params, x.reshape(B * L, H), args).reshape(B, L, -1), cache
 

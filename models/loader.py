@@ -11,8 +11,9 @@ from typing import Literal, cast
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
+from models.errors import ModelLoadError
 from models.fuse import fuse_projections
-from models.gguf import ModelLoadError, args_from_metadata, params_from_tensors, read_gguf, tokenizer_from_gguf
+from models.gguf.reader import load_gguf
 from models.hf import load_dir
 from models.layers import Params, quantized_bits
 from models.model_args import ModelArgs
@@ -118,13 +119,7 @@ def load_model(
     """
     start = time.perf_counter()
     path = Path(path)
-    if path.is_dir():
-        args, params, tokenizer = load_dir(path)
-    else:
-        tensors, metadata = read_gguf(path)
-        args = args_from_metadata(metadata, tensors, path)
-        params = params_from_tensors(tensors, args, path)
-        tokenizer = tokenizer_from_gguf(metadata, path)
+    args, params, tokenizer = load_dir(path) if path.is_dir() else load_gguf(path)
     params = served_params(params, path, args.quant_group_size, dtype, weights, fuse)
     read_params(params, path)
     return LoadedModel(name, path, args, params, tokenizer, dtype, weights, time.perf_counter() - start)

@@ -27,7 +27,7 @@ import mlx.core as mx
 from models.attention import CacheAttention, PromptAttention
 from models.kv_cache import KVCache
 from models.layers import Params, embed, linear
-from models.llama import LLAMA, _blocks
+from models.llama import LLAMA, run_blocks
 from models.model_args import ModelArgs
 
 
@@ -186,7 +186,7 @@ def _run(
     else:
         dtype = params["layers"][0]["input_layernorm"]["weight"].dtype  # the compute dtype
         x = mx.distributed.recv((B, L, args.hidden_size), dtype, stage.rank + 1, group=group)
-    x, cache = _blocks(LLAMA, params, x, offset, cache, attention, args)
+    x, cache = run_blocks(LLAMA, params, x, offset, cache, attention, args)
     if not stage.last:
         return mx.distributed.send(x, stage.rank - 1, group=group), cache
     h = mx.fast.rms_norm(last_rows(x), params["norm"]["weight"], args.rms_norm_eps)

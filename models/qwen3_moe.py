@@ -133,7 +133,7 @@ def _block(
     return x + out, keys, values
 
 
-QWEN3_MOE = Decoder(llama._embed, _block, llama._final_logits)
+QWEN3_MOE = Decoder(llama.embed_tokens, _block, llama.final_logits)
 
 
 def prefill(params: Params, tokens: mx.array, lengths: mx.array, cache: KVCache, *, args: ModelArgs):

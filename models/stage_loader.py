@@ -7,7 +7,7 @@ stage's tensors (:func:`models.pipeline.stage_params`):
   array's bytes are read when it is first evaluated), so the whole tree is built lazily and
   only the stage's arrays are ever evaluated;
 * **GGUF**: ``mx.load`` copies every tensor at once, so the header is parsed here and only the
-  stage's tensors are read (:mod:`models.gguf_tensors`); the rest of the tree is unevaluated
+  stage's tensors are read (:mod:`models.gguf.tensors`); the rest of the tree is unevaluated
   placeholders that give the shapes and are dropped.
 
 The split itself needs only shapes: :func:`model_layout` prepares the whole tree lazily (the
@@ -23,9 +23,11 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from models.gguf import ModelLoadError, args_from_metadata, params_from_tensors, tokenizer_from_gguf
-from models.gguf_header import GGUFLayoutError
-from models.gguf_tensors import GGUFTensorError, placeholders, read_index, read_tensors
+from models.errors import ModelLoadError
+from models.gguf.header import GGUFLayoutError
+from models.gguf.reader import args_from_metadata, params_from_tensors
+from models.gguf.tensors import GGUFTensorError, placeholders, read_index, read_tensors
+from models.gguf.vocab import tokenizer_from_gguf
 from models.hf import load_dir
 from models.layers import Params
 from models.loader import WeightsMode, prepare_params, read_params, served_params
@@ -112,7 +114,7 @@ def _gguf_tree(path: Path, wanted: Stage | None) -> tuple[ModelArgs, Params, dic
 
 def _in_stage(name: str, stage: Stage) -> bool:
     """Whether GGUF tensor ``name`` belongs to ``stage`` (``blk.N.*`` layers, ``token_embd``,
-    ``output_norm`` and ``output``: the names :func:`models.gguf.params_from_tensors` maps)."""
+    ``output_norm`` and ``output``: the names :func:`models.gguf.reader.params_from_tensors` maps)."""
     if name.startswith("blk."):
         return stage.start <= int(name.split(".")[1]) < stage.stop
     if name.startswith("token_embd."):

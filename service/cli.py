@@ -156,7 +156,7 @@ def _load(settings: Settings):
     """(settings with max_sequences resolved, the models, a group's ranks or None), after
     logging is set up; or the exit status: 2 when this process (or any rank) cannot serve, a
     follower's status once rank 0 stopped the group."""
-    from models.gguf import ModelLoadError
+    from models.errors import ModelLoadError
     from service.process.group import GroupStartError, follow, init_group, start_group
     from service.process.startup import MemoryBudgetError, check_memory, load_models
 
@@ -230,8 +230,8 @@ def convert(args: argparse.Namespace) -> int:
     """Write an mlx-community-format directory from a GGUF file; 2 when the GGUF cannot be read."""
     import mlx.core as mx
 
-    from models.convert import convert_gguf
-    from models.gguf import ModelLoadError
+    from models.errors import ModelLoadError
+    from models.gguf.convert import convert_gguf
 
     try:
         out = convert_gguf(args.gguf, args.out_dir, getattr(mx, args.dtype) if args.dtype else None)

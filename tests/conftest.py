@@ -15,8 +15,8 @@ from tests.support import ServerProcess  # noqa: E402
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory):
     """The default model converted by `stepserve convert` into an mlx-community directory."""
-    from models.convert import convert_gguf
-    from models.gguf import default_model_path
+    from models.default import default_model_path
+    from models.gguf.convert import convert_gguf
 
     return convert_gguf(default_model_path(), tmp_path_factory.mktemp("smollm2-mlx"))
 

@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import WordLevel
 
-from models.gguf import default_model_path
+from models.default import default_model_path
 from models.kv_cache import KVCache
 from models.llama import prefill
 from models.model_args import ModelArgs

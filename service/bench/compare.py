@@ -29,8 +29,8 @@ from pathlib import Path
 import mlx.core as mx
 from rich.table import Table
 
-from models.convert import convert_gguf
-from models.gguf import default_model_path
+from models.default import default_model_path
+from models.gguf.convert import convert_gguf
 from service.bench.common import device_defaults, fmt, machine_info, plot_levels, report
 from service.bench.load import LOAD_WORKLOADS, Workload, add_workload_flags, run, table
 from service.bench.servers import STEPSERVE_SERVE, openblas_env, process_blas, serving

@@ -1,7 +1,7 @@
 """``stepserve bench gguf-storage``: how to keep a GGUF's K-quant tensors, measured.
 
 MLX cannot read K-quants (Q4_K, Q6_K) or Q5_0; the ``gguf`` package dequantizes them to float32
-(:mod:`models.gguf_quants`). They can then be kept dense (the exact values the GGUF holds) or
+(:mod:`models.gguf.quants`). They can then be kept dense (the exact values the GGUF holds) or
 re-quantized with ``mx.quantize`` to MLX's affine format (group 32, one scale and bias per
 group), which cannot hold the K-quants' sub-block scales, so it rounds the values again.
 
@@ -85,9 +85,10 @@ def measure(path: Path, steps: int) -> list[dict]:
     """One row per :data:`STORAGES` entry for the GGUF at ``path``."""
     from dataclasses import replace
 
-    from models.gguf import args_from_metadata, params_from_tensors, read_gguf, tokenizer_from_gguf
-    from models.gguf_header import read_gguf_header
-    from models.gguf_quants import type_names
+    from models.gguf.header import read_gguf_header
+    from models.gguf.quants import type_names
+    from models.gguf.reader import args_from_metadata, params_from_tensors, read_gguf
+    from models.gguf.vocab import tokenizer_from_gguf
     from models.loader import LoadedModel
 
     tensors, metadata = read_gguf(path)

@@ -22,7 +22,9 @@ from statistics import median
 
 import numpy as np
 
-from models.gguf import default_model_path, read_gguf
+from models.default import default_model_path
+from models.gguf.reader import read_gguf
+from models.gguf.vocab import tokenizer_from_gguf
 from models.tokenizer import ChatTokenizer
 
 VOCAB = 49152  # SmolLM2-135M's logits width
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     _, metadata = read_gguf(default_model_path())
-    tok = ChatTokenizer.from_gguf_metadata(metadata)
+    tok = tokenizer_from_gguf(metadata)
     ids = tok.encode(json.dumps(DOCUMENT)) + [tok.eos_token_id]
     results: dict = {}
     for name, run in ENGINES.items():

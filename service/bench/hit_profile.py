@@ -36,7 +36,7 @@ from typing import TypeVar
 
 import mlx.core as mx
 
-from models.gguf import default_model_path
+from models.default import default_model_path
 from models.loader import LoadedModel, load_model
 from service.bench.common import device_defaults, machine_info, quiet_compile_cache
 from service.bench.profile import profile_stepserve

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from models.gguf import default_model_path
+from models.default import default_model_path
 from models.loader import load_model
 from service.bench.common import device_defaults, machine_info, quiet_compile_cache, warm_median_seconds
 from service.engine.buckets import BucketTable

@@ -36,7 +36,7 @@ load_cpu_blas()
 import mlx.core as mx  # noqa: E402
 
 from models import llama, pipeline  # noqa: E402
-from models.gguf import default_model_path  # noqa: E402
+from models.default import default_model_path  # noqa: E402
 from models.kv_cache import KVCache  # noqa: E402
 from models.stage_loader import load_stage, model_layout  # noqa: E402
 from service.bench.common import machine_info, quiet_compile_cache  # noqa: E402

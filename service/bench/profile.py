@@ -34,7 +34,7 @@ from typing import Literal
 
 import mlx.core as mx
 
-from models.gguf import default_model_path
+from models.default import default_model_path
 from models.loader import LoadedModel, WeightsMode, load_model
 from service.bench.common import device_defaults, machine_info, quiet_compile_cache
 from service.engine.buckets import BucketTable
@@ -221,7 +221,7 @@ def _rows(args: argparse.Namespace, dtype: str, weights: WeightsMode) -> list[di
             profile = profile_stepserve(model, batch, args.capacity, args.steps, args.repeats)
             emit({"batch": batch, "capacity": args.capacity, "fuse": fuse, **profile})
     if args.peer:
-        from models.convert import convert_gguf
+        from models.gguf.convert import convert_gguf
 
         with tempfile.TemporaryDirectory() as tmp:
             peer_dir = convert_gguf(gguf, Path(tmp) / "model", getattr(mx, dtype))

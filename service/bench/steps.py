@@ -13,7 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from models.gguf import default_model_path
+from models.default import default_model_path
 from models.loader import WeightsMode, device_name, load_model
 from service.bench.common import machine_info, quiet_compile_cache, warm_median_seconds
 from service.engine.buckets import BucketTable

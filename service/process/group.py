@@ -31,7 +31,7 @@ from typing import cast
 
 import mlx.core as mx
 
-from models.gguf import default_model_path
+from models.default import default_model_path
 from models.loader import LoadedModel
 from models.pipeline import Stage, plan_stages
 from models.stage_loader import ModelLayout, load_stage, model_layout

@@ -9,7 +9,8 @@ from typing import Literal
 import mlx.core as mx
 
 from models.blas import OPENBLAS_FIX, cpu_blas
-from models.gguf import ModelLoadError, default_model_path
+from models.default import default_model_path
+from models.errors import ModelLoadError
 from models.loader import LoadedModel, WeightsMode, device_name, load_model
 from service.config import ServedModel, Settings
 from service.engine.buckets import BucketTable

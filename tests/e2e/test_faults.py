@@ -18,7 +18,7 @@ from typing import NamedTuple
 import httpx
 import pytest
 
-from models.gguf import default_model_path
+from models.default import default_model_path
 from service.bench.servers import free_port
 from service.process.watchdog import ENGINE_DIED_EXIT
 from tests.support import STEPSERVE, ServerProcess, damaged

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import schemathesis
 
-from models.gguf import default_model_path
+from models.default import default_model_path
 from tests.support import ServerProcess
 
 EXAMPLES = int(os.environ.get("STEPSERVE_FUZZ_EXAMPLES", "10"))

@@ -12,7 +12,9 @@ import mlx_lm
 import pytest
 from mlx_lm.utils import dequantize_model
 
-from models.gguf import default_model_path, read_gguf, tokenizer_from_gguf
+from models.default import default_model_path
+from models.gguf.reader import read_gguf
+from models.gguf.vocab import tokenizer_from_gguf
 
 SECTION = (
     "Section {i}. The committee reviewed the quarterly figures for the northern depot, noting that "

@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from models.gguf import default_model_path
+from models.default import default_model_path
 from models.loader import load_model
 from service.bench.servers import free_ports
 from tests.pipeline_ranks import Steps, scenario

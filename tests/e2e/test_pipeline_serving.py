@@ -23,7 +23,7 @@ import mlx.core as mx
 import pytest
 
 from models import llama
-from models.gguf import default_model_path
+from models.default import default_model_path
 from models.kv_cache import KVCache
 from models.loader import load_model
 from service.bench.servers import free_port, free_ports

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from models.gguf import default_model_path
+from models.default import default_model_path
 from service.api.security import is_loopback
 from service.config import Settings
 from tests.support import ServerProcess

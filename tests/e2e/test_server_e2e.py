@@ -6,7 +6,9 @@ import time
 
 import pytest
 
-from models.gguf import default_model_path, read_gguf
+from models.default import default_model_path
+from models.gguf.reader import read_gguf
+from models.gguf.vocab import tokenizer_from_gguf
 from models.tokenizer import ChatTokenizer
 from tests.support import STEPSERVE
 
@@ -15,7 +17,7 @@ CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?
 
 @pytest.fixture(scope="module")
 def tok() -> ChatTokenizer:
-    return ChatTokenizer.from_gguf_metadata(read_gguf(default_model_path())[1])
+    return tokenizer_from_gguf(read_gguf(default_model_path())[1])
 
 
 def prompt_of(tok: ChatTokenizer, n: int) -> str:

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from models.gguf import default_model_path
+from models.default import default_model_path
 from tests.support import ServerProcess
 
 PASSAGE = (

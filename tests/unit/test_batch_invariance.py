@@ -5,7 +5,7 @@ prompts alone and inside a batch of 8 mixed lengths give the same tokens. Logit 
 import mlx.core as mx
 import pytest
 
-from models.gguf import default_model_path
+from models.default import default_model_path
 from models.loader import load_model
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache

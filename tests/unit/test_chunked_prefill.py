@@ -5,7 +5,7 @@ of the same prompt prefilled whole."""
 import mlx.core as mx
 import pytest
 
-from models.gguf import default_model_path
+from models.default import default_model_path
 from models.kv_cache import KVCache
 from models.llama import decode, prefill, prefill_chunk
 from models.loader import load_model

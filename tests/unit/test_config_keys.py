@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 from models.architectures import architecture
-from models.gguf import ModelLoadError
+from models.errors import ModelLoadError
 from models.kv_cache import KVCache
 from models.loader import load_model
 from tests.support import ON_GPU, mlx_lm_greedy, tiny_config, write_lm_dir

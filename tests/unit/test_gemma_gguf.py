@@ -11,9 +11,11 @@ from dataclasses import replace
 import mlx.core as mx
 import pytest
 
-from models.gguf import ModelLoadError, args_from_metadata, read_gguf, tokenizer_from_gguf
-from models.gguf_header import read_gguf_header
-from models.gguf_quants import MLX_READABLE_TYPES
+from models.errors import ModelLoadError
+from models.gguf.header import read_gguf_header
+from models.gguf.quants import MLX_READABLE_TYPES
+from models.gguf.reader import args_from_metadata, read_gguf
+from models.gguf.vocab import tokenizer_from_gguf
 from models.tokenizer import TokenizerError
 from service.api.tools import render_messages
 from tests.support import gemma_gguf

@@ -8,7 +8,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from models.gguf import default_model_path, read_gguf
+from models.default import default_model_path
+from models.gguf.reader import read_gguf
+from models.gguf.vocab import tokenizer_from_gguf
 from models.sampling import unpack_bits
 from models.tokenizer import ChatTokenizer
 from service.engine.grammar import GrammarError, TokenGrammar
@@ -35,7 +37,7 @@ SCHEMA = {
 @pytest.fixture(scope="module")
 def tok() -> ChatTokenizer:
     _, metadata = read_gguf(default_model_path())
-    return ChatTokenizer.from_gguf_metadata(metadata)
+    return tokenizer_from_gguf(metadata)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from models.config_check import unimplemented_config
-from models.gguf import ModelLoadError, args_from_metadata, params_from_tensors, read_gguf
+from models.errors import ModelLoadError
+from models.gguf.reader import args_from_metadata, params_from_tensors, read_gguf
 from models.kv_cache import KVCache
 from models.layers import AFFINE_BITS, quantized_bits
 from models.llama import decode, prefill

@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import mlx.core as mx
 import pytest
 
-from models.gguf import ModelLoadError, default_model_path
-from models.gguf_header import GGUFLayoutError, check_gguf_layout
+from models.default import default_model_path
+from models.errors import ModelLoadError
+from models.gguf.header import GGUFLayoutError, check_gguf_layout
 from models.hf import tokenizer_from_dir
 from models.loader import LoadedModel
 from service.engine.buckets import BucketTable

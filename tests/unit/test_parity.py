@@ -16,8 +16,9 @@ from mlx_lm.models import qwen2 as lm_qwen2
 from mlx_lm.models import qwen3 as lm_qwen3
 from mlx_lm.models.cache import make_prompt_cache
 
-from models.convert import unpermute_rows
-from models.gguf import ModelLoadError, default_model_path
+from models.default import default_model_path
+from models.errors import ModelLoadError
+from models.gguf.convert import unpermute_rows
 from models.kv_cache import KVCache
 from models.llama import decode, prefill
 from models.loader import load_model

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from models.gguf import default_model_path
-from models.gguf_tensors import F16, F32, Q4_0, Q4_1, Q8_0, read_index, read_tensors
+from models.default import default_model_path
+from models.gguf.tensors import F16, F32, Q4_0, Q4_1, Q8_0, read_index, read_tensors
 from models.loader import load_model
 from models.pipeline import plan_stages, stage_params
 from models.stage_loader import load_stage, model_layout

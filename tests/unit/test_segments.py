@@ -9,8 +9,10 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from models import segments
-from models.gguf import default_model_path, read_gguf, tokenizer_from_gguf
-from models.gguf_header import read_gguf_header
+from models.default import default_model_path
+from models.gguf.header import read_gguf_header
+from models.gguf.reader import read_gguf
+from models.gguf.vocab import tokenizer_from_gguf
 from models.segments import SegmentEncoder
 from models.tokenizer import ChatTokenizer
 from service.bench.prompts import system_prompt
@@ -44,7 +46,7 @@ _FRAGMENTS = [
 @pytest.fixture(scope="module")
 def smollm() -> ChatTokenizer:
     _, metadata = read_gguf(default_model_path())
-    return ChatTokenizer.from_gguf_metadata(metadata)
+    return tokenizer_from_gguf(metadata)
 
 
 @pytest.fixture(scope="module")

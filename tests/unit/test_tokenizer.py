@@ -2,14 +2,16 @@
 
 import pytest
 
-from models.gguf import default_model_path, read_gguf
+from models.default import default_model_path
+from models.gguf.reader import read_gguf
+from models.gguf.vocab import tokenizer_from_gguf
 from models.tokenizer import ChatTokenizer, TokenizerError
 
 
 @pytest.fixture(scope="module")
 def tok() -> ChatTokenizer:
     _, metadata = read_gguf(default_model_path())
-    return ChatTokenizer.from_gguf_metadata(metadata)
+    return tokenizer_from_gguf(metadata)
 
 
 def test_digits_are_single_tokens(tok):

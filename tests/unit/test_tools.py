@@ -9,7 +9,9 @@ from pathlib import Path
 import llguidance
 import pytest
 
-from models.gguf import default_model_path, read_gguf
+from models.default import default_model_path
+from models.gguf.reader import read_gguf
+from models.gguf.vocab import tokenizer_from_gguf
 from models.tokenizer import ChatTokenizer, TokenizerError
 from service.api.tool_stream import ToolCallStream
 from service.api.tools import (
@@ -114,7 +116,7 @@ CONVERSATION = [
 @pytest.fixture(scope="module")
 def tok() -> ChatTokenizer:
     _, metadata = read_gguf(default_model_path())
-    return ChatTokenizer.from_gguf_metadata(metadata)
+    return tokenizer_from_gguf(metadata)
 
 
 def with_template(tok: ChatTokenizer, template: str) -> ChatTokenizer:

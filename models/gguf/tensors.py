@@ -5,7 +5,7 @@
 or key-selecting form), so a pipeline stage that needs 15 of 30 layers would still hold the
 whole file for a while. This module parses the header and metadata itself (the layout of
 ggml/docs/gguf.md, versions 2 and 3, little-endian, checked first by
-:func:`models.gguf_header.check_gguf_layout`), then reads only the byte ranges of the tensors
+:func:`models.gguf.header.check_gguf_layout`), then reads only the byte ranges of the tensors
 asked for and converts them exactly as ``mx.load`` does (mlx/io/gguf_quants.cpp):
 
 * F32 and F16 tensors as float32 / float16 arrays;
@@ -30,7 +30,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from models.gguf_header import VALUE_DTYPES, check_gguf_layout
+from models.gguf.header import VALUE_DTYPES, check_gguf_layout
 
 F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8  # ggml_type numbers (ggml.h)
 #: ggml type -> (values per block, bytes per block), for the types read here (ggml-common.h).
@@ -115,7 +115,7 @@ def read_index(path: str | Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]
         {name: :class:`TensorInfo`} in file order).
 
     Raises:
-        models.gguf_header.GGUFLayoutError: the file is not GGUF or its header is damaged.
+        models.gguf.header.GGUFLayoutError: the file is not GGUF or its header is damaged.
     """
     path = Path(path)
     check_gguf_layout(path)  # every length below is known to lie inside the file

@@ -5,12 +5,12 @@ is damaged (a string length or a tensor count of random bytes) makes it read pas
 mapping and the process dies with a segmentation fault, without a word about the file.
 This walks the same layout in Python with every length checked against the file size, so
 such a file fails with a :class:`GGUFLayoutError` naming the first bad field, which
-:func:`models.gguf.read_gguf` reports with the file's name. Tensor data is not read:
+:func:`models.gguf.reader.read_gguf` reports with the file's name. Tensor data is not read:
 MLX itself reports tensors that extend past the end of the file.
 
 :func:`read_gguf_header` walks the same layout and also returns the metadata values and the
 tensor infos, for files whose tensor types MLX's reader cannot load (it fails the whole file;
-:mod:`models.gguf_quants` then reads them with llama.cpp's ``gguf`` package).
+:mod:`models.gguf.quants` then reads them with llama.cpp's ``gguf`` package).
 
 Layout (ggml/docs/gguf.md, versions 2 and 3, little-endian): magic ``GGUF``, version u32,
 tensor count u64, metadata count u64; each metadata entry is a string key, a value type

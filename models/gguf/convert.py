@@ -21,16 +21,10 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer, processors
 
-from models import gguf_gemma3
 from models.gemma3_text import unshift_norms
-from models.gguf import (
-    GGUF_GROUP_SIZE,
-    args_from_metadata,
-    params_from_tensors,
-    read_gguf,
-    scalar_metadata,
-    tokenizer_from_gguf,
-)
+from models.gguf import gemma3
+from models.gguf.reader import GGUF_GROUP_SIZE, args_from_metadata, params_from_tensors, read_gguf, scalar_metadata
+from models.gguf.vocab import tokenizer_from_gguf
 from models.layers import Params, quantized_bits
 from models.model_args import ModelArgs
 from models.tokenizer import ChatTokenizer
@@ -57,7 +51,7 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path, dtype: mx.Dtype | None =
     args = args_from_metadata(metadata, tensors, gguf)
     params = params_from_tensors(tensors, args, gguf)
     tokenizer = tokenizer_from_gguf(metadata, gguf)
-    gemma = args.model_type == gguf_gemma3.MODEL_TYPE
+    gemma = args.model_type == gemma3.MODEL_TYPE
     for layer in params["layers"] if not gemma else ():
         attn = layer["self_attn"]
         for name, heads in (("q_proj", args.num_attention_heads), ("k_proj", args.num_key_value_heads)):
@@ -74,7 +68,7 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path, dtype: mx.Dtype | None =
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     if gemma:
-        config = gguf_gemma3.config_from_metadata(scalar_metadata(metadata), tensors, gguf) | _token_ids(tokenizer)
+        config = gemma3.config_from_metadata(scalar_metadata(metadata), tensors, gguf) | _token_ids(tokenizer)
     else:
         config = _config(args, tokenizer)
     config |= _quantization(modules)
