@@ -1,6 +1,6 @@
 """Structured outputs, logprobs, tool calls, n > 1, penalties and the request forms clients send,
 through the official `openai` client and plain HTTP against a real `stepserve serve` of the
-default model (issue 13)."""
+default model."""
 
 import json
 import math
