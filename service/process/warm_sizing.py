@@ -180,7 +180,8 @@ def size_extent(
     ``ceiling``'s chunk and token budget are used as they are; its ``batched_positions`` (the
     capacity decode is warmed to at batches above one) follow each candidate's prompt tokens
     at the same distance. When even the smallest candidate does not fit, nothing is warmed
-    (every step then runs eagerly).
+    (every step then runs eagerly), unless ``prompt_tokens`` is given: then the smallest
+    candidate at it.
 
     Returns:
         The chosen :class:`Coverage`: ``reduced`` when below ``ceiling`` in a setting the user
@@ -188,28 +189,27 @@ def size_extent(
     """
     prompts = [prompt_tokens] if prompt_tokens is not None else _ladder(buckets.prompt, ceiling.prompt_tokens)
     batches = [batch] if batch is not None else _ladder(buckets.batch, ceiling.batch)
-    first = (prompts[-1], batches[-1], ceiling.rehearse if rehearse is None else rehearse)
     keep = ceiling.rehearse if rehearse is None else rehearse
+    first = (prompts[-1], batches[-1], keep)
     rest = [(p, b, rehearse is not None and rehearse) for p in reversed(prompts) for b in reversed(batches)]
-    for p, b, rehearsed in [first, *rest] if keep else rest:
-        estimate = warmup_flops(args, buckets, _spec(ceiling, p, b, rehearsed), verify_tokens) / (gflops * 1e9)
+
+    def seconds(extent: tuple[int, int, bool]) -> float:
+        return warmup_flops(args, buckets, _spec(ceiling, *extent), verify_tokens) / (gflops * 1e9)
+
+    rate = f"at {gflops:.1f} GFLOP/s"
+    for extent in [first, *rest] if keep else rest:
+        estimate = seconds(extent)
         if estimate <= budget_s:
-            reduced = (p, b, rehearsed) != (prompts[-1], batches[-1], keep)
-            why = (
-                f"an estimated {estimate:.0f} s of compute at {gflops:.1f} GFLOP/s, within warmup_budget_s {budget_s:g}"
-            )
-            if reduced:
-                full = warmup_flops(args, buckets, _spec(ceiling, prompts[-1], batches[-1], keep), verify_tokens)
-                why += (
-                    f"; {prompts[-1]} tokens, {batches[-1]} requests{' and the rehearsals' if keep else ''} would need"
-                )
-                why += f" {full / (gflops * 1e9):.0f} s"
-            return Coverage(p, b, rehearsed, reduced, why, gflops, None, estimate)
-    need = warmup_flops(args, buckets, _spec(ceiling, prompts[0], batches[0], False), verify_tokens) / (gflops * 1e9)
-    why = (
-        f"the smallest warm-up needs an estimated {need:.0f} s of compute at {gflops:.1f} GFLOP/s, over "
-        f"warmup_budget_s {budget_s:g}: nothing is compiled, every step runs eagerly"
-    )
+            why = f"an estimated {estimate:.0f} s of compute {rate}, within warmup_budget_s {budget_s:g}"
+            if extent != first:
+                what = f"{first[0]} tokens, {first[1]} requests" + (" and the rehearsals" if keep else "")
+                why += f"; {what} would need {seconds(first):.0f} s"
+            return Coverage(*extent, extent != first, why, gflops, None, estimate)
+    need = seconds(rest[-1])
+    over = f"the smallest warm-up needs an estimated {need:.0f} s of compute {rate}, over warmup_budget_s {budget_s:g}"
+    if prompt_tokens is not None:  # the user's prompt tokens stand, with the least else
+        return Coverage(*rest[-1], rest[-1] != first, over + "; warmup_prompt_tokens is set", gflops, None, need)
+    why = over + ": nothing is compiled, every step runs eagerly"
     return Coverage(0, batches[0], False, True, why, gflops, None, 0.0)
 
 
