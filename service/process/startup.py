@@ -234,14 +234,10 @@ def _log_coverage(name: str, coverage: Coverage) -> None:
     host = "" if coverage.blas is None else f"; CPU BLAS {coverage.blas}"
     host += "" if coverage.gflops is None else f", {coverage.gflops:.1f} GFLOP/s measured"
     if coverage.reduced:
+        beyond = "; buckets beyond it run eagerly" if coverage.prompt_tokens else ""
         fix = f"; to fix: {OPENBLAS_FIX}" if coverage.blas == "reference" else ""
         log.warning(
-            "model %s: warm-up reduced for this host to %s (%s%s); buckets beyond it run eagerly%s",
-            name,
-            what,
-            coverage.reason,
-            host,
-            fix,
+            "model %s: warm-up reduced for this host to %s (%s%s)%s%s", name, what, coverage.reason, host, beyond, fix
         )
     else:
         log.info("model %s: warm-up covers %s (%s%s)", name, what, coverage.reason, host)
