@@ -2,13 +2,12 @@
 (prompt tokens, concurrent requests) so that its estimated compute fits a time budget.
 
 Running each planned step once on dummy inputs dominates a CPU warm-up, and its cost follows the
-matmul rate of the BLAS MLX's CPU backend links: tens of GFLOP/s per core with OpenBLAS, a few
-with the reference BLAS of MLX's Linux wheel (:mod:`models.blas`). The same plan that takes about
-a minute with OpenBLAS takes tens of minutes without it, so the extent is chosen per host rather
-than fixed: the largest one (longest prompts first, then most concurrent requests) whose
-estimated compute, the planned steps' and the rehearsal's, fits ``warmup_budget_s``. Buckets
-outside it run eagerly once warm-up is over (:meth:`CompileCache.seal`), never compiling under a
-request.
+matmul rate of the BLAS MLX's CPU backend links, OpenBLAS or the far slower reference BLAS of
+MLX's Linux wheel (:mod:`models.blas`; the rates in docs/BENCHMARKS.md, "Warm-up"). So the extent
+is chosen per host rather than fixed: the largest one whose estimated compute, the planned steps'
+and the rehearsals', fits ``warmup_budget_s`` (:func:`size_extent` says in which order it
+shrinks). Buckets outside it run eagerly once warm-up is over
+(:meth:`service.engine.compile_cache.CompileCache.seal`), never compiling under a request.
 """
 
 from __future__ import annotations
@@ -67,8 +66,8 @@ class Coverage:
 def measure_gflops(args: ModelArgs, dtype: mx.Dtype) -> float:
     """The host's matmul rate in GFLOP/s: one [PROBE_TOKENS, hidden] x [hidden, intermediate]
     product in ``dtype``, as a linear layer runs it (``x @ W.T``, W [intermediate, hidden]),
-    the fastest of :data:`PROBE_RUNS` timed runs after an untimed one. Takes milliseconds with
-    OpenBLAS, a few tenths of a second with the reference BLAS (a 2-core CPU)."""
+    the fastest of :data:`PROBE_RUNS` timed runs after an untimed one (milliseconds with OpenBLAS,
+    tenths of a second with the reference BLAS)."""
     x = mx.ones((PROBE_TOKENS, args.hidden_size), dtype)
     w = mx.ones((args.intermediate_size, args.hidden_size), dtype)
     mx.eval(x, w)
