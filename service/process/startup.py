@@ -59,6 +59,9 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
     for spec in settings.served_models():
         dtype, weights = compute_dtype(spec.dtype), weights_mode(spec.weights)
         models[spec.name] = load_model(spec.path or default_model_path(), spec.name, dtype, weights)
+        if device_name() == "cpu" and None in (spec.warmup_prompt_tokens, spec.warmup_batch):
+            args = models[spec.name].args  # the host's matmul rate (warmup_extent), before any engine runs
+            warm_sizing.measure_gflops(args.hidden_size, args.intermediate_size, dtype)
         if spec.speculative != "off" and models[spec.name].args.windows is not None:
             raise ModelLoadError(
                 f"model '{spec.name}': speculative = '{spec.speculative}' is not implemented for models with "
@@ -206,7 +209,7 @@ def warmup_extent(spec: ServedModel, model: LoadedModel, settings: Settings, max
             settings.max_batched_tokens,
             settings.warmup_rehearsal,
         )
-        gflops = warm_sizing.measure_gflops(model.args, model.dtype)
+        gflops = warm_sizing.measure_gflops(model.args.hidden_size, model.args.intermediate_size, model.dtype)
         verify = spec.speculative_tokens + 1 if spec.speculative != "off" else 0
         rehearse = settings.warmup_rehearsal if "warmup_rehearsal" in settings.model_fields_set else None
         sized = warm_sizing.size_extent(

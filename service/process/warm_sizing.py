@@ -13,6 +13,7 @@ shrinks). Buckets outside it run eagerly once warm-up is over
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 
@@ -63,13 +64,19 @@ class Coverage:
     estimate_s: float | None = None
 
 
-def measure_gflops(args: ModelArgs, dtype: mx.Dtype) -> float:
+@functools.cache
+def measure_gflops(hidden: int, intermediate: int, dtype: mx.Dtype) -> float:
     """The host's matmul rate in GFLOP/s: one [PROBE_TOKENS, hidden] x [hidden, intermediate]
-    product in ``dtype``, as a linear layer runs it (``x @ W.T``, W [intermediate, hidden]),
-    the fastest of :data:`PROBE_RUNS` timed runs after an untimed one (milliseconds with OpenBLAS,
-    tenths of a second with the reference BLAS)."""
-    x = mx.ones((PROBE_TOKENS, args.hidden_size), dtype)
-    w = mx.ones((args.intermediate_size, args.hidden_size), dtype)
+    product in ``dtype`` (a model's MLP up-projection), as a linear layer runs it (``x @ W.T``,
+    W [intermediate, hidden]), the fastest of :data:`PROBE_RUNS` timed runs after an untimed one
+    (milliseconds with OpenBLAS, tenths of a second with the reference BLAS).
+
+    Measured once per shape and dtype in a process: start-up measures each model's before any
+    engine starts (:func:`service.process.startup.load_models`), so that no warm-up competes
+    with the probe for the CPU nor runs MLX beside it.
+    """
+    x = mx.ones((PROBE_TOKENS, hidden), dtype)
+    w = mx.ones((intermediate, hidden), dtype)
     mx.eval(x, w)
     mx.eval(x @ w.T)
     best = float("inf")
@@ -77,7 +84,7 @@ def measure_gflops(args: ModelArgs, dtype: mx.Dtype) -> float:
         start = time.perf_counter()
         mx.eval(x @ w.T)
         best = min(best, time.perf_counter() - start)
-    return 2 * PROBE_TOKENS * args.hidden_size * args.intermediate_size / max(best, 1e-9) / 1e9
+    return 2 * PROBE_TOKENS * hidden * intermediate / max(best, 1e-9) / 1e9
 
 
 def layer_params(args: ModelArgs) -> int:
