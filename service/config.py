@@ -75,13 +75,21 @@ class Settings(BaseSettings):
         None,
         ge=0,
         description="warm-up compiles every step a request of up to this many prompt tokens can reach (0: none); "
-        "unset: every prompt length on a GPU, 512 on the CPU (buckets left cold run eagerly, never compiling "
-        "after ready)",
+        "unset: every prompt length on a GPU, up to 512 on the CPU as warmup_budget_s allows (buckets left cold run "
+        "eagerly, never compiling after ready)",
     )
     warmup_batch: int | None = Field(
         None,
         ge=1,
-        description="warm-up covers up to this many concurrent requests; unset: max_sequences on a GPU, 4 on the CPU",
+        description="warm-up covers up to this many concurrent requests; unset: max_sequences on a GPU, up to 4 on "
+        "the CPU as warmup_budget_s allows",
+    )
+    warmup_budget_s: float = Field(
+        60.0,
+        ge=0,
+        description="on the CPU, seconds of compute the warm-up of each model may take, estimated from one matmul "
+        "timed at start-up: unset warmup_prompt_tokens and warmup_batch are sized down from 512 and 4 to fit "
+        "it (0: warm nothing); without OpenBLAS this keeps the first start within minutes",
     )
     speculative: Literal["off", "lookup", "draft"] = Field(
         "off",

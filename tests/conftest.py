@@ -32,8 +32,9 @@ def _serving(args: list[str]):
 
 @pytest.fixture(scope="session")
 def server() -> ServerProcess:
-    """The default model served by a real `stepserve serve` (compile on, default settings)."""
-    yield from _serving(["--compile", "on"])
+    """The default model served by a real `stepserve serve` (compile on, default settings, but a
+    warm-up budget that keeps the whole CPU extent however slow or loaded the host is)."""
+    yield from _serving(["--compile", "on", "--warmup-budget-s", "3600"])
 
 
 @pytest.fixture(scope="session")

@@ -128,7 +128,10 @@ def _start_engine(
         model.dtype,
         spec.compile,
     )
-    prompt_tokens, batch = warmup_extent(spec, buckets.capacity[-1], engine.scheduler.max_running)
+    coverage = warmup_extent(spec, model, settings, engine.scheduler.max_running)
+    prompt_tokens, batch = coverage.prompt_tokens, coverage.batch
+    if app is not None:  # /readyz says what is warm
+        app.state.stepserve.coverage[spec.name] = coverage
     positions = None if prompt_tokens >= buckets.capacity[-1] else prompt_tokens + settings.default_max_tokens
     warmup = WarmupSpec(
         prompt_tokens,
@@ -136,7 +139,7 @@ def _start_engine(
         positions,
         engine.scheduler.chunk_tokens,
         settings.max_batched_tokens,
-        settings.warmup_rehearsal,
+        coverage.rehearse,
     )
     http = None if app is None else _http_rehearsal(app, spec.name, model, settings, batch, prompt_tokens)
     engine.start(warmup, progress, http)

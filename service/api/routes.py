@@ -127,7 +127,10 @@ async def healthz() -> dict:
 @router.get("/readyz", responses={503: {"model": ErrorBody}})
 async def readyz(state: State) -> dict:
     """200 once every model is warmed up; 503 with the reason before, and while draining.
-    On a pipeline group's rank 0, ``group`` lists each rank's layers and memory."""
+    Per model, ``warmup`` says what is warm: prompt tokens, concurrent requests and buckets, and
+    whether (``reduced``) and why its extent was sized down for this host
+    (:class:`service.process.warm_sizing.Coverage`). On a pipeline group's rank 0, ``group``
+    lists each rank's layers and memory."""
     if state.draining:
         raise ApiError(503, "not ready: server is shutting down", type="unavailable")
     waiting = {name: e.not_ready_reason for name, e in state.engines.items() if not e.ready.is_set()}
@@ -139,6 +142,7 @@ async def readyz(state: State) -> dict:
         "models": {
             name: {
                 "warmup_s": e.warmup_seconds,
+                "warmup": {"buckets": e.warmup_buckets, **asdict(coverage)} if coverage else None,
                 "warmed": e.warmup_buckets,
                 "compiled": sum(c == "compiled" for c in choices.values()),
                 "compile": e.compile_policy,
@@ -147,7 +151,7 @@ async def readyz(state: State) -> dict:
                 "speculative": e.runner.speculator.describe() if e.runner.speculator else None,
             }
             for name, e in state.engines.items()
-            for choices in [e.compile_choices()]
+            for choices, coverage in [(e.compile_choices(), state.coverage.get(name))]
         },
         **({"group": [asdict(rank) for rank in state.ranks]} if state.ranks else {}),
     }

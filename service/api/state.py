@@ -13,6 +13,7 @@ from service.config import Settings
 from service.engine.core import Engine
 from service.metrics import Metrics
 from service.process.group import RankInfo
+from service.process.warm_sizing import Coverage
 
 
 @dataclass
@@ -26,6 +27,7 @@ class AppState:
     started: int = field(default_factory=lambda: int(time.time()))  # Unix seconds, /v1/models' ``created``
     draining: bool = False  # SIGTERM received: refuse new work, finish what runs
     ranks: list[RankInfo] | None = None  # a pipeline group's ranks, on its rank 0 (None: one process)
+    coverage: dict[str, Coverage] = field(default_factory=dict)  # what each model's warm-up covers, and why
 
 
 async def get_state(request: Request) -> AppState:

@@ -3,6 +3,7 @@ worst-case memory against the budget before anything is served."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Literal
 
@@ -14,7 +15,9 @@ from models.errors import ModelLoadError
 from models.loader import LoadedModel, WeightsMode, device_name, load_model
 from service.config import ServedModel, Settings
 from service.engine.buckets import BucketTable
-from service.process import memory
+from service.engine.warmup import WarmupSpec
+from service.process import memory, warm_sizing
+from service.process.warm_sizing import Coverage
 
 log = logging.getLogger("stepserve")
 
@@ -57,6 +60,9 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
     for spec in settings.served_models():
         dtype, weights = compute_dtype(spec.dtype), weights_mode(spec.weights)
         models[spec.name] = load_model(spec.path or default_model_path(), spec.name, dtype, weights)
+        if device_name() == "cpu" and None in (spec.warmup_prompt_tokens, spec.warmup_batch):
+            args = models[spec.name].args  # the host's matmul rate (warmup_extent), before any engine runs
+            warm_sizing.measure_gflops(args.hidden_size, args.intermediate_size, dtype)
         if spec.speculative != "off" and models[spec.name].args.windows is not None:
             raise ModelLoadError(
                 f"model '{spec.name}': speculative = '{spec.speculative}' is not implemented for models with "
@@ -167,25 +173,78 @@ def _with_max_sequences(settings: Settings, resolved: dict[str, int]) -> Setting
     return settings.model_copy(update={"models": models})
 
 
-CPU_WARMUP_PROMPT_TOKENS = 512  # the CPU default: warming every prompt length there takes minutes
+CPU_WARMUP_PROMPT_TOKENS = 512  # the CPU ceiling: warming every prompt length there takes minutes
 CPU_WARMUP_BATCH = 4
 
 
-def warmup_extent(spec: ServedModel, capacity_limit: int, max_running: int) -> tuple[int, int]:
-    """(prompt tokens, concurrent requests) the warm-up covers for ``spec``.
+def warmup_extent(spec: ServedModel, model: LoadedModel, settings: Settings, max_running: int) -> Coverage:
+    """What the warm-up of ``spec`` covers (prompt tokens, concurrent requests), and why; logged.
 
-    Unset settings cover everything on a GPU: every prompt length up to ``capacity_limit``
-    and every concurrency up to ``max_running``. On the CPU, where running each of those
-    steps once takes minutes (docs/BENCHMARKS.md, "Warm-up"), they cover prompts of up to
-    :data:`CPU_WARMUP_PROMPT_TOKENS` and :data:`CPU_WARMUP_BATCH` requests; the buckets left
-    cold run eagerly when first used, never compiling on a request's time.
+    A setting (``warmup_prompt_tokens``, ``warmup_batch``) wins. Unset ones cover everything on
+    a GPU: every prompt length up to the largest capacity bucket and every concurrency up to
+    ``max_running``. On the CPU, where running each planned step once dominates the warm-up and
+    its cost follows the BLAS (docs/BENCHMARKS.md, "Warm-up"), one matmul is timed and the
+    largest extent up to prompts of :data:`CPU_WARMUP_PROMPT_TOKENS` and :data:`CPU_WARMUP_BATCH`
+    requests whose estimated compute fits ``warmup_budget_s`` is chosen, the rehearsals
+    (``warmup_rehearsal``, unless set) dropped first (:func:`service.process.warm_sizing.size_extent`);
+    the buckets left cold run eagerly when first used, never compiling on a request's time.
     """
-    gpu = device_name() == "gpu"
-    prompt = spec.warmup_prompt_tokens
-    if prompt is None:
-        prompt = capacity_limit if gpu else min(CPU_WARMUP_PROMPT_TOKENS, capacity_limit)
-    batch = spec.warmup_batch or (max_running if gpu else min(CPU_WARMUP_BATCH, max_running))
-    return prompt, batch
+    buckets = buckets_of(spec)
+    limit = buckets.capacity[-1]
+    if device_name() == "gpu":
+        prompt = limit if spec.warmup_prompt_tokens is None else spec.warmup_prompt_tokens
+        batch = spec.warmup_batch or max_running
+        coverage = Coverage(prompt, batch, settings.warmup_rehearsal, reason="a GPU: every bucket, unless set")
+    elif spec.warmup_prompt_tokens is not None and spec.warmup_batch is not None:
+        reason = "warmup_prompt_tokens and warmup_batch set"
+        coverage = Coverage(
+            spec.warmup_prompt_tokens, spec.warmup_batch, settings.warmup_rehearsal, reason=reason, blas=cpu_blas()
+        )
+    else:
+        top = min(CPU_WARMUP_PROMPT_TOKENS, limit)
+        ceiling = WarmupSpec(
+            top,
+            min(CPU_WARMUP_BATCH, max_running),
+            top + settings.default_max_tokens,
+            min(settings.prefill_chunk_tokens, buckets.prompt[-1]),
+            settings.max_batched_tokens,
+            settings.warmup_rehearsal,
+        )
+        gflops = warm_sizing.measure_gflops(model.args.hidden_size, model.args.intermediate_size, model.dtype)
+        verify = spec.speculative_tokens + 1 if spec.speculative != "off" else 0
+        rehearse = settings.warmup_rehearsal if "warmup_rehearsal" in settings.model_fields_set else None
+        sized = warm_sizing.size_extent(
+            model.args,
+            buckets,
+            ceiling,
+            gflops,
+            settings.warmup_budget_s,
+            spec.warmup_prompt_tokens,
+            spec.warmup_batch,
+            rehearse,
+            verify,
+        )
+        coverage = dataclasses.replace(sized, blas=cpu_blas())
+    _log_coverage(spec.name, coverage)
+    return coverage
+
+
+def _log_coverage(name: str, coverage: Coverage) -> None:
+    what = (
+        f"prompts of up to {coverage.prompt_tokens} tokens, {coverage.batch} concurrent requests"
+        if coverage.prompt_tokens
+        else "nothing"
+    )
+    host = "" if coverage.blas is None else f"; CPU BLAS {coverage.blas}"
+    host += "" if coverage.gflops is None else f", {coverage.gflops:.1f} GFLOP/s measured"
+    if coverage.reduced:
+        beyond = "; buckets beyond it run eagerly" if coverage.prompt_tokens else ""
+        fix = f"; to fix: {OPENBLAS_FIX}" if coverage.blas == "reference" else ""
+        log.warning(
+            "model %s: warm-up reduced for this host to %s (%s%s)%s%s", name, what, coverage.reason, host, beyond, fix
+        )
+    else:
+        log.info("model %s: warm-up covers %s (%s%s)", name, what, coverage.reason, host)
 
 
 def log_cpu_blas() -> None:

@@ -10,7 +10,7 @@ from models.default import default_model_path
 from models.gguf.reader import read_gguf
 from models.gguf.vocab import tokenizer_from_gguf
 from models.tokenizer import ChatTokenizer
-from tests.support import STEPSERVE
+from tests.support import STEPSERVE, ServerProcess
 
 CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32}
 
@@ -37,6 +37,30 @@ def test_readyz_is_503_until_warmup_is_done(server):
         body = client.get("/readyz").json()
     ready = body["models"]["SmolLM2-135M-Instruct"]
     assert ready["warmed"] > 0 and ready["compiled"] == ready["warmed"]  # compile on: every bucket compiled
+    warm = ready["warmup"]  # what is warm: the whole CPU extent (the fixture's budget fits it on any host)
+    assert (warm["prompt_tokens"], warm["batch"], warm["rehearse"], warm["reduced"]) == (512, 4, True, False)
+    assert warm["buckets"] == ready["warmed"] and warm["gflops"] > 0 and warm["blas"] in ("openblas", "reference")
+    assert "within warmup_budget_s 3600" in warm["reason"]
+
+
+def test_a_host_too_slow_for_the_warmup_budget_is_ready_at_once_and_answers_eagerly():
+    """No extent fits the budget (as on a slow BLAS): nothing compiles before ready, /readyz and
+    the log say so, and a chat still answers, its buckets run eagerly, never compiled under it."""
+    proc = ServerProcess.start(["--warmup-budget-s", "0"])
+    try:
+        proc.wait_ready()
+        with proc.client() as client:
+            warm = client.get("/readyz").json()["models"]["SmolLM2-135M-Instruct"]["warmup"]
+            reply = client.post("/v1/chat/completions", json=CHAT)
+        assert (warm["prompt_tokens"], warm["buckets"], warm["rehearse"], warm["reduced"]) == (0, 0, False, True)
+        assert "over warmup_budget_s 0" in warm["reason"]
+        assert reply.status_code == 200 and "Paris" in reply.json()["choices"][0]["message"]["content"]
+        log = proc.log()
+        assert "warm-up reduced for this host to nothing" in log
+        assert "was not warmed up: it runs eagerly" in log
+        assert proc.metric("stepserve_compile_seconds_sum") == 0  # nothing compiled, before ready or after
+    finally:
+        proc.stop()
 
 
 def test_warmup_sends_every_route_a_request_before_ready_and_counts_none(server):

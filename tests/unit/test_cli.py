@@ -27,6 +27,7 @@ SAMPLES = {
     "capacity_buckets": ("[128,256]", [128, 256]),
     "warmup_prompt_tokens": ("0", 0),
     "warmup_batch": ("2", 2),
+    "warmup_budget_s": ("30", 30.0),
     "warmup_rehearsal": ("false", False),
     "speculative": ("draft", "draft"),
     "draft_model": ("/m/draft", Path("/m/draft")),
