@@ -41,7 +41,7 @@ from models.gguf import default_model_path
 from models.loader import LoadedModel, load_model
 from service.bench.common import device_defaults, machine_info
 from service.bench.profile import profile_stepserve
-from service.config import Settings
+from service.config import load_settings
 from service.engine.buckets import BucketTable
 from service.engine.sequence import SamplingParams, Sequence
 from service.process.build import engine_for
@@ -73,7 +73,7 @@ class HitBench:
         block_tokens: int = 32,
     ):
         self.model, self.tail_tokens = model, tail_tokens
-        settings = Settings(
+        settings = load_settings(
             batch_buckets=list(buckets.batch),
             prompt_buckets=list(buckets.prompt),
             capacity_buckets=list(buckets.capacity),

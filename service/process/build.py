@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from models.loader import LoadedModel, device_name
 from service import __version__
-from service.config import ServedModel, Settings
+from service.config import ServedModel, Settings, load_settings
 from service.engine.compile_cache import CompileCache
 from service.engine.core import Engine
 from service.engine.draft import DraftProposer
@@ -106,10 +106,10 @@ def engine_for(
     metrics: Metrics | None = None,
     draft: LoadedModel | None = None,
 ) -> Engine:
-    """``model``'s engine, not started, as ``settings`` (default: ``Settings()``) say for their
+    """``model``'s engine, not started, as ``settings`` (default: :func:`load_settings`'s) say for their
     first served model (:func:`build_engine`), recording into ``metrics`` (default: a fresh
     registry): an engine for one loaded model, as the benchmarks and tests build them."""
-    settings = settings if settings is not None else Settings()
+    settings = settings if settings is not None else load_settings()
     if metrics is None:
         metrics = Metrics(CollectorRegistry(), version=__version__, device=device_name())
     return build_engine(settings, settings.served_models()[0], model, metrics, draft)
