@@ -189,7 +189,7 @@ def prefill_one(params, ids, args=TINY):
     return logits[0], kv
 
 
-def build_engine(model, buckets, metrics=None, draft=None, **settings):
+def engine_at(model, buckets, metrics=None, draft=None, **settings):
     """``model``'s engine (not started) built as ``stepserve serve`` builds one
     (:func:`service.process.build.engine_for`) at ``buckets``, with ``settings`` overriding
     :class:`~service.config.Settings` (e.g. ``prefill_chunk_tokens=8``). The prefix cache and

@@ -19,7 +19,7 @@ from models.loader import LoadedModel, load_model
 from service.engine.buckets import BucketTable
 from service.engine.core import Engine
 from service.engine.sequence import SamplingParams, Sequence
-from tests.support import ON_GPU, build_engine, mlx_lm_greedy, tiny_config, write_lm_dir
+from tests.support import ON_GPU, engine_at, mlx_lm_greedy, tiny_config, write_lm_dir
 
 TOL = 3e-2 if ON_GPU else 1e-3
 STEPS = 14
@@ -87,7 +87,7 @@ def run_batched(model: LoadedModel) -> list[tuple[list[int], list[mx.array]]]:
     """Each prompt of :data:`PROMPTS`'s greedy tokens and logits through the engine's prefiller,
     decode batch and runner, joining
     the running batch at its step; the batch and capacity buckets move as rows join and grow."""
-    engine = build_engine(model, BUCKETS)
+    engine = engine_at(model, BUCKETS)
     live: list[Sequence] = []
     out: dict[int, tuple[list[int], list[mx.array]]] = {}
     for step in range(STEPS + PROMPTS[-1][1] + 1):

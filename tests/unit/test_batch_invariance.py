@@ -9,7 +9,7 @@ from models.gguf import default_model_path
 from models.loader import load_model
 from service.engine.buckets import BucketTable
 from service.engine.core import Engine
-from tests.support import ON_GPU, build_engine
+from tests.support import ON_GPU, engine_at
 
 PROMPTS = [
     "Hi",
@@ -28,7 +28,7 @@ STEPS = 6
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     model = load_model(default_model_path(), "smol", mx.float32, "dequantized")
-    return build_engine(model, BucketTable(batch=(1, 8), prompt=(32, 64), capacity=(128,)))
+    return engine_at(model, BucketTable(batch=(1, 8), prompt=(32, 64), capacity=(128,)))
 
 
 def greedy_run(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[mx.array]]:

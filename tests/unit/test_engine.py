@@ -20,7 +20,7 @@ from service.engine.runner import ModelRunner
 from service.engine.sequence import FinalEvent, FinishReason, SamplingParams, Sequence, TokenEvent
 from service.engine.warmup import WarmupSpec
 from service.metrics import Metrics
-from tests.support import TINY, WordTokenizer, build_engine, prefill_one, random_params, start_engine
+from tests.support import TINY, WordTokenizer, engine_at, prefill_one, random_params, start_engine
 
 BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(8, 16), capacity=(16, 24, 32))
 
@@ -45,7 +45,7 @@ def chunking_engine(params, stop: frozenset[int], prefix_bytes: int) -> tuple[En
     step, with a prefix cache of ``prefix_bytes`` in blocks of 4 tokens, and its metrics."""
     model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(stop), mx.float32, "dequantized", 0.0)
     metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
-    engine = build_engine(
+    engine = engine_at(
         model,
         BUCKETS,
         metrics,
@@ -227,7 +227,7 @@ def test_a_prompts_blocks_are_saved_after_its_first_token_is_sent(params, monkey
 
 def test_a_request_cancelled_mid_prefill_frees_everything(params):
     model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
-    engine = build_engine(model, BUCKETS, prefill_chunk_tokens=8)
+    engine = engine_at(model, BUCKETS, prefill_chunk_tokens=8)
     ended = threading.Event()
     finals: list[FinalEvent] = []
 
@@ -261,7 +261,7 @@ def test_the_rehearsal_grows_a_decoding_batch_through_each_batch_bucket(params, 
 
     monkeypatch.setattr(KVCache, "batch_resized", spy)
     model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
-    engine = build_engine(model, BUCKETS)
+    engine = engine_at(model, BUCKETS)
     start_engine(engine, WarmupSpec(prompt_tokens=8, batch=4))
     try:
         assert engine.ready.wait(60)
@@ -288,7 +288,7 @@ def test_the_rehearsal_fills_holes_in_a_decoding_batch(params, monkeypatch):
     model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
     metrics = Metrics(CollectorRegistry(), version="t", device="cpu")
     buckets = BucketTable(batch=(1, 8), prompt=(8, 16), capacity=(16, 24, 32))
-    engine = build_engine(model, buckets, metrics)
+    engine = engine_at(model, buckets, metrics)
     start_engine(engine, WarmupSpec(prompt_tokens=8, batch=8))
     try:
         assert engine.ready.wait(60)
@@ -313,7 +313,7 @@ def test_the_rehearsal_prefills_one_prompt_sent_twice_in_one_row(params, monkeyp
     monkeypatch.setattr(Prefiller, "_whole", spy)
     model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
     metrics = Metrics(CollectorRegistry(), version="t", device="cpu")
-    engine = build_engine(model, BUCKETS, metrics)
+    engine = engine_at(model, BUCKETS, metrics)
     start_engine(engine, WarmupSpec(prompt_tokens=8, batch=4))
     try:
         assert engine.ready.wait(60)
@@ -347,7 +347,7 @@ def test_the_rehearsal_fits_a_waiting_queue_shorter_than_its_bursts(params):
     instead of failing warm-up (the engine then never becomes ready)."""
     model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
     metrics = Metrics(CollectorRegistry(), version="t", device="cpu")
-    engine = build_engine(model, BUCKETS, metrics, max_waiting=1)
+    engine = engine_at(model, BUCKETS, metrics, max_waiting=1)
     start_engine(engine, WarmupSpec(prompt_tokens=8, batch=4))
     try:
         assert engine.ready.wait(60), engine.not_ready_reason

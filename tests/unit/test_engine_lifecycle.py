@@ -19,7 +19,7 @@ from service.engine.warmup import WarmupSpec
 from service.metrics import Metrics
 from service.process.memory import worst_case
 from service.process.startup import MemoryBudgetError, buckets_of, check_memory
-from tests.support import TINY, WordTokenizer, build_engine, random_params, start_engine
+from tests.support import TINY, WordTokenizer, engine_at, random_params, start_engine
 
 BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(8, 16), capacity=(16, 32))
 
@@ -49,7 +49,7 @@ def sample(metrics: Metrics, name: str, **labels) -> float:
 
 def test_a_cancel_with_a_reason_ends_the_request_with_it(model):
     metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
-    engine = build_engine(model, BUCKETS, metrics)
+    engine = engine_at(model, BUCKETS, metrics)
     start_engine(engine, WarmupSpec(prompt_tokens=0))
     assert engine.ready.wait(60)
     try:
@@ -70,7 +70,7 @@ def test_a_cancel_with_a_reason_ends_the_request_with_it(model):
 
 def test_a_dead_engines_requests_end_through_the_one_finish_path(model):
     metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
-    engine = build_engine(model, BUCKETS, metrics)
+    engine = engine_at(model, BUCKETS, metrics)
     # Never started, as after its thread died: the requests it holds wait forever unless failed.
     running, waiting = request(model), request(model)
     engine.submit(running[0])

@@ -27,7 +27,7 @@ from service.engine.executor import Executor
 from service.engine.follower import Follower
 from service.engine.sequence import FinalEvent, SamplingParams, Sequence
 from service.engine.warmup import WarmupSpec
-from tests.support import TINY, WordTokenizer, build_engine, random_params, start_engine
+from tests.support import TINY, WordTokenizer, engine_at, random_params, start_engine
 
 BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(8, 48), capacity=(64, 128))
 FIRST = [[1 + (7 * i + j) % 90 for i in range(n)] for j, n in enumerate((40, 45, 41, 55, 5))]
@@ -56,7 +56,7 @@ LEADER, FOLLOWER = Rank(0), Rank(1)
 def serve(model: LoadedModel) -> tuple[list[list[int]], Engine]:
     """Greedy tokens of FIRST (the fourth alone, the others joining its batch) and then SECOND,
     from a real engine thread, and the engine."""
-    engine = build_engine(
+    engine = engine_at(
         model,
         BUCKETS,
         prefill_chunk_tokens=48,

@@ -11,13 +11,13 @@ from models.loader import LoadedModel
 from service.engine.buckets import BucketTable
 from service.engine.core import Engine
 from service.engine.sequence import SamplingParams, Sequence
-from tests.support import ATOL, TINY, build_engine, prefill_one, random_params
+from tests.support import ATOL, TINY, engine_at, prefill_one, random_params
 
 
 @pytest.fixture
 def engine() -> Engine:
     model = LoadedModel("tiny", Path("-"), TINY, random_params(), None, mx.float32, "dequantized", 0.0)
-    return build_engine(model, BucketTable(batch=(1, 2, 4), prompt=(8, 32), capacity=(16, 32, 64)))
+    return engine_at(model, BucketTable(batch=(1, 2, 4), prompt=(8, 32), capacity=(16, 32, 64)))
 
 
 def admit(engine: Engine, live: list[Sequence], prompt: list[int], first_token: int) -> Sequence:

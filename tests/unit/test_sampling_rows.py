@@ -14,7 +14,7 @@ from service.engine.buckets import BucketTable
 from service.engine.core import Engine
 from service.engine.processors import ProcessorInputs
 from service.engine.sequence import FinalEvent, SamplingParams, Sequence, TokenEvent
-from tests.support import TINY, WordTokenizer, build_engine, prefill_one, random_params
+from tests.support import TINY, WordTokenizer, engine_at, prefill_one, random_params
 
 BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(8, 16), capacity=(32,))
 PROMPT = [5, 9, 2, 7, 3]
@@ -25,7 +25,7 @@ def engine() -> Engine:
     model = LoadedModel(
         "tiny", Path("-"), TINY, random_params(), WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0
     )
-    return build_engine(model, BUCKETS)
+    return engine_at(model, BUCKETS)
 
 
 def run(engine: Engine, params: list[SamplingParams]) -> list[list]:

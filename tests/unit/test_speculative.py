@@ -32,7 +32,7 @@ from tests.support import (
     ATOL,
     TINY,
     WordTokenizer,
-    build_engine,
+    engine_at,
     new_cache,
     prefill_one,
     random_params,
@@ -71,7 +71,7 @@ def make_engine(params, method: str | None = None, draft: dict | None = None, k:
         tokenizer = WordTokenizer(frozenset())
         d = LoadedModel("tiny/draft", Path("-"), TINY, draft, tokenizer, mx.float32, "dequantized", 0.0)
     speculation = {} if method is None else {"speculative": method, "speculative_tokens": k, "speculative_max_batch": 4}
-    engine = build_engine(model, BUCKETS, metrics, d, prefill_chunk_tokens=8, max_batched_tokens=16, **speculation)
+    engine = engine_at(model, BUCKETS, metrics, d, prefill_chunk_tokens=8, max_batched_tokens=16, **speculation)
     engine.ready.set()  # record metrics (nothing else reads it when stepping by hand)
     return engine, metrics
 
@@ -244,7 +244,7 @@ def test_warm_up_calibrates_and_compiles_every_verify_step(params, method):
     metrics = Metrics(CollectorRegistry(), version="t", device="cpu")
     metrics.record_lookup = lambda m, p, b, hit: None if hit else misses.append((m, p, b))  # type: ignore[method-assign]
     draft = LoadedModel("tiny/draft", Path("-"), TINY, params, model.tokenizer, mx.float32, "dequantized", 0.0)
-    engine = build_engine(
+    engine = engine_at(
         model,
         BUCKETS,
         metrics,
