@@ -70,7 +70,7 @@ class Prefiller:
         self.executor, self.selector, self.buckets = executor, selector, buckets
         self.chunk_tokens, self.prefix = chunk_tokens, prefix
         self.whole_tokens = max(whole_tokens, chunk_tokens)
-        self.rows_cap = LAST_CHUNK_ROWS  # the engine lowers it to its warmed batch (see last_chunk_rows)
+        self.rows_cap = LAST_CHUNK_ROWS  # the warm-up lowers it to its warmed batch (see last_chunk_rows)
         self._saves: list[tuple[list[tuple[list[int], int]], KVCache]] = []  # (prompts and rows, their cache)
 
     def save_prefixes(self) -> None:
