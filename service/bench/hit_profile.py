@@ -17,7 +17,7 @@ lazy result) and ``eval`` (``mx.eval`` of it: on a GPU, kernel launches and the 
 * ``save``: the prompt's new full blocks copied into the prefix cache (:meth:`PrefixCache.insert`);
 * ``join``: the staging row copied into the decode cache (:meth:`DecodeBatch.join`).
 
-``iteration_s`` is the same hit through the prefiller's ``run``, ``join`` and ``save_prefixes`` as
+``iteration_s`` is the same hit through the engine's ``prefill``, ``join`` and ``save_prefixes`` as
 the engine calls them, wall time to the evaluated decode cache (median), and
 ``rows_iteration_s`` the same for ``--rows`` hits at once (their last chunks in one call where
 the device batches them). The reference is the decode step of :mod:`service.bench.profile` at
@@ -96,9 +96,9 @@ class HitBench:
     def _prefill_and_join(self, seqs: list[Sequence], keep: bool = True) -> None:
         engine = self.engine
         while any(not s.prompt_done for s in seqs):
-            engine.prefiller.run([s for s in seqs if not s.prompt_done])
+            engine.prefill([s for s in seqs if not s.prompt_done])
         engine.batch.join(seqs)
-        engine.prefiller.save_prefixes()
+        engine.save_prefixes()
         mx.eval(engine.batch.kv)
         if not keep:
             for seq in seqs:
@@ -127,7 +127,7 @@ class HitBench:
             return result
 
         seq.started = time.perf_counter()
-        timed("gather", lambda: (prefiller.match_prefix(seq), seq.staging)[1])
+        timed("gather", lambda: (engine.match_prefix(seq), seq.staging)[1])
         kv, tokens, offset, n = prefiller.next_chunk(seq)
         logits, kv = timed("chunk", lambda: engine.executor.chunk(kv, tokens, offset, n))
         timed("select", lambda: engine.selector.select(logits, [seq], [None])[0])

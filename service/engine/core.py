@@ -1,10 +1,12 @@
 """The engine: one thread that owns MLX and loops schedule -> execute -> apply.
 
 Handlers never touch MLX: they :meth:`Engine.submit` a :class:`Sequence` and await the
-events it emits. Each iteration the scheduler plans (admissions, aborts), the prefiller runs
-the admitted prompts, the decode batch takes the prefilled requests, the speculator's verify
-step or the runner's pipelined plain step decodes it, and the engine applies the tokens each
-returns, finishing requests in exactly one place, :meth:`Engine._finish`.
+events it emits. Each iteration the scheduler plans (admissions, aborts), the engine starts
+new requests from the prefix cache's blocks, the prefiller runs the admitted prompts, the
+decode batch takes the prefilled requests, the speculator's verify step or the runner's
+pipelined plain step decodes it, the prompts' blocks go into the prefix cache, and the engine
+applies the tokens each part returns, finishing requests in exactly one place,
+:meth:`Engine._finish`.
 
 Only the engine composes: it holds the executor, the token selector, the decode batch, the
 runner, the prefiller, the speculator, the prefix cache and the scheduler side by side and
@@ -86,7 +88,7 @@ class Engine:
         self.batch = DecodeBatch(buckets, self.executor)
         self.runner = ModelRunner(self.executor, self.selector, self.batch)
         whole_tokens = max(max_batched_tokens, chunk_tokens)
-        self.prefiller = Prefiller(self.executor, self.selector, buckets, self.prefix, chunk_tokens, whole_tokens)
+        self.prefiller = Prefiller(self.executor, self.selector, buckets, chunk_tokens, whole_tokens)
         self.speculator: Speculator | None = None
         if proposer is not None:
             self.speculator = Speculator(
@@ -254,12 +256,12 @@ class Engine:
         for seq, reason in plan.aborted:
             self._finish(seq, reason)
         if plan.prefill:
-            self._apply(self.prefiller.run(plan.prefill))
+            self._apply(self.prefill(plan.prefill))
             self._record_moves(self.batch.join([s for s in plan.prefill if s.finish_reason is None]))
         busy = self.runner.busy
         self._apply(self._decode())
         if plan.prefill:  # after the first tokens went out and the decode step is queued
-            self.prefiller.save_prefixes()
+            self.save_prefixes()
             stat = self.prefix.take_stat(self.model.name)
             if self.ready.is_set():  # the warm-up rehearsal's lookups are not served traffic
                 self.metrics.record_prefix_cache(stat)
@@ -276,6 +278,65 @@ class Engine:
                 max(0.0, time.perf_counter() - start - wait)
             )
         return worked
+
+    # -- prefill and the prefix cache (engine thread) --------------------------------------
+
+    def prefill(self, seqs: list[Sequence]) -> RunnerOutput:
+        """Advance each scheduled request's prompt by one chunk, or whole (:meth:`Prefiller.run`),
+        a request admitted this step first starting from the prefix cache's blocks
+        (:meth:`match_prefix`). What earlier prefills left unsaved is saved first, so that this
+        step's lookups find it. Called on the engine thread (or with the thread not started)."""
+        self.save_prefixes()
+        failed: list[tuple[Sequence, str]] = []
+        gathered: dict | None = {} if self.executor.batches_chunks else None  # this step's, by hit
+        for seq in seqs:
+            if seq.started is None:  # admitted this step
+                seq.started = time.perf_counter()
+                try:
+                    self.match_prefix(seq, gathered)
+                except Exception as exc:  # one failed request must not take the others down
+                    self.executor.raise_if_fatal(exc)
+                    failed.append((seq, f"prefill failed: {type(exc).__name__}"))
+        lost = {id(seq) for seq, _ in failed}
+        out = self.prefiller.run([s for s in seqs if id(s) not in lost])
+        out.failed = failed + out.failed
+        return out
+
+    def match_prefix(self, seq: Sequence, gathered: dict | None = None) -> None:
+        """Start ``seq``'s staging cache from the prefix cache's blocks, if it has any.
+
+        ``gathered``: staging caches already gathered this step, by hit and capacity (:meth:`prefill`
+        passes one where the executor batches last chunks: one process on a GPU). Requests of
+        one step that hit the same blocks at the same staging capacity (chats sharing a system
+        prompt) then share one gathered cache: MLX arrays are immutable and a chunk step returns
+        a new cache, so each request still prefills into its own. (A pipeline group's rank 0
+        names each cache by a handle that its chunk step moves to the result, so there every
+        request gathers its own.) None: gather for this request alone."""
+        hit = self.prefix.match(seq.prompt_ids)
+        if hit.num_tokens == 0:
+            return
+        capacity = self.prefiller.staging_capacity(len(seq.prompt_ids), hit.num_tokens)
+        if gathered is None:
+            seq.staging = self.prefix.gather(hit, capacity)  # [1, Hkv, C, D] per layer
+        else:
+            key = (*(id(b) for b in hit.blocks), capacity)  # the blocks are kept with it: their ids stay theirs
+            if key not in gathered:
+                gathered[key] = (hit.blocks, self.prefix.gather(hit, capacity))
+            seq.staging = gathered[key][1]
+        seq.num_computed = seq.cached_tokens = hit.num_tokens
+
+    def save_prefixes(self) -> None:
+        """Store the full blocks of the prompts prefilled since the last call in the prefix
+        cache (:meth:`Prefiller.take_saves`, :meth:`PrefixCache.insert_rows`).
+
+        :meth:`step` calls it once the step's first tokens are sent and its decode step is
+        queued: the block copies are then off the path to a first token, and still stored
+        before the next step's prefix lookups. Raises ValueError as ``insert_rows``.
+        """
+        for prompts, kv in self.prefiller.take_saves():
+            self.prefix.insert_rows(prompts, kv)
+
+    # -- decode and applying outputs (engine thread) ---------------------------------------
 
     def _decode(self) -> RunnerOutput:
         """Decode the batch: a verify step when speculation pays (:meth:`Speculator.plan`; a

@@ -8,8 +8,10 @@ per engine step (``chunk`` at (1, T, C)): its staging cache [1, Hkv, C, D] start
 cache's blocks, if any, grows (by staging capacity bucket) as the prompt does, and each chunk
 attends to what the cache holds so far, at offsets passed as arrays. Either way, once the
 whole prompt is in, its first token is sampled, its cache row waits in ``seq.prefilled`` for a
-decode slot (:meth:`DecodeBatch.join`) and, once the step's first tokens are sent, its full
-blocks go into the prefix cache (:meth:`Prefiller.save_prefixes`).
+decode slot (:meth:`DecodeBatch.join`) and its prompt waits in :meth:`Prefiller.take_saves` for
+the engine to store its full blocks in the prefix cache once the step's first tokens are sent.
+The prefiller holds no prefix cache: the engine starts a hit's staging cache from its blocks
+(:meth:`Engine.match_prefix`) before the prefiller sees the request.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from models.kv_cache import KVCache
 from service.engine.buckets import BucketTable
 from service.engine.executor import Executor
 from service.engine.outputs import RunnerOutput
-from service.engine.prefix_cache import PrefixCache
 from service.engine.selector import TokenSelector, observe
 from service.engine.sequence import Sequence
 from service.metrics import StepStat
@@ -51,7 +52,6 @@ class Prefiller:
         executor: where the prefill steps run.
         selector: picks each prefilled request's first token.
         buckets: the bucket table (prompt, staging and batch buckets).
-        prefix: the prefix cache (a budget of 0 disables it).
         chunk_tokens: prompt tokens one request prefills per step at most.
         whole_tokens: padded tokens one whole-prompt prefill call runs at most (the engine's
             per-step token budget): short prompts of one prompt bucket go together in as few
@@ -63,47 +63,35 @@ class Prefiller:
         executor: Executor,
         selector: TokenSelector,
         buckets: BucketTable,
-        prefix: PrefixCache,
         chunk_tokens: int,
         whole_tokens: int = 2048,
     ):
         self.executor, self.selector, self.buckets = executor, selector, buckets
-        self.chunk_tokens, self.prefix = chunk_tokens, prefix
+        self.chunk_tokens = chunk_tokens
         self.whole_tokens = max(whole_tokens, chunk_tokens)
         self.rows_cap = LAST_CHUNK_ROWS  # the warm-up lowers it to its warmed batch (see last_chunk_rows)
         self._saves: list[tuple[list[tuple[list[int], int]], KVCache]] = []  # (prompts and rows, their cache)
 
-    def save_prefixes(self) -> None:
-        """Store the full blocks of the prompts prefilled since the last call in the prefix
-        cache (:meth:`PrefixCache.insert_rows`).
-
-        The engine calls it once the step's first tokens are sent and its decode step is
-        queued: the block copies are then off the path to a first token, and still stored
-        before the next step's prefix lookups (:meth:`run` first saves what a caller left
-        unsaved). Raises ValueError as ``insert_rows``.
-        """
+    def take_saves(self) -> list[tuple[list[tuple[list[int], int]], KVCache]]:
+        """The prompts prefilled since the last call, for the prefix cache: per prefill call,
+        (each prompt's ids and its row, their cache), the arguments of
+        :meth:`PrefixCache.insert_rows` (:meth:`Engine.save_prefixes`)."""
         saves, self._saves = self._saves, []
-        for prompts, kv in saves:
-            self.prefix.insert_rows(prompts, kv)
+        return saves
 
     def run(self, seqs: list[Sequence]) -> RunnerOutput:
         """Advance each request's prompt by one chunk (or whole). Returns the first tokens of
         the requests whose prompt is now complete (their cache rows wait in ``seq.prefilled``
         for :meth:`DecodeBatch.join`; seeded rows' next keys in ``keys``), step stats and
         failures. Every call is queued first and the first tokens are read back together: one
-        host sync for the whole step's prefill work. The engine then calls
-        :meth:`save_prefixes` once those tokens are sent."""
+        host sync for the whole step's prefill work. The prompts' blocks wait in
+        :meth:`take_saves`."""
         out = RunnerOutput()
-        self.save_prefixes()  # the previous call's, where its caller did not
         self._pending: list[_Pending] = []
-        gathered: dict | None = {} if self.executor.batches_chunks else None  # this step's, by hit
         whole: dict[int, list[Sequence]] = {}
         finals: dict[tuple[int, int], list[Sequence]] = {}  # last chunks, by (chunk bucket T, staging C)
         for seq in seqs:
             try:
-                if seq.started is None:  # admitted this step
-                    seq.started = time.perf_counter()
-                    self.match_prefix(seq, gathered)
                 if seq.num_computed == 0 and len(seq.prompt_ids) <= self.chunk_tokens:
                     whole.setdefault(self.buckets.prompt_for(len(seq.prompt_ids)), []).append(seq)
                 elif (last := self._last_chunk(seq)) is not None:
@@ -151,29 +139,11 @@ class Prefiller:
         """
         return self.executor.prefill(*pad_prompts(self.buckets, prompts))
 
-    def match_prefix(self, seq: Sequence, gathered: dict | None = None) -> None:
-        """Start ``seq``'s staging cache from the prefix cache's blocks, if it has any.
-
-        ``gathered``: staging caches already gathered this step, by hit and capacity (``run``
-        passes one where the executor batches last chunks: one process on a GPU). Requests of
-        one step that hit the same blocks at the same staging capacity (chats sharing a system
-        prompt) then share one gathered cache: MLX arrays are immutable and a chunk step returns
-        a new cache, so each request still prefills into its own. (A pipeline group's rank 0
-        names each cache by a handle that its chunk step moves to the result, so there every
-        request gathers its own.) None: gather for this request alone."""
-        hit = self.prefix.match(seq.prompt_ids)
-        if hit.num_tokens == 0:
-            return
-        first = self.chunk_plan(len(seq.prompt_ids), hit.num_tokens)[0]
-        capacity = self.buckets.staging_for(first[0] + first[2])
-        if gathered is None:
-            seq.staging = self.prefix.gather(hit, capacity)  # [1, Hkv, C, D] per layer
-        else:
-            key = (*(id(b) for b in hit.blocks), capacity)  # the blocks are kept with it: their ids stay theirs
-            if key not in gathered:
-                gathered[key] = (hit.blocks, self.prefix.gather(hit, capacity))
-            seq.staging = gathered[key][1]
-        seq.num_computed = seq.cached_tokens = hit.num_tokens
+    def staging_capacity(self, length: int, start: int) -> int:
+        """The staging capacity bucket that the first chunk of prefilling positions
+        start..length-1 needs (a prefix-cache hit of ``start`` tokens is gathered at it)."""
+        offset, _, T = self.chunk_plan(length, start)[0]
+        return self.buckets.staging_for(offset + T)
 
     def next_chunk(self, seq: Sequence) -> tuple[KVCache, list[int], int, int]:
         """``seq``'s next chunk: (its staging cache at the capacity the chunk needs, the chunk's
@@ -245,7 +215,7 @@ class Prefiller:
     def _read_back(self, out: RunnerOutput) -> None:
         """Wait once for every queued call; then, for each prefilled request: its first
         token (and a seeded row's next key), its cache row parked for :meth:`DecodeBatch.join`
-        and its prompt's blocks kept for :meth:`save_prefixes`."""
+        and its prompt's blocks kept for :meth:`take_saves`."""
         pending, self._pending = self._pending, []
         try:
             self.executor.wait([p.tokens for p in pending if p.tokens is not None], [p.kv.keys for p in pending])
