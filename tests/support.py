@@ -209,6 +209,31 @@ def prefill_one(params, ids, args=TINY):
     return logits[0], kv
 
 
+def engine_at(model, buckets, metrics=None, draft=None, **settings):
+    """``model``'s engine (not started) built as ``stepserve serve`` builds one
+    (:func:`service.process.build.engine_for`) at ``buckets``, with ``settings`` overriding
+    :class:`~service.config.Settings` (e.g. ``prefill_chunk_tokens=8``). The prefix cache and
+    speculation are off unless ``prefix_cache_bytes`` or ``speculative`` is given; ``draft``: a
+    draft model (with ``speculative='draft'``)."""
+    from service.config import Settings
+    from service.process.build import engine_for
+
+    settings = {"prefix_cache_bytes": 0, "speculative": "off", **settings}
+    if draft is not None:
+        settings = {**settings, "draft_model": Path(draft.name)}
+    batches, prompts, capacities = list(buckets.batch), list(buckets.prompt), list(buckets.capacity)
+    config = Settings(batch_buckets=batches, prompt_buckets=prompts, capacity_buckets=capacities, **settings)
+    return engine_for(model, config, metrics, draft)
+
+
+def start_engine(engine, spec) -> None:
+    """Start ``engine``'s thread with the server's warm-up driver, as ``spec`` (a
+    :class:`~service.engine.warmup.WarmupSpec`) says."""
+    from service.process.build import start_engine as start
+
+    start(engine, spec)
+
+
 def readme_command(marker: str) -> str:
     text = (ROOT / "README.md").read_text()
     match = re.search(rf"<!-- {marker} -->\s*```sh\n(.+?)\n```", text, re.S)

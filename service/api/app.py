@@ -21,16 +21,11 @@ from service.api.middleware import BodyLimitMiddleware, StatusCountMiddleware
 from service.api.routes import router
 from service.api.state import AppState
 from service.config import ServedModel, Settings
-from service.engine.compile_cache import CompileCache
 from service.engine.core import Engine
-from service.engine.draft import DraftProposer
-from service.engine.lookup import PromptLookup
-from service.engine.prefix_cache import PrefixCache
-from service.engine.speculative import Speculator
-from service.engine.warmup import WarmupSpec
 from service.metrics import Metrics
+from service.process.build import build_engine, start_engine, warmup_spec
 from service.process.group import RankInfo
-from service.process.startup import buckets_of, draft_name, load_models, warmup_extent
+from service.process.startup import draft_name, load_models
 from service.process.watchdog import EngineWatchdog
 
 log = logging.getLogger("stepserve")
@@ -97,53 +92,14 @@ def _start_engine(
     draft: LoadedModel | None = None,
     app: FastAPI | None = None,
 ) -> Engine:
-    """Build ``model``'s engine (with speculative decoding as ``spec`` says; ``draft``: its
-    draft model) and start its thread, which warms up, then serves."""
-    cache = CompileCache(spec.compile, metrics.record_lookup, metrics.record_compile)
-    buckets = buckets_of(spec)
-    prefix = PrefixCache(settings.prefix_block_tokens, settings.prefix_cache_bytes)
-    engine = Engine(
-        model,
-        buckets,
-        cache,
-        metrics,
-        settings.max_waiting,
-        spec.max_sequences,
-        settings.prefill_chunk_tokens,
-        settings.max_batched_tokens,
-        prefix,
-    )
-    if spec.speculative != "off":
-        proposer = (
-            PromptLookup() if draft is None else DraftProposer(draft, buckets, cache, engine.scheduler.chunk_tokens)
-        )
-        Speculator(proposer, spec.speculative_tokens, spec.speculative_max_batch).attach(engine.runner)
-        metrics.init_speculative(model.name, proposer.method)
-    log.info(
-        "model %s: %s, %.0f MB, %s weights, %s compute, compile %s",
-        model.name,
-        model.path,
-        model.nbytes / 1e6,
-        model.weights,
-        model.dtype,
-        spec.compile,
-    )
-    coverage = warmup_extent(spec, model, settings, engine.scheduler.max_running)
-    prompt_tokens, batch = coverage.prompt_tokens, coverage.batch
+    """Build ``model``'s engine (:func:`service.process.build.build_engine`; ``draft``: its draft
+    model) and start its thread, which warms up (with the app's HTTP rehearsal), then serves."""
+    engine = build_engine(settings, spec, model, metrics, draft)
+    warmup, coverage = warmup_spec(settings, spec, engine)
     if app is not None:  # /readyz says what is warm
         app.state.stepserve.coverage[spec.name] = coverage
-    positions = None if prompt_tokens >= buckets.capacity[-1] else prompt_tokens + settings.default_max_tokens
-    warmup = WarmupSpec(
-        prompt_tokens,
-        batch,
-        positions,
-        engine.scheduler.chunk_tokens,
-        settings.max_batched_tokens,
-        coverage.rehearse,
-    )
-    http = None if app is None else _http_rehearsal(app, spec.name, model, settings, batch, prompt_tokens)
-    engine.start(warmup, progress, http)
-    return engine
+    http = None if app is None else _http_rehearsal(app, spec.name, model, settings, warmup.batch, warmup.prompt_tokens)
+    return start_engine(engine, warmup, progress, http)
 
 
 def _http_rehearsal(

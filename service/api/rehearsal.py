@@ -2,7 +2,7 @@
 requests through its own ASGI stack, so what the first clients would otherwise build — FastAPI's
 per-route request handling, request validation, the chat template's Jinja compile, the
 tokenizer's vocabulary scan for the prompt-size bound, the SSE writers, a grammar's first
-compile — is built now, not under the first burst (:mod:`service.engine.warmup` rehearses the
+compile — is built now, not under the first burst (:mod:`service.process.warmer` rehearses the
 engine's own step the same way).
 
 Rehearsal requests carry :data:`REHEARSAL` (a context variable set for the in-process client's

@@ -148,7 +148,7 @@ async def readyz(state: State) -> dict:
                 "compile": e.compile_policy,
                 "buckets": choices,
                 "rehearsed": e.rehearsed,
-                "speculative": e.runner.speculator.describe() if e.runner.speculator else None,
+                "speculative": e.speculator.describe() if e.speculator else None,
             }
             for name, e in state.engines.items()
             for choices, coverage in [(e.compile_choices(), state.coverage.get(name))]

@@ -1,22 +1,23 @@
 """``stepserve bench hit-profile``: where a prefix-cache hit's prefill iteration spends its time,
 in-process, against a decode step of the same batch.
 
-The server's own parts (the default model or ``--gguf``, a :class:`ModelRunner` with its
-:class:`PrefixCache` and compiled steps at the buckets given) run one prompt of
-``--prefix-tokens`` cached tokens plus ``--tail-tokens`` new ones, as a chat sharing a system
-prompt does. ``--live`` other requests already hold decode slots, so the hit joins a batch as
-it would on a busy server. Each part of the hit's iteration is timed twice: ``dispatch``
-(Python and graph building up to the lazy result) and ``eval`` (``mx.eval`` of it: on a GPU,
-kernel launches and the wait), median of ``--repeats``:
+The server's own parts (the default model or ``--gguf``; an engine's prefiller, decode batch,
+:class:`PrefixCache` and compiled steps at the buckets given, built by
+:func:`service.process.build.engine_for`) run one prompt of ``--prefix-tokens`` cached tokens
+plus ``--tail-tokens`` new ones, as a chat sharing a system prompt does. ``--live`` other
+requests already hold decode slots, so the hit joins a batch as it would on a busy server. Each
+part of the hit's iteration is timed twice: ``dispatch`` (Python and graph building up to the
+lazy result) and ``eval`` (``mx.eval`` of it: on a GPU, kernel launches and the wait), median of
+``--repeats``:
 
 * ``gather``: the prefix cache's blocks joined into the staging cache (:meth:`PrefixCache.gather`),
   its match (hashing, the LRU) included in dispatch;
 * ``chunk``: the compiled chunk step at (1, T, C) over the rest of the prompt;
 * ``select``: the first token's sampling (the compiled sampler);
 * ``save``: the prompt's new full blocks copied into the prefix cache (:meth:`PrefixCache.insert`);
-* ``join``: the staging row copied into the decode cache (:meth:`ModelRunner.join`).
+* ``join``: the staging row copied into the decode cache (:meth:`DecodeBatch.join`).
 
-``iteration_s`` is the same hit through ``prefill_requests``, ``join`` and ``save_prefixes`` as
+``iteration_s`` is the same hit through the engine's ``prefill``, ``join`` and ``save_prefixes`` as
 the engine calls them, wall time to the evaluated decode cache (median), and
 ``rows_iteration_s`` the same for ``--rows`` hits at once (their last chunks in one call where
 the device batches them). The reference is the decode step of :mod:`service.bench.profile` at
@@ -38,19 +39,19 @@ import mlx.core as mx
 
 from models.default import default_model_path
 from models.loader import LoadedModel, load_model
-from service.bench.common import device_defaults, machine_info, quiet_compile_cache
+from service.bench.common import device_defaults, machine_info
 from service.bench.profile import profile_stepserve
+from service.config import load_settings
 from service.engine.buckets import BucketTable
-from service.engine.prefix_cache import PrefixCache
-from service.engine.runner import ModelRunner
 from service.engine.sequence import SamplingParams, Sequence
+from service.process.build import engine_for
 
 T = TypeVar("T")
 PARTS = ("gather", "chunk", "select", "save", "join")
 
 
 class HitBench:
-    """A runner whose prefix cache holds one system prompt, ``live`` requests in decode slots,
+    """An engine whose prefix cache holds one system prompt, ``live`` requests in decode slots,
     and prompts that hit it (see the module doc).
 
     Args:
@@ -72,8 +73,15 @@ class HitBench:
         block_tokens: int = 32,
     ):
         self.model, self.tail_tokens = model, tail_tokens
-        prefix = PrefixCache(block_tokens, 512 * 2**20)
-        self.runner = ModelRunner(model, buckets, quiet_compile_cache(True), buckets.prompt[-1], prefix)
+        settings = load_settings(
+            batch_buckets=list(buckets.batch),
+            prompt_buckets=list(buckets.prompt),
+            capacity_buckets=list(buckets.capacity),
+            prefill_chunk_tokens=buckets.prompt[-1],
+            prefix_block_tokens=block_tokens,
+            prefix_cache_bytes=512 * 2**20,
+        )
+        self.engine = engine_for(model, settings)  # its parts are driven one by one, not its thread
         self.rng = random.Random(0)
         vocab = model.args.vocab_size
         self.system = [self.rng.randrange(vocab // 2) for _ in range(prefix_tokens)]
@@ -86,14 +94,15 @@ class HitBench:
         return Sequence(self.system + tail, SamplingParams(max_tokens=8), self.model.tokenizer.detokenizer(), _ignore)
 
     def _prefill_and_join(self, seqs: list[Sequence], keep: bool = True) -> None:
+        engine = self.engine
         while any(not s.prompt_done for s in seqs):
-            self.runner.prefill_requests([s for s in seqs if not s.prompt_done])
-        self.runner.join(seqs)
-        self.runner.prefiller.save_prefixes()
-        mx.eval(self.runner.kv)
+            engine.prefill([s for s in seqs if not s.prompt_done])
+        engine.batch.join(seqs)
+        engine.save_prefixes()
+        mx.eval(engine.batch.kv)
         if not keep:
             for seq in seqs:
-                self.runner.release(seq)
+                engine.batch.release(seq)
 
     def iteration_s(self, rows: int) -> float:
         """Wall seconds of ``rows`` hits' prefill iteration and join, to the evaluated cache."""
@@ -104,8 +113,8 @@ class HitBench:
 
     def parts_s(self) -> dict[str, tuple[float, float]]:
         """(dispatch, eval) seconds of each of :data:`PARTS` for one hit."""
-        runner, seq = self.runner, self.request()
-        prefiller, out = runner.prefiller, {}
+        engine, seq = self.engine, self.request()
+        prefiller, out = engine.prefiller, {}
 
         def timed(name: str, build: Callable[[], T]) -> T:
             t0 = time.perf_counter()
@@ -118,24 +127,24 @@ class HitBench:
             return result
 
         seq.started = time.perf_counter()
-        timed("gather", lambda: (prefiller.match_prefix(seq), seq.staging)[1])
+        timed("gather", lambda: (engine.match_prefix(seq), seq.staging)[1])
         kv, tokens, offset, n = prefiller.next_chunk(seq)
-        logits, kv = timed("chunk", lambda: runner.executor.chunk(kv, tokens, offset, n))
-        timed("select", lambda: runner.select(logits, [seq], [None])[0])
+        logits, kv = timed("chunk", lambda: engine.executor.chunk(kv, tokens, offset, n))
+        timed("select", lambda: engine.selector.select(logits, [seq], [None])[0])
         seq.num_computed = seq.position = len(seq.prompt_ids)
 
         def save() -> None:  # the new blocks' copies are queued (mx.async_eval): timed() waits for them
-            runner.prefix.insert(seq.prompt_ids, kv, 0)
+            engine.prefix.insert(seq.prompt_ids, kv, 0)
 
         timed("save", save)
         seq.prefilled = (kv, 0)
-        timed("join", lambda: (runner.join([seq]), runner.kv)[1])
-        runner.release(seq)
+        timed("join", lambda: (engine.batch.join([seq]), engine.batch.kv)[1])
+        engine.batch.release(seq)
         return out
 
 
 def _ignore(event: object) -> None:
-    """A request's event sink: the runner applies no tokens, so nothing is emitted here."""
+    """A request's event sink: nothing applies the tokens here, so nothing is emitted."""
 
 
 def measure(model: LoadedModel, args: argparse.Namespace) -> dict:

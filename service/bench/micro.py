@@ -22,9 +22,8 @@ import mlx.core as mx
 from models.default import default_model_path
 from models.loader import load_model
 from service.bench.common import device_defaults, machine_info, quiet_compile_cache, warm_median_seconds
-from service.engine.buckets import BucketTable
 from service.engine.compile_cache import StepKey, StepSpec
-from service.engine.runner import ModelRunner
+from service.engine.executor import Executor
 
 
 def gelu(x: mx.array) -> mx.array:
@@ -70,13 +69,13 @@ def decode_steps(capacities: list[int], batch: int, repeats: int) -> list[dict]:
     for capacity in capacities:
         times = {}
         for policy in ("off", "on"):
-            runner = ModelRunner(model, BucketTable((batch,), (32,), (capacity,)), quiet_compile_cache(policy))
-            step = runner.step_fn("decode", batch, capacity)
+            executor = Executor(model, quiet_compile_cache(policy))
+            step = executor.step_fn("decode", batch, capacity)
             args = (
                 model.params,
                 mx.zeros((batch,), mx.int32),
                 mx.full((batch,), capacity // 2, mx.int32),
-                runner.new_kv(batch, capacity, ring=True),
+                executor.new_kv(batch, capacity, ring=True),
             )
             times[policy] = median_ms(step, args, repeats)
         rows.append(

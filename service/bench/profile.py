@@ -37,8 +37,7 @@ import mlx.core as mx
 from models.default import default_model_path
 from models.loader import LoadedModel, WeightsMode, load_model
 from service.bench.common import device_defaults, machine_info, quiet_compile_cache
-from service.engine.buckets import BucketTable
-from service.engine.runner import ModelRunner
+from service.engine.executor import Executor
 
 #: mlx-lm's KV cache in :func:`peer_timer`: one offset for the batch, or one per row.
 PeerCache = Literal["kv", "batch"]
@@ -53,9 +52,9 @@ def stepserve_timer(model: LoadedModel, batch: int, capacity: int, steps: int, r
     keys and values in place (holding the first cache for every step made each layer's
     scatter copy its whole buffer first, a cost the server does not pay). The rows stay at
     capacity/2: each step rewrites that position."""
-    runner = ModelRunner(model, BucketTable((batch,), (16,), (capacity,)), quiet_compile_cache(True))
-    decode, greedy = runner.step_fn("decode", batch, capacity), runner.step_fn("greedy")
-    cache = [runner.new_kv(batch, capacity, ring=True)]  # the latest step's cache (only it is kept)
+    executor = Executor(model, quiet_compile_cache(True))
+    decode, greedy = executor.step_fn("decode", batch, capacity), executor.step_fn("greedy")
+    cache = [executor.new_kv(batch, capacity, ring=True)]  # the latest step's cache (only it is kept)
     py_tokens, py_positions = list(range(batch)), [capacity // 2] * batch
 
     def build(tokens=None):

@@ -16,8 +16,7 @@ import mlx.core as mx
 from models.default import default_model_path
 from models.loader import WeightsMode, device_name, load_model
 from service.bench.common import machine_info, quiet_compile_cache, warm_median_seconds
-from service.engine.buckets import BucketTable
-from service.engine.runner import ModelRunner
+from service.engine.executor import Executor
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 WEIGHTS: tuple[WeightsMode, ...] = ("quantized", "dequantized")
@@ -30,17 +29,16 @@ def measure(
     and per prefill at (1, prompt) (None when ``prompt`` is 0; a third of the repeats), with
     decode tokens/s and the weights' bytes."""
     model = load_model(default_model_path(), "bench", DTYPES[dtype], weights)
-    buckets = BucketTable((batch,), (max(prompt, 1),), (capacity,))
-    runner = ModelRunner(model, buckets, quiet_compile_cache(compiled))
-    decode = runner.step_fn("decode", batch, capacity)
+    executor = Executor(model, quiet_compile_cache(compiled))
+    decode = executor.step_fn("decode", batch, capacity)
     tokens, positions = mx.zeros((batch,), mx.int32), mx.full((batch,), capacity // 2, mx.int32)
-    decode_args = (model.params, tokens, positions, runner.new_kv(batch, capacity, ring=True))
+    decode_args = (model.params, tokens, positions, executor.new_kv(batch, capacity, ring=True))
     decode_s = warm_median_seconds(decode, decode_args, repeats)
     prefill_s = None
     if prompt:
-        prefill = runner.step_fn("prefill", 1, prompt)
+        prefill = executor.step_fn("prefill", 1, prompt)
         ids, lengths = mx.zeros((1, prompt), mx.int32), mx.array([prompt], mx.int32)
-        prefill_args = (model.params, ids, lengths, runner.new_kv(1, prompt))
+        prefill_args = (model.params, ids, lengths, executor.new_kv(1, prompt))
         prefill_s = warm_median_seconds(prefill, prefill_args, max(1, repeats // 3))
     return {
         "dtype": dtype,

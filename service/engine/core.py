@@ -1,34 +1,42 @@
 """The engine: one thread that owns MLX and loops schedule -> execute -> apply.
 
 Handlers never touch MLX: they :meth:`Engine.submit` a :class:`Sequence` and await the
-events it emits. Each iteration the scheduler plans (admissions, aborts), the runner executes
-(prefill, then one pipelined decode step) and the engine applies the tokens it returns,
-finishing requests in exactly one place, :meth:`Engine._finish`.
+events it emits. Each iteration the scheduler plans (admissions, aborts), the engine starts
+new requests from the prefix cache's blocks, the prefiller runs the admitted prompts, the
+decode batch takes the prefilled requests, the speculator's verify step or the runner's
+pipelined plain step decodes it, the prompts' blocks go into the prefix cache, and the engine
+applies the tokens each part returns, finishing requests in exactly one place,
+:meth:`Engine._finish`.
+
+Only the engine composes: it holds the executor, the token selector, the decode batch, the
+runner, the prefiller, the speculator, the prefix cache and the scheduler side by side and
+hands each the shared pieces it needs; none of them holds or calls another.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from functools import cached_property
 
 from models.loader import LoadedModel
-from models.tokenizer import ChatTokenizer
-from service.engine import spec_warmup, warmup
+from service.engine.batch import DecodeBatch
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
+from service.engine.draft import DraftProposer
 from service.engine.grammar import TokenGrammar
-from service.engine.group import GroupLost
+from service.engine.group import GroupLost, executor_for
+from service.engine.lookup import PromptLookup
 from service.engine.outputs import RunnerOutput
+from service.engine.prefill import Prefiller
 from service.engine.prefix_cache import PrefixCache
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
+from service.engine.selector import TokenSelector
 from service.engine.sequence import FinishReason, Sequence
-from service.engine.warmup import WarmupSpec
+from service.engine.speculative import Speculator
 from service.metrics import Metrics, RequestStat
 
 log = logging.getLogger("stepserve.engine")
@@ -50,6 +58,10 @@ class Engine:
         chunk_tokens: prompt tokens one request prefills per step at most (chunked prefill).
         max_batched_tokens: tokens one step processes at most (decode rows plus prompt chunks).
         prefix: the prefix cache (None: none).
+        proposer: speculative decoding's proposer (None: no speculation).
+        speculative_tokens: K, proposals per row at most.
+        speculative_max_batch: speculate in batch buckets up to this one without measuring
+            (None: the warm-up's calibration decides, :mod:`service.engine.spec_warmup`).
     """
 
     def __init__(
@@ -63,13 +75,27 @@ class Engine:
         chunk_tokens: int = 512,
         max_batched_tokens: int = 2048,
         prefix: PrefixCache | None = None,
+        proposer: PromptLookup | DraftProposer | None = None,
+        speculative_tokens: int = 4,
+        speculative_max_batch: int | None = None,
     ):
         self.model, self.buckets, self.metrics = model, buckets, metrics
         chunk_tokens = min(chunk_tokens, buckets.prompt[-1])  # a chunk pads up to a prompt bucket
-        self.runner = ModelRunner(model, buckets, cache, chunk_tokens, prefix, max_batched_tokens)
+        self.executor = executor_for(model, cache)
+        self.selector = TokenSelector(model.args.vocab_size, self.executor.step_fn)
+        self.prefix = prefix if prefix is not None else PrefixCache(block_tokens=buckets.prompt[0], budget_bytes=0)
+        self.prefix.ops = self.executor  # a group's ranks each keep their own layers' blocks
+        self.batch = DecodeBatch(buckets, self.executor)
+        self.runner = ModelRunner(self.executor, self.selector, self.batch)
+        whole_tokens = max(max_batched_tokens, chunk_tokens)
+        self.prefiller = Prefiller(self.executor, self.selector, buckets, chunk_tokens, whole_tokens)
+        self.speculator: Speculator | None = None
+        if proposer is not None:
+            self.speculator = Speculator(
+                proposer, self.executor, self.selector, buckets, speculative_tokens, speculative_max_batch
+            )
         running = min(max_running or buckets.batch[-1], buckets.batch[-1])
-        peek = self.runner.prefix.peek
-        self.scheduler = Scheduler(running, max_waiting, chunk_tokens, max_batched_tokens, peek)
+        self.scheduler = Scheduler(running, max_waiting, chunk_tokens, max_batched_tokens, self.prefix.peek)
         self.capacity_limit = buckets.capacity[-1]
         self._stop = threading.Event()
         self._abort = threading.Event()
@@ -79,8 +105,7 @@ class Engine:
         self.warmup_seconds: float | None = None
         self.warmup_buckets = 0
         self._prefix_evict = 0  # bytes of prefix-cache blocks admission asked to free
-        self.rehearsed: list[str] = []  # what the warm-up rehearsal ran (see warmup.rehearse)
-        self._http_rehearsal: Callable[[], Future[list[str]]] | None = None
+        self.rehearsed: list[str] = []  # what the warm-up rehearsal ran (service.process.warmer)
         self.failure: str | None = None  # why the engine thread ended, when it had to (a lost pipeline group)
         metrics.init_model(model.name)
         metrics.running.labels(model.name).set_function(lambda: self.scheduler.num_running)
@@ -88,21 +113,13 @@ class Engine:
 
     # -- the API for handlers, shutdown, the watchdog and admission (thread-safe) ----------
 
-    def start(
-        self,
-        spec: WarmupSpec,
-        progress: Callable[[int, str], None] | None = None,
-        http_rehearsal: Callable[[], Future[list[str]]] | None = None,
-    ) -> None:
-        """Start the engine thread; it warms up first, then sets :attr:`ready`.
-
-        ``http_rehearsal``: starts the app's own rehearsal requests (:mod:`service.api.rehearsal`)
-        on its event loop; with ``spec.rehearse`` the thread serves them after its own
-        rehearsal and before it is ready.
-        """
-        self._http_rehearsal = http_rehearsal
+    def start(self, prepare: Callable[[Engine], None] | None = None) -> None:
+        """Start the engine thread; it runs ``prepare(self)`` first (the warm-up,
+        :func:`service.process.warmer.warm_up`: it may :meth:`step` the engine), then sets
+        :attr:`ready` and serves. An exception from ``prepare`` leaves the engine not ready,
+        with the reason in :attr:`not_ready_reason`."""
         self._thread = threading.Thread(
-            target=self._main, args=(spec, progress), name=f"stepserve-engine-{self.model.name}", daemon=True
+            target=self._main, args=(prepare,), name=f"stepserve-engine-{self.model.name}", daemon=True
         )
         self._thread.start()
 
@@ -140,12 +157,12 @@ class Engine:
         self.scheduler.drain()
         for seq in self.scheduler.abort_all(FinishReason.ERROR):
             self._finish(seq, FinishReason.ERROR, message)
-        self.runner.abort()
+        self._drop_batch()
 
     @property
     def prefix_cache_bytes(self) -> int:
         """Bytes the prefix cache holds now (read without a lock: an estimate)."""
-        return self.runner.prefix.nbytes
+        return self.prefix.nbytes
 
     def shrink_prefix_cache(self, nbytes: int) -> None:
         """Have the engine thread evict at least ``nbytes`` of prefix-cache blocks before its
@@ -158,7 +175,7 @@ class Engine:
 
     def compile_choices(self) -> dict[str, str]:
         """``{"decode b1x256": "compiled" | "eager", ...}`` for every step function built so far."""
-        choices = self.runner.compiled.choices().items()
+        choices = self.executor.compiled.choices().items()
         own = self.model.name  # a draft model's steps are named with its model
         return {
             f"{'' if k.model == own else k.model + ' '}{k.phase} {k.bucket}": "compiled" if c else "eager"
@@ -174,11 +191,16 @@ class Engine:
     @property
     def compile_policy(self) -> str:
         """The compile policy: "on", "off" or "auto"."""
-        return self.runner.compiled.policy
+        return self.executor.compiled.policy
 
     @property
     def idle(self) -> bool:
         return self.scheduler.num_running == 0 and self.scheduler.num_waiting == 0
+
+    @property
+    def stopping(self) -> bool:
+        """:meth:`stop` was called: the thread ends after its current step."""
+        return self._stop.is_set()
 
     @property
     def alive(self) -> bool:
@@ -187,72 +209,146 @@ class Engine:
 
     # -- the thread ----------------------------------------------------------------------
 
-    def _main(self, spec: WarmupSpec, progress) -> None:
+    def _main(self, prepare: Callable[[Engine], None] | None) -> None:
         try:
-            self._serve(spec, progress)
+            self._serve(prepare)
         except GroupLost as exc:  # another rank of the pipeline group is gone: nothing can run
             log.critical("%s", exc)
             self.failure = f"{exc}; the group is restarting"
 
-    def _serve(self, spec: WarmupSpec, progress) -> None:
+    def _serve(self, prepare: Callable[[Engine], None] | None) -> None:
         try:
-            self._warmup(spec, progress)
+            if prepare is not None:
+                prepare(self)
         except Exception as exc:  # a model that cannot run is not ready, and says why
             log.exception("warm-up failed")
             self.not_ready_reason = f"warm-up failed: {type(exc).__name__}"
             return
         self.not_ready_reason = ""
-        self.runner.executor.seal()
+        self.executor.seal()
         self.ready.set()
         while not self._stop.is_set():
             try:
                 if self._abort.is_set():
                     self._end_all(FinishReason.CANCELLED, SHUTDOWN)
                 if not self.step():
-                    self.runner.executor.idle()
+                    self.executor.idle()
                     self.scheduler.wait_for_work(IDLE_WAIT_S)
             except Exception as exc:
                 log.exception("engine step failed")
-                self.runner.executor.raise_if_fatal(exc)
+                self.executor.raise_if_fatal(exc)
                 self._end_all(FinishReason.ERROR, f"internal error in the engine step: {type(exc).__name__}")
         self._end_all(FinishReason.CANCELLED, SHUTDOWN)
-        self.runner.executor.close()
+        self.executor.close()
 
     def step(self) -> bool:
-        """One iteration: the scheduler plans, the runner executes, the engine applies.
+        """One iteration: the scheduler plans; the prefiller runs the admitted prompts and the
+        decode batch takes those that are done; a verify step or a plain step decodes the
+        batch; the engine applies what each returned.
 
         Returns whether there was anything to do (False: the engine may sleep).
         """
-        start, waited = time.perf_counter(), self.runner.wait_seconds
+        start, waited = time.perf_counter(), self.executor.wait_seconds
         plan = self.scheduler.schedule()
         if self._prefix_evict:
-            self.runner.prefix.evict(self._prefix_evict)
+            self.prefix.evict(self._prefix_evict)
             self._prefix_evict = 0
         for seq, reason in plan.aborted:
             self._finish(seq, reason)
         if plan.prefill:
-            self._apply(self.runner.prefill_requests(plan.prefill))
-            self._record_moves(self.runner.join([s for s in plan.prefill if s.finish_reason is None]))
+            self._apply(self.prefill(plan.prefill))
+            self._record_moves(self.batch.join([s for s in plan.prefill if s.finish_reason is None]))
         busy = self.runner.busy
-        self._apply(self.runner.decode_requests())
+        self._apply(self._decode())
         if plan.prefill:  # after the first tokens went out and the decode step is queued
-            self.runner.prefiller.save_prefixes()
-            stat = self.runner.prefix.take_stat(self.model.name)
+            self.save_prefixes()
+            stat = self.prefix.take_stat(self.model.name)
             if self.ready.is_set():  # the warm-up rehearsal's lookups are not served traffic
                 self.metrics.record_prefix_cache(stat)
-        selector = self.runner.selector
+        selector = self.selector
         if selector.masks and self.ready.is_set():
             self.metrics.grammar_masks.labels(self.model.name).inc(selector.masks)
             self.metrics.grammar_mask_seconds.labels(self.model.name).inc(selector.mask_seconds)
         selector.masks, selector.mask_seconds = 0, 0.0
         worked = bool(plan.prefill or plan.aborted or busy)
         if worked and self.ready.is_set():
-            wait = self.runner.wait_seconds - waited
+            wait = self.executor.wait_seconds - waited
             self.metrics.engine_seconds.labels(self.model.name, "wait").inc(wait)
             self.metrics.engine_seconds.labels(self.model.name, "host").inc(
                 max(0.0, time.perf_counter() - start - wait)
             )
         return worked
+
+    # -- prefill and the prefix cache (engine thread) --------------------------------------
+
+    def prefill(self, seqs: list[Sequence]) -> RunnerOutput:
+        """Advance each scheduled request's prompt by one chunk, or whole (:meth:`Prefiller.run`),
+        a request admitted this step first starting from the prefix cache's blocks
+        (:meth:`match_prefix`). What earlier prefills left unsaved is saved first, so that this
+        step's lookups find it. Called on the engine thread (or with the thread not started)."""
+        self.save_prefixes()
+        failed: list[tuple[Sequence, str]] = []
+        gathered: dict | None = {} if self.executor.batches_chunks else None  # this step's, by hit
+        for seq in seqs:
+            if seq.started is None:  # admitted this step
+                seq.started = time.perf_counter()
+                try:
+                    self.match_prefix(seq, gathered)
+                except Exception as exc:  # one failed request must not take the others down
+                    self.executor.raise_if_fatal(exc)
+                    failed.append((seq, f"prefill failed: {type(exc).__name__}"))
+        lost = {id(seq) for seq, _ in failed}
+        out = self.prefiller.run([s for s in seqs if id(s) not in lost])
+        out.failed = failed + out.failed
+        return out
+
+    def match_prefix(self, seq: Sequence, gathered: dict | None = None) -> None:
+        """Start ``seq``'s staging cache from the prefix cache's blocks, if it has any.
+
+        ``gathered``: staging caches already gathered this step, by hit and capacity (:meth:`prefill`
+        passes one where the executor batches last chunks: one process on a GPU). Requests of
+        one step that hit the same blocks at the same staging capacity (chats sharing a system
+        prompt) then share one gathered cache: MLX arrays are immutable and a chunk step returns
+        a new cache, so each request still prefills into its own. (A pipeline group's rank 0
+        names each cache by a handle that its chunk step moves to the result, so there every
+        request gathers its own.) None: gather for this request alone."""
+        hit = self.prefix.match(seq.prompt_ids)
+        if hit.num_tokens == 0:
+            return
+        capacity = self.prefiller.staging_capacity(len(seq.prompt_ids), hit.num_tokens)
+        if gathered is None:
+            seq.staging = self.prefix.gather(hit, capacity)  # [1, Hkv, C, D] per layer
+        else:
+            key = (*(id(b) for b in hit.blocks), capacity)  # the blocks are kept with it: their ids stay theirs
+            if key not in gathered:
+                gathered[key] = (hit.blocks, self.prefix.gather(hit, capacity))
+            seq.staging = gathered[key][1]
+        seq.num_computed = seq.cached_tokens = hit.num_tokens
+
+    def save_prefixes(self) -> None:
+        """Store the full blocks of the prompts prefilled since the last call in the prefix
+        cache (:meth:`Prefiller.take_saves`, :meth:`PrefixCache.insert_rows`).
+
+        :meth:`step` calls it once the step's first tokens are sent and its decode step is
+        queued: the block copies are then off the path to a first token, and still stored
+        before the next step's prefix lookups. Raises ValueError as ``insert_rows``.
+        """
+        for prompts, kv in self.prefiller.take_saves():
+            self.prefix.insert_rows(prompts, kv)
+
+    # -- decode and applying outputs (engine thread) ---------------------------------------
+
+    def _decode(self) -> RunnerOutput:
+        """Decode the batch: a verify step when speculation pays (:meth:`Speculator.plan`; a
+        plain step still in flight is read back first, and returned: its tokens must reach
+        the requests before anything is proposed), else the runner's pipelined plain step."""
+        spec = self.speculator
+        if spec is not None and (proposals := spec.plan(self.batch)) is not None:
+            if self.runner.in_flight:
+                return self.runner.drain()
+            return spec.verify(self.batch, proposals)
+        # With speculation on, plain steps keep a verify step's room too: no capacity move back and forth.
+        return self.runner.decode_requests(extra=spec.tokens if spec is not None else 0)
 
     def _apply(self, out: RunnerOutput) -> None:
         """Append each new token to its request and finish the requests that stop."""
@@ -265,6 +361,8 @@ class Engine:
         for seq, message in out.failed:
             log.error("request %s failed: %s", seq.request_id, message)
             self._finish(seq, FinishReason.ERROR, message)
+        for seq, key in out.keys:  # before a request that stops at its first token releases its key
+            self.batch.keep_key(seq, key)
         stop_ids = self.model.tokenizer.stop_token_ids
         for seq, token in out.tokens:
             if seq.finish_reason is not None:  # a verify step's tokens after the one it stopped at
@@ -276,7 +374,7 @@ class Engine:
     def _finish(self, seq: Sequence, reason: FinishReason | None = None, error: str | None = None) -> None:
         """The one place a request ends: free its slot and key, leave the scheduler, record
         its metrics and send its final event."""
-        self.runner.release(seq)
+        self.batch.release(seq)
         self.scheduler.finish(seq)
         if reason is not None:
             seq.finish_reason = reason
@@ -302,42 +400,13 @@ class Engine:
         """End every running and waiting request with ``reason`` and drop the batch."""
         for seq in self.scheduler.abort_all(reason):
             self._finish(seq, reason, message)
-        self.runner.abort()
+        self._drop_batch()
 
-    def _serve_rehearsal(self, requests: Future[list[str]]) -> list[str]:
-        """Step until the app's rehearsal requests are answered; returns what they were."""
-        while not requests.done() and not self._stop.is_set():
-            if not self.step():
-                self.scheduler.wait_for_work(IDLE_WAIT_S)
-        warmup.forget_prefixes(self)
-        if not requests.done():
-            return []
-        if (exc := requests.exception()) is not None:  # a bug to fix, but no reason not to serve
-            log.warning("HTTP rehearsal failed: %s: %s", type(exc).__name__, exc)
-            return [f"HTTP rehearsal failed: {type(exc).__name__}"]
-        for line in requests.result():
-            log.info("warm-up rehearsal: %s", line)
-        return requests.result()
+    def _drop_batch(self) -> None:
+        """Forget the decode batch and the step in flight (every request was ended)."""
+        self.runner.abort()
+        self.batch.abort()
 
     def _record_moves(self, moves: list[str]) -> None:
         for kind in moves:
             self.metrics.bucket_moves.labels(self.model.name, kind).inc()
-
-    def _warmup(self, spec: WarmupSpec, progress) -> None:
-        start = time.perf_counter()
-        spec = dataclasses.replace(spec, batched_chunks=self.runner.executor.batches_chunks)
-        self.runner.prefiller.rows_cap = warmup.warmed_batch(self.buckets, spec)
-        steps = warmup.plan(self.buckets, spec)
-        warmup.run(self.runner, steps, progress)
-        if self.runner.speculator is not None:  # its verify (and draft) steps, and its calibration
-            spec_warmup.warm(self.runner, self.runner.speculator, steps, progress)
-        if spec.rehearse and steps:
-            self.rehearsed = warmup.rehearse(self, spec)
-        if isinstance(self.model.tokenizer, ChatTokenizer):  # (tests' toy tokenizers have none)
-            self.grammars  # noqa: B018  # built now, not under the first structured request
-        if spec.rehearse and steps and self._http_rehearsal is not None:
-            self.rehearsed += self._serve_rehearsal(self._http_rehearsal())
-        self.warmup_seconds, self.warmup_buckets = time.perf_counter() - start, len(steps)
-        for key, compiled in self.runner.compiled.choices().items():
-            self.metrics.compiled_step.labels(key.model, key.phase, key.bucket).set(int(compiled))
-        log.info("warm-up done: %d buckets in %.1f s", len(steps), self.warmup_seconds)

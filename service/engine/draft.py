@@ -21,14 +21,15 @@ from models.kv_cache import KVCache
 from models.loader import LoadedModel
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache, StepSpec
-from service.engine.runner import ModelRunner
+from service.engine.executor import Executor
+from service.engine.prefill import chunk_plan
 from service.engine.sequence import Sequence
 
 MAX_BACKLOG = 2  # tokens a row may lag the target by and still be fed by decode steps
 
 
 class DraftProposer:
-    """Draft-model proposals mirroring a target runner's slots.
+    """Draft-model proposals mirroring the target's decode slots.
 
     Args:
         model: the draft model (same vocabulary as the target).
@@ -40,8 +41,9 @@ class DraftProposer:
     method = "draft"
 
     def __init__(self, model: LoadedModel, buckets: BucketTable, cache: CompileCache, chunk_tokens: int):
-        self.runner = ModelRunner(model, buckets, cache, chunk_tokens)
-        self.runner.register("draft_pick", StepSpec(speculative.draft_pick))
+        self.executor = Executor(model, cache)  # the draft's own steps (keys carry its model name)
+        self.executor.register("draft_pick", StepSpec(speculative.draft_pick))
+        self.buckets, self.chunk_tokens = buckets, chunk_tokens
         self.kv: KVCache | None = None
         self.slot: dict[str, int] = {}  # request id -> its row in self.kv
         self.done: dict[str, int] = {}  # request id -> positions of valid keys and values
@@ -56,7 +58,7 @@ class DraftProposer:
             self._keep(rows)
             return
         if kv is None or all(w < 0 for w in where):
-            self.kv = self.runner.new_kv(batch, capacity)
+            self.kv = self.executor.new_kv(batch, capacity)
         else:
             self.kv = kv.reordered([max(w, 0) for w in where]).resized(capacity)
         self._keep(rows, tuple(s for s, w in zip(rows, where, strict=True) if s is not None and w < 0))
@@ -75,12 +77,12 @@ class DraftProposer:
         tokens = (seq.prompt_ids + seq.output_ids)[: seq.position]
         if seq.position + 1 - self.done[seq.request_id] <= MAX_BACKLOG or not tokens:
             return
-        r, kv = self.runner, self.kv
+        r, kv, buckets = self.executor, self.kv, self.buckets
         assert kv is not None
-        staging = r.new_kv(1, r.buckets.staging_for(len(tokens)))
-        for offset, n, T in r.prefiller.chunk_plan(len(tokens), 0):
+        staging = r.new_kv(1, buckets.staging_for(len(tokens)))
+        for offset, n, T in chunk_plan(buckets, self.chunk_tokens, len(tokens), 0):
             if staging.capacity < offset + T:
-                staging = staging.resized(r.buckets.staging_for(offset + T))
+                staging = staging.resized(buckets.staging_for(offset + T))
             chunk = mx.array([tokens[offset : offset + n] + [0] * (T - n)], mx.int32)
             fn = r.step_fn("chunk", 1, T, staging.capacity)
             _, staging = fn(r.model.params, chunk, mx.array([offset], mx.int32), mx.array([n], mx.int32), staging)
@@ -107,7 +109,7 @@ class DraftProposer:
             ``greedy``), and per row the
             number of proposals fed back into the draft cache, for :meth:`accepted`).
         """
-        r, kv = self.runner, self.kv
+        r, kv = self.executor, self.kv
         assert kv is not None
         backlog = [self._backlog(s) for s in rows]
         steps = max(len(b) for b in backlog) + K - 1
@@ -151,7 +153,7 @@ class DraftProposer:
 
 def warm(proposer: DraftProposer, phase: str, batch: int, size: int, capacity: int = 0) -> None:
     """Compile and run one of the draft's buckets on dummy inputs."""
-    r = proposer.runner
+    r = proposer.executor
     if phase != "draft_pick":
         r.warm(phase, batch, size, capacity)
         return

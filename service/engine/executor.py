@@ -30,12 +30,18 @@ from models import pipeline, sampling
 from models.architectures import architecture
 from models.kv_cache import KVCache, Windows
 from models.loader import LoadedModel
-from service.engine import warmup
 from service.engine.compile_cache import CompileCache, StepKey, StepSpec
 from service.engine.kv_blocks import copy_blocks, join_blocks
-from service.engine.prefill import batches_last_chunks
 
 MODEL_PHASES = ("prefill", "chunk", "decode")  # run by every rank of a group; the rest only where the head is
+
+
+def batches_last_chunks() -> bool:
+    """Whether this process runs several prompts' last chunks in one call (:meth:`Executor.chunk_rows`):
+    on a GPU, where each compiled call is hundreds of kernel launches of host work; not on a CPU,
+    whose steps are compute-bound and where the extra (B, T, C) functions doubled the default
+    warm-up (docs/ARCHITECTURE.md, "Last chunks together")."""
+    return mx.default_device().type == mx.DeviceType.gpu
 
 
 class Executor:
@@ -202,12 +208,36 @@ class Executor:
         blocks, in prompt order; :func:`service.engine.kv_blocks.join_blocks`)."""
         return join_blocks(blocks, capacity)
 
+    def dummy_inputs(self, phase: str, batch: int, size: int, capacity: int = 0) -> tuple:
+        """Arguments of ``phase``'s step function at bucket (batch, size[, capacity]): zero tokens,
+        positions and offsets, lengths of 1, a zeroed KV cache (of this process's layers), zero
+        logits and keys, no seeded rows (vLLM's ``_dummy_run``, nano-vllm's ``warmup_model``)."""
+        params, vocab = self.model.params, self.vocab
+        if phase == "chunk":
+            zeros, ones = mx.zeros((batch,), mx.int32), mx.ones((batch,), mx.int32)
+            return params, mx.zeros((batch, size), mx.int32), zeros, ones, self.new_kv(batch, capacity)
+        if phase == "prefill":
+            return params, mx.zeros((batch, size), mx.int32), mx.ones((batch,), mx.int32), self.new_kv(batch, size)
+        if phase == "decode":
+            zeros = mx.zeros((batch,), mx.int32)
+            return params, zeros, zeros, self.new_kv(batch, size, ring=True)
+        if phase == "greedy":
+            return (mx.zeros((1, vocab), mx.float32),)
+        ones, logits = mx.ones((batch,), mx.float32), mx.zeros((batch, vocab), mx.float32)
+        if phase == "process":
+            allowed = mx.full((batch, (vocab + 31) // 32), -1, mx.int32)
+            return logits, logits, allowed, ones, mx.zeros((batch, vocab), mx.bool_)
+        if phase == "logprobs":
+            return logits, mx.zeros((batch,), mx.int32)
+        keys, no_min_p = mx.zeros((batch, 2), mx.uint32), mx.zeros((batch,), mx.float32)
+        return logits, ones, ones, mx.full((batch,), vocab, mx.int32), no_min_p, keys, mx.zeros((batch,), mx.bool_)
+
     def warm(self, phase: str, batch: int, size: int, capacity: int = 0, repeats: int = 3) -> bool:
-        """Compile and run one bucket's step on dummy inputs (:func:`warmup.dummy_inputs`).
+        """Compile and run one bucket's step on dummy inputs (:meth:`dummy_inputs`).
         Under the ``auto`` policy, time it compiled and eager (``repeats`` runs each) and keep
         the faster. Returns whether the bucket runs compiled."""
         fn = self.step_fn(phase, batch, size, capacity)
-        args = warmup.dummy_inputs(self, phase, batch, size, capacity)
+        args = self.dummy_inputs(phase, batch, size, capacity)
         if self.compiled.policy == "auto":
             return fn.calibrate(args, repeats)
         mx.eval(fn(*args))

@@ -1,6 +1,7 @@
-"""What the model runner's executions hand back to the engine (:class:`RunnerOutput`), the
-decode step it keeps in flight between engine steps (:class:`DecodeStep`), and how a step's
-input tokens come from the one before it (:func:`input_tokens`)."""
+"""What the prefiller's, the runner's and the speculator's executions hand back to the engine
+(:class:`RunnerOutput`), the decode step the runner keeps in flight between engine steps
+(:class:`DecodeStep`), and how a step's input tokens come from the one before it
+(:func:`input_tokens`)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ class RunnerOutput:
         failed: (request, error message) for requests whose step raised.
         steps: one stat per step that ran (seconds from queueing to tokens read back).
         moves: decode-cache bucket moves made ("batch", "capacity").
+        keys: (request, its next PRNG key uint32 [2]) for the seeded requests prefilled: the
+            engine keeps them in the decode batch (:meth:`DecodeBatch.keep_key`).
         masks / mask_seconds: grammar masks computed and the host seconds they took.
     """
 
@@ -32,6 +35,7 @@ class RunnerOutput:
     masks: int = 0  # grammar masks computed (rows x steps)
     mask_seconds: float = 0.0  # host seconds spent computing them
     spec: list[SpecStat] = field(default_factory=list)  # one per verify step (service.engine.speculative)
+    keys: list[tuple[Sequence, mx.array]] = field(default_factory=list)  # seeded rows' next PRNG keys (prefill)
 
 
 @dataclass

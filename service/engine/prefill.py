@@ -8,27 +8,26 @@ per engine step (``chunk`` at (1, T, C)): its staging cache [1, Hkv, C, D] start
 cache's blocks, if any, grows (by staging capacity bucket) as the prompt does, and each chunk
 attends to what the cache holds so far, at offsets passed as arrays. Either way, once the
 whole prompt is in, its first token is sampled, its cache row waits in ``seq.prefilled`` for a
-decode slot (:meth:`ModelRunner.join`) and, once the step's first tokens are sent, its full
-blocks go into the prefix cache (:meth:`Prefiller.save_prefixes`).
+decode slot (:meth:`DecodeBatch.join`) and its prompt waits in :meth:`Prefiller.take_saves` for
+the engine to store its full blocks in the prefix cache once the step's first tokens are sent.
+The prefiller holds no prefix cache: the engine starts a hit's staging cache from its blocks
+(:meth:`Engine.match_prefix`) before the prefiller sees the request.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from models.kv_cache import KVCache
 from service.engine.buckets import BucketTable
-from service.engine.prefix_cache import PrefixCache
+from service.engine.executor import Executor
+from service.engine.outputs import RunnerOutput
+from service.engine.selector import TokenSelector, observe
 from service.engine.sequence import Sequence
 from service.metrics import StepStat
-
-if TYPE_CHECKING:
-    from service.engine.outputs import RunnerOutput
-    from service.engine.runner import ModelRunner
 
 
 @dataclass
@@ -47,60 +46,62 @@ class _Pending:
 
 
 class Prefiller:
-    """The prefill half of a :class:`ModelRunner` (same thread, same compiled steps).
+    """Prefill of the requests the scheduler admitted (same thread and compiled steps as decode).
 
     Args:
-        runner: the model runner whose step functions, sampler and keys it uses.
+        executor: where the prefill steps run.
+        selector: picks each prefilled request's first token.
+        buckets: the bucket table (prompt, staging and batch buckets).
         chunk_tokens: prompt tokens one request prefills per step at most.
-        prefix: the prefix cache (a budget of 0 disables it).
         whole_tokens: padded tokens one whole-prompt prefill call runs at most (the engine's
             per-step token budget): short prompts of one prompt bucket go together in as few
             calls as that allows.
     """
 
-    def __init__(self, runner: ModelRunner, chunk_tokens: int, prefix: PrefixCache, whole_tokens: int = 2048):
-        self.runner, self.chunk_tokens, self.prefix = runner, chunk_tokens, prefix
+    def __init__(
+        self,
+        executor: Executor,
+        selector: TokenSelector,
+        buckets: BucketTable,
+        chunk_tokens: int,
+        whole_tokens: int = 2048,
+    ):
+        self.executor, self.selector, self.buckets = executor, selector, buckets
+        self.chunk_tokens = chunk_tokens
         self.whole_tokens = max(whole_tokens, chunk_tokens)
-        self.rows_cap = LAST_CHUNK_ROWS  # the engine lowers it to its warmed batch (see last_chunk_rows)
+        self.rows_cap = LAST_CHUNK_ROWS  # the warm-up lowers it to its warmed batch (see last_chunk_rows)
         self._saves: list[tuple[list[tuple[list[int], int]], KVCache]] = []  # (prompts and rows, their cache)
 
-    def save_prefixes(self) -> None:
-        """Store the full blocks of the prompts prefilled since the last call in the prefix
-        cache (:meth:`PrefixCache.insert_rows`).
-
-        The engine calls it once the step's first tokens are sent and its decode step is
-        queued: the block copies are then off the path to a first token, and still stored
-        before the next step's prefix lookups (:meth:`run` first saves what a caller left
-        unsaved). Raises ValueError as ``insert_rows``.
-        """
+    def take_saves(self) -> list[tuple[list[tuple[list[int], int]], KVCache]]:
+        """The prompts prefilled since the last call, for the prefix cache: per prefill call,
+        (each prompt's ids and its row, their cache), the arguments of
+        :meth:`PrefixCache.insert_rows` (:meth:`Engine.save_prefixes`)."""
         saves, self._saves = self._saves, []
-        for prompts, kv in saves:
-            self.prefix.insert_rows(prompts, kv)
+        return saves
 
-    def run(self, seqs: list[Sequence], out: RunnerOutput) -> None:
-        """Advance each request's prompt by one chunk (or whole), appending first tokens,
-        step stats and failures to ``out``. Every call is queued first and the first tokens
-        are read back together: one host sync for the whole step's prefill work."""
-        self.save_prefixes()  # the previous call's, where its caller did not
+    def run(self, seqs: list[Sequence]) -> RunnerOutput:
+        """Advance each request's prompt by one chunk (or whole). Returns the first tokens of
+        the requests whose prompt is now complete (their cache rows wait in ``seq.prefilled``
+        for :meth:`DecodeBatch.join`; seeded rows' next keys in ``keys``), step stats and
+        failures. Every call is queued first and the first tokens are read back together: one
+        host sync for the whole step's prefill work. The prompts' blocks wait in
+        :meth:`take_saves`."""
+        out = RunnerOutput()
         self._pending: list[_Pending] = []
-        gathered: dict | None = {} if self.runner.executor.batches_chunks else None  # this step's, by hit
         whole: dict[int, list[Sequence]] = {}
         finals: dict[tuple[int, int], list[Sequence]] = {}  # last chunks, by (chunk bucket T, staging C)
         for seq in seqs:
             try:
-                if seq.started is None:  # admitted this step
-                    seq.started = time.perf_counter()
-                    self.match_prefix(seq, gathered)
                 if seq.num_computed == 0 and len(seq.prompt_ids) <= self.chunk_tokens:
-                    whole.setdefault(self.runner.buckets.prompt_for(len(seq.prompt_ids)), []).append(seq)
+                    whole.setdefault(self.buckets.prompt_for(len(seq.prompt_ids)), []).append(seq)
                 elif (last := self._last_chunk(seq)) is not None:
                     finals.setdefault(last, []).append(seq)
                 else:
                     self._chunk(seq)
             except Exception as exc:  # one failed request must not take the others down
-                self.runner.executor.raise_if_fatal(exc)
+                self.executor.raise_if_fatal(exc)
                 out.failed.append((seq, f"prefill failed: {type(exc).__name__}"))
-        buckets, budget = self.runner.buckets, self.whole_tokens
+        buckets, budget = self.buckets, self.whole_tokens
         calls = [(self._whole, p) for T, g in whole.items() for p in _parts(g, buckets.prefill_rows(T, budget))]
         for (T, _), group in finals.items():
             rows = last_chunk_rows(buckets, T, budget, self.rows_cap)
@@ -109,67 +110,48 @@ class Prefiller:
             try:
                 call(part)
             except Exception as exc:
-                self.runner.executor.raise_if_fatal(exc)
+                self.executor.raise_if_fatal(exc)
                 out.failed += [(seq, f"prefill failed: {type(exc).__name__}") for seq in part]
         self._read_back(out)
+        return out
 
     def _last_chunk(self, seq: Sequence) -> tuple[int, int] | None:
         """(chunk bucket T, staging capacity C) when ``seq``'s next chunk is its prompt's last
         and the executor can run such chunks of several prompts in one call; else None."""
-        if not self.runner.executor.batches_chunks or self.rows_cap < 2:
+        if not self.executor.batches_chunks or self.rows_cap < 2:
             return None
         offset, n, T = self.chunk_plan(len(seq.prompt_ids), seq.num_computed)[0]
         if offset + n < len(seq.prompt_ids):
             return None
-        return T, self.runner.buckets.staging_for(offset + T)
+        return T, self.buckets.staging_for(offset + T)
 
     def chunk_plan(self, length: int, start: int) -> list[tuple[int, int, int]]:
-        """(offset, real tokens, bucket T) of each chunk that prefills positions start..length-1.
+        """(offset, real tokens, bucket T) of each chunk that prefills positions start..length-1
+        (:func:`chunk_plan`)."""
+        return chunk_plan(self.buckets, self.chunk_tokens, length, start)
 
-        A chunk padded to its bucket never ends past the largest capacity bucket: when it
-        would, it starts earlier, recomputing a few positions it already holds (the same
-        tokens at the same positions give the same keys and values).
+    def prefill(self, prompts: list[list[int]]) -> tuple[mx.array, KVCache]:
+        """Prefill prompts together at bucket (batch_for(n), prompt_for(longest)) (:func:`pad_prompts`).
+
+        Returns (logits float32 [B, V] at each prompt's last token, the prompts' KV cache
+        [B, Hkv, T, D] per layer); rows >= n are padding.
+        Raises BucketLimitError when the prompts do not fit a bucket.
         """
-        plan, pos, limit = [], start, self.runner.buckets.capacity[-1]
-        while pos < length:
-            n = min(self.chunk_tokens, length - pos)
-            T = self.runner.buckets.prompt_for(n)
-            offset = min(pos, limit - T)
-            plan.append((offset, pos + n - offset, T))
-            pos += n
-        return plan
+        return self.executor.prefill(*pad_prompts(self.buckets, prompts))
 
-    def match_prefix(self, seq: Sequence, gathered: dict | None = None) -> None:
-        """Start ``seq``'s staging cache from the prefix cache's blocks, if it has any.
-
-        ``gathered``: staging caches already gathered this step, by hit and capacity (``run``
-        passes one where the executor batches last chunks: one process on a GPU). Requests of
-        one step that hit the same blocks at the same staging capacity (chats sharing a system
-        prompt) then share one gathered cache: MLX arrays are immutable and a chunk step returns
-        a new cache, so each request still prefills into its own. (A pipeline group's rank 0
-        names each cache by a handle that its chunk step moves to the result, so there every
-        request gathers its own.) None: gather for this request alone."""
-        hit = self.prefix.match(seq.prompt_ids)
-        if hit.num_tokens == 0:
-            return
-        first = self.chunk_plan(len(seq.prompt_ids), hit.num_tokens)[0]
-        capacity = self.runner.buckets.staging_for(first[0] + first[2])
-        if gathered is None:
-            seq.staging = self.prefix.gather(hit, capacity)  # [1, Hkv, C, D] per layer
-        else:
-            key = (*(id(b) for b in hit.blocks), capacity)  # the blocks are kept with it: their ids stay theirs
-            if key not in gathered:
-                gathered[key] = (hit.blocks, self.prefix.gather(hit, capacity))
-            seq.staging = gathered[key][1]
-        seq.num_computed = seq.cached_tokens = hit.num_tokens
+    def staging_capacity(self, length: int, start: int) -> int:
+        """The staging capacity bucket that the first chunk of prefilling positions
+        start..length-1 needs (a prefix-cache hit of ``start`` tokens is gathered at it)."""
+        offset, _, T = self.chunk_plan(length, start)[0]
+        return self.buckets.staging_for(offset + T)
 
     def next_chunk(self, seq: Sequence) -> tuple[KVCache, list[int], int, int]:
         """``seq``'s next chunk: (its staging cache at the capacity the chunk needs, the chunk's
         T tokens right-padded, its offset, its real tokens)."""
         offset, n, T = self.chunk_plan(len(seq.prompt_ids), seq.num_computed)[0]
         # The staging cache grows with the prompt (a chunk's attention costs its whole capacity).
-        capacity = self.runner.buckets.staging_for(offset + T)
-        executor = self.runner.executor
+        capacity = self.buckets.staging_for(offset + T)
+        executor = self.executor
         kv: KVCache = executor.alloc(1, capacity) if seq.staging is None else seq.staging
         if kv.capacity < capacity:
             kv = executor.resize(kv, capacity)
@@ -178,7 +160,7 @@ class Prefiller:
     def _chunk(self, seq: Sequence) -> None:
         start = time.perf_counter()
         kv, tokens, offset, n = self.next_chunk(seq)
-        logits, kv = self.runner.executor.chunk(kv, tokens, offset, n)
+        logits, kv = self.executor.chunk(kv, tokens, offset, n)
         seq.staging, seq.num_computed = kv, offset + n
         stat = ("chunk", f"b1x{len(tokens)}c{kv.capacity}", 1, 1, start)
         if seq.prompt_done:
@@ -196,8 +178,8 @@ class Prefiller:
             return
         start = time.perf_counter()
         kvs, tokens, offsets, lengths = (list(part) for part in zip(*map(self.next_chunk, group), strict=True))
-        B = last_chunk_rows(self.runner.buckets, len(tokens[0]), self.whole_tokens, self.rows_cap)
-        logits, kv = self.runner.executor.chunk_rows(kvs, tokens, offsets, lengths, B)
+        B = last_chunk_rows(self.buckets, len(tokens[0]), self.whole_tokens, self.rows_cap)
+        logits, kv = self.executor.chunk_rows(kvs, tokens, offsets, lengths, B)
         for seq in group:
             seq.staging, seq.num_computed = None, len(seq.prompt_ids)
         stat = ("chunk", f"b{B}x{len(tokens[0])}c{kv.capacity}", len(group), B, start)
@@ -209,9 +191,9 @@ class Prefiller:
         start = time.perf_counter()
         unique: dict[tuple[int, ...], int] = {}
         kv_rows = [unique.setdefault(tuple(s.prompt_ids), len(unique)) for s in group]
-        logits, prompt_kv = self.runner.prefill([list(p) for p in unique])
+        logits, prompt_kv = self.prefill([list(p) for p in unique])
         if len(unique) < len(group):  # one logits row per request, padded to a batch bucket
-            B = self.runner.buckets.batch_for(len(group))
+            B = self.buckets.batch_for(len(group))
             logits = logits[mx.array(kv_rows + [0] * (B - len(group)), mx.int32)]
         for seq in group:
             seq.num_computed = len(seq.prompt_ids)
@@ -226,47 +208,69 @@ class Prefiller:
         (row i is ``group[i]``, whose keys and values are row ``kv_rows[i]`` of ``kv``; default i)."""
         rows: list[Sequence | None] = [*group, *[None] * (logits.shape[0] - len(group))]
         keys = [mx.random.key(s.params.seed) if s and s.params.seed is not None else None for s in rows]
-        tokens, keys, lp = self.runner.select(logits, rows, keys)
+        tokens, keys, lp = self.selector.select(logits, rows, keys)
         mx.async_eval(tokens, *(k for k in keys if k is not None), *(lp or ()))
         self._pending.append(_Pending(group, tokens, keys, kv, stat, lp, kv_rows or list(range(len(group)))))
 
     def _read_back(self, out: RunnerOutput) -> None:
         """Wait once for every queued call; then, for each prefilled request: its first
-        token, its cache row parked for :meth:`ModelRunner.join` and its prompt's blocks kept
-        for :meth:`save_prefixes`."""
+        token (and a seeded row's next key), its cache row parked for :meth:`DecodeBatch.join`
+        and its prompt's blocks kept for :meth:`take_saves`."""
         pending, self._pending = self._pending, []
         try:
-            self.runner.wait_for([p.tokens for p in pending if p.tokens is not None], [p.kv.keys for p in pending])
+            self.executor.wait([p.tokens for p in pending if p.tokens is not None], [p.kv.keys for p in pending])
         except Exception as exc:
-            self.runner.executor.raise_if_fatal(exc)
+            self.executor.raise_if_fatal(exc)
             out.failed += [(seq, f"prefill failed: {type(exc).__name__}") for p in pending for seq in p.group]
             return
         done = time.perf_counter()
         for p in pending:
             phase, bucket, rows, bucket_rows, start = p.stat
-            out.steps.append(StepStat(self.runner.model.name, phase, bucket, rows, bucket_rows, done - start))
+            out.steps.append(StepStat(self.executor.model.name, phase, bucket, rows, bucket_rows, done - start))
             if p.tokens is None:
                 continue
-            token_list = self.runner.read_tokens(p.tokens)
-            self.runner.observe(list(p.group), token_list, p.logprobs)
+            token_list = self.executor.read(p.tokens)
+            observe(list(p.group), token_list, p.logprobs)
             rows = [p.kv_rows[i] if p.kv_rows else i for i in range(len(p.group))]
             self._saves.append(([(seq.prompt_ids, row) for seq, row in zip(p.group, rows, strict=True)], p.kv))
             for i, (seq, row) in enumerate(zip(p.group, rows, strict=True)):
                 seq.position = len(seq.prompt_ids)
                 seq.prefilled, seq.staging = (p.kv, row), None
-                self.runner.keep_key(seq, p.keys[i])
+                if (key := p.keys[i]) is not None:
+                    out.keys.append((seq, key))
                 out.tokens.append((seq, token_list[i]))
 
 
 LAST_CHUNK_ROWS = 8  # prompts whose last chunks one call runs at most
 
 
-def batches_last_chunks() -> bool:
-    """Whether this process runs several prompts' last chunks in one call (:meth:`Executor.chunk_rows`):
-    on a GPU, where each compiled call is hundreds of kernel launches of host work; not on a CPU,
-    whose steps are compute-bound and where the extra (B, T, C) functions doubled the default
-    warm-up (docs/ARCHITECTURE.md, "Last chunks together")."""
-    return mx.default_device().type == mx.DeviceType.gpu
+def chunk_plan(buckets: BucketTable, chunk_tokens: int, length: int, start: int) -> list[tuple[int, int, int]]:
+    """(offset, real tokens, bucket T) of each chunk of at most ``chunk_tokens`` tokens that
+    prefills positions start..length-1.
+
+    A chunk padded to its bucket never ends past the largest capacity bucket: when it
+    would, it starts earlier, recomputing a few positions it already holds (the same
+    tokens at the same positions give the same keys and values).
+    """
+    plan, pos, limit = [], start, buckets.capacity[-1]
+    while pos < length:
+        n = min(chunk_tokens, length - pos)
+        T = buckets.prompt_for(n)
+        offset = min(pos, limit - T)
+        plan.append((offset, pos + n - offset, T))
+        pos += n
+    return plan
+
+
+def pad_prompts(buckets: BucketTable, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """``prompts`` right-padded to bucket (batch_for(n), prompt_for(longest)): (B rows of T token
+    ids, B real lengths; rows >= n are padding of length 1). Raises BucketLimitError when the
+    prompts do not fit a bucket."""
+    n = len(prompts)
+    B = buckets.batch_for(n)
+    T = buckets.prompt_for(max(len(p) for p in prompts))
+    rows = [p + [0] * (T - len(p)) for p in prompts] + [[0] * T] * (B - n)
+    return rows, [len(p) for p in prompts] + [1] * (B - n)
 
 
 def last_chunk_rows(buckets: BucketTable, T: int, whole_tokens: int, rows_cap: int = LAST_CHUNK_ROWS) -> int:

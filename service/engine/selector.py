@@ -1,16 +1,20 @@
 """Token selection for one step's logits: each row's logits processors (penalties, a logit
 bias, a grammar's mask), the sampler of the batch bucket (or the shapeless greedy step) and
 the logprobs, each a compiled function of the compile cache run only when some row needs it
-(:mod:`models.sampling`, :mod:`service.engine.processors`). Called only from the engine thread."""
+(:mod:`models.sampling`, :mod:`service.engine.processors`), and :func:`observe`, what a chosen
+token changes on the host. Called only from the engine thread."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import mlx.core as mx
 
 from service.engine.processors import ProcessorInputs
-from service.engine.sequence import Sequence
+from service.engine.sequence import Sequence, TokenLogprob
+
+log = logging.getLogger("stepserve.engine")
 
 
 class TokenSelector:
@@ -68,3 +72,22 @@ class TokenSelector:
         if any(s.params.logprobs is not None for s in live):
             lp = self._step_fn("logprobs", B)(raw, tokens)
         return tokens, next_keys, lp
+
+
+def observe(rows: list[Sequence | None], tokens: list[int], lp: tuple | None = None) -> None:
+    """Host-side state of each row after its newest token: the generated ids that the
+    penalties count, the grammar's matcher, and the token's logprobs (kept on the
+    sequence until its text is emitted). ``lp``: :func:`models.sampling.logprobs`'s
+    arrays for these rows, or None. Rows that are None or already finished are skipped."""
+    lp_lists = [a.tolist() for a in lp] if lp is not None else None
+    for i, (seq, token) in enumerate(zip(rows, tokens, strict=False)):
+        if seq is None or seq.finish_reason is not None:
+            continue
+        seq.sampled_ids.append(token)
+        if seq.matcher is not None and not seq.matcher.advance(token):
+            log.warning("request %s: token %d is outside its grammar", seq.request_id, token)
+        k = seq.params.logprobs
+        if k is not None and lp_lists is not None:
+            chosen, top_ids, top_lp = lp_lists
+            top = tuple(zip(top_ids[i][:k], top_lp[i][:k], strict=True))  # type: ignore[index]
+            seq.logprob_entries.append(TokenLogprob(token, chosen[i], top))  # type: ignore[index]

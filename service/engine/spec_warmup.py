@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from service.engine.draft import DraftProposer
 from service.engine.draft import warm as warm_draft
-from service.engine.runner import ModelRunner
+from service.engine.executor import Executor
 from service.engine.speculative import Speculator
 from service.engine.warmup import Step
 
@@ -33,7 +33,7 @@ REPEATS = 3  # verify steps timed per batch bucket (median)
 
 
 def warm(
-    runner: ModelRunner, spec: Speculator, steps: list[Step], progress: Callable[[int, str], None] | None = None
+    executor: Executor, spec: Speculator, steps: list[Step], progress: Callable[[int, str], None] | None = None
 ) -> None:
     """Calibrate and compile speculation for every batch bucket that ``steps`` (the warm-up plan)
     decodes at; fills ``spec.ratios`` and ``spec.calibration``."""
@@ -50,8 +50,9 @@ def warm(
             ratio, on = 1.0, B <= spec.max_batch
             figures = {"configured": f"speculative_max_batch = {spec.max_batch}"}
         else:
-            _warm_bucket(runner, spec, B, capacities[0], built, progress)
-            plain, speculative = plain_seconds(runner, B, capacities[0]), spec_seconds(runner, spec, B, capacities[0])
+            _warm_bucket(executor, spec, B, capacities[0], built, progress)
+            C = capacities[0]
+            plain, speculative = plain_seconds(executor, B, C), spec_seconds(executor, spec, B, C)
             ratio = speculative / plain
             on = ratio < W
             figures = {"plain_step_s": round(plain, 6), "verify_step_s": round(speculative, 6)}
@@ -61,11 +62,11 @@ def warm(
             continue
         spec.ratios[B] = ratio
         for C in capacities:
-            _warm_bucket(runner, spec, B, C, built, progress)
+            _warm_bucket(executor, spec, B, C, built, progress)
 
 
 def _warm_bucket(
-    runner: ModelRunner,
+    executor: Executor,
     spec: Speculator,
     B: int,
     C: int,
@@ -74,12 +75,12 @@ def _warm_bucket(
 ) -> None:
     """Compile (run once) the verify step at (B, K + 1, C), the token selection of batch B and
     the draft's steps at (B, C); ``built`` holds what earlier calls compiled."""
-    W, K, V = spec.tokens + 1, spec.tokens, runner.vocab
+    W, K, V = spec.tokens + 1, spec.tokens, executor.vocab
     zeros_b = mx.zeros((B,), mx.int32)
     ones = mx.ones((B,), mx.float32)
     sampling = (ones, ones, mx.full((B,), V, mx.int32), ones * 0)
     keys = mx.zeros((B, W, 2), mx.uint32)
-    verify = (runner.model.params, mx.zeros((B, W), mx.int32), zeros_b, runner.new_kv(B, C))
+    verify = (executor.model.params, mx.zeros((B, W), mx.int32), zeros_b, executor.new_kv(B, C))
     calls = [
         ("verify", B, W, C, verify),
         ("spec_keys", B, W, 0, (mx.zeros((B, 2), mx.uint32), mx.zeros((B,), mx.bool_), mx.zeros((W,), mx.int32))),
@@ -96,7 +97,7 @@ def _warm_bucket(
             continue  # built at an earlier capacity
         built.add((phase, b, size, capacity))
         label = f"{phase} b{b}x{size}" + (f"c{capacity}" if capacity else "")
-        _timed(lambda p=phase, a=args, s=size, c=capacity: _run(runner, p, B, s, c, a), label, progress)
+        _timed(lambda p=phase, a=args, s=size, c=capacity: _run(executor, p, B, s, c, a), label, progress)
     if isinstance(spec.proposer, DraftProposer) and ("draft", B, C) not in built:
         draft = spec.proposer
         built.add(("draft", B, C))
@@ -109,9 +110,9 @@ def _warm_bucket(
             _timed(lambda: warm_draft(draft, "greedy", 0, 0), "draft greedy", progress)
 
 
-def _run(runner: ModelRunner, phase: str, B: int, size: int, capacity: int, args: tuple) -> None:
-    fn = runner.step_fn(phase, B, size, capacity)
-    if runner.compiled.policy == "auto":
+def _run(executor: Executor, phase: str, B: int, size: int, capacity: int, args: tuple) -> None:
+    fn = executor.step_fn(phase, B, size, capacity)
+    if executor.compiled.policy == "auto":
         fn.calibrate(args, REPEATS)  # type: ignore[attr-defined]  # a compile-cache entry
     else:
         mx.eval(fn(*args))
@@ -124,18 +125,18 @@ def _timed(call: Callable[[], None], label: str, progress: Callable[[int, str], 
     del progress  # the warm-up's progress bar counts the plan's steps only
 
 
-def plain_seconds(runner: ModelRunner, B: int, C: int) -> float:
+def plain_seconds(executor: Executor, B: int, C: int) -> float:
     """Seconds per plain decode step of batch ``B`` at capacity ``C``, pipelined as the runner
     runs them (greedy tokens; dummy inputs)."""
-    decode, greedy = runner.step_fn("decode", B, C), runner.step_fn("greedy")
-    kv, tokens, positions = runner.new_kv(B, C), mx.zeros((B,), mx.int32), mx.zeros((B,), mx.int32)
-    logits, kv = decode(runner.model.params, tokens, positions, kv)
+    decode, greedy = executor.step_fn("decode", B, C), executor.step_fn("greedy")
+    kv, tokens, positions = executor.new_kv(B, C), mx.zeros((B,), mx.int32), mx.zeros((B,), mx.int32)
+    logits, kv = decode(executor.model.params, tokens, positions, kv)
     mx.eval(greedy(logits), kv.keys)
     runs = []
     for _ in range(REPEATS):
         start = time.perf_counter()
         for _ in range(PLAIN_STEPS):
-            logits, kv = decode(runner.model.params, tokens, positions, kv)
+            logits, kv = decode(executor.model.params, tokens, positions, kv)
             tokens = greedy(logits)
             mx.async_eval(tokens)
         mx.eval(tokens)
@@ -143,13 +144,13 @@ def plain_seconds(runner: ModelRunner, B: int, C: int) -> float:
     return min(runs)
 
 
-def spec_seconds(runner: ModelRunner, spec: Speculator, B: int, C: int) -> float:
+def spec_seconds(executor: Executor, spec: Speculator, B: int, C: int) -> float:
     """Seconds of one speculative step of batch ``B`` at capacity ``C``: the draft's K decode
     steps (when there is a draft), the verify step and its greedy selection, read back."""
     W = spec.tokens + 1
-    verify, greedy = runner.step_fn("verify", B, W, C), runner.step_fn("greedy")
-    draft = spec.proposer.runner if isinstance(spec.proposer, DraftProposer) else None
-    times, kv = [], runner.new_kv(B, C)
+    verify, greedy = executor.step_fn("verify", B, W, C), executor.step_fn("greedy")
+    draft = spec.proposer.executor if isinstance(spec.proposer, DraftProposer) else None
+    times, kv = [], executor.new_kv(B, C)
     dkv = draft.new_kv(B, C) if draft is not None else None
     mx.eval(kv.keys, dkv.keys if dkv is not None else [])
     for _ in range(REPEATS + 1):
@@ -161,7 +162,7 @@ def spec_seconds(runner: ModelRunner, spec: Speculator, B: int, C: int) -> float
                 logits, dkv = step(draft.model.params, tokens, mx.zeros((B,), mx.int32), dkv)
                 tokens = greedy(logits)
         proposals = mx.broadcast_to(tokens[:, None], (B, W))
-        logits, _ = verify(runner.model.params, proposals, mx.zeros((B,), mx.int32), kv)
+        logits, _ = verify(executor.model.params, proposals, mx.zeros((B,), mx.int32), kv)
         greedy(logits.reshape(B * W, -1)).tolist()
         times.append(time.perf_counter() - start)
     return min(times[1:])

@@ -1,7 +1,7 @@
 """Speculative decoding inside the batched, compiled decode loop: several tokens per step for a
 row whose continuation can be guessed, never slower for a batch where it cannot.
 
-The runner asks :meth:`Speculator.decode` before each decode step. When the batch bucket was
+The engine asks :meth:`Speculator.plan` before each decode step. When the batch bucket was
 found worth speculating at warm-up (``service.engine.spec_warmup``) and the rows' proposals
 promise more tokens than the verify step costs, it runs one **verify step** instead of a decode
 step: every row's newest token plus K proposed tokens at (batch, K + 1, capacity)
@@ -10,10 +10,11 @@ proposals and one more token (``models.speculative``), and its position moves by
 rejected proposals' keys and values are left past it, masked and later overwritten.
 
 A verify step reads its tokens back before the next step (proposals need them on the host), so
-it is not pipelined as plain decode steps are; when no row proposes, the runner's own pipelined
-step runs, unchanged. Rows with a grammar, penalties, a logit bias or logprobs do not propose
-(k = 0): their token comes from the runner's own :meth:`ModelRunner.select` on the verify step's
-first position, so they keep exactly the tokens of plain decoding.
+it is not pipelined as plain decode steps are (a plain step still in flight is read back before
+it); when no row proposes, the runner's own pipelined step runs, unchanged. Rows with a grammar,
+penalties, a logit bias or logprobs do not propose (k = 0): their token comes from the
+:meth:`TokenSelector.select` of plain steps on the verify step's first position, so they keep
+exactly the tokens of plain decoding.
 
 **Adaptivity.** Each row keeps an average of its acceptance (accepted / proposed); its next
 proposal length is ``round(a / (1 - a)) + 1`` (capped at K), the run length a geometric
@@ -34,11 +35,14 @@ import mlx.core as mx
 
 from models import speculative
 from models.speculative import take_prefix
+from service.engine.batch import DecodeBatch
+from service.engine.buckets import BucketTable
 from service.engine.compile_cache import StepSpec
 from service.engine.draft import DraftProposer
+from service.engine.executor import Executor
 from service.engine.lookup import PromptLookup
 from service.engine.outputs import RunnerOutput
-from service.engine.runner import ModelRunner
+from service.engine.selector import TokenSelector, observe
 from service.engine.sequence import Sequence
 from service.metrics import SpecStat, StepStat
 
@@ -60,10 +64,13 @@ class RowState:
 
 @dataclass
 class Speculator:
-    """Speculative decoding for one model's runner.
+    """Speculative decoding for one model's decode batch.
 
     Attributes:
         proposer: :class:`PromptLookup` or :class:`DraftProposer`.
+        executor: where the verify steps run (the engine's; the speculator registers its steps on it).
+        selector: picks the tokens of rows that do not propose (the engine's).
+        buckets: the bucket table.
         tokens: K, proposals per row at most (the verify step's width is K + 1).
         ratios: batch bucket -> (verify step seconds / plain step seconds), the buckets that may
             speculate (filled by the warm-up's calibration; forced ones hold 1.0).
@@ -73,6 +80,9 @@ class Speculator:
     """
 
     proposer: PromptLookup | DraftProposer
+    executor: Executor
+    selector: TokenSelector
+    buckets: BucketTable
     tokens: int = 4
     max_batch: int | None = None
     ratios: dict[int, float] = field(default_factory=dict)
@@ -86,11 +96,9 @@ class Speculator:
     def method(self) -> str:
         return self.proposer.method
 
-    def attach(self, runner: ModelRunner) -> None:
-        """Register the step functions on ``runner`` and hook into its decode steps."""
-        runner.register("spec_keys", StepSpec(speculative.spec_keys, random_state=True))
-        runner.register("spec_accept", StepSpec(speculative.spec_accept))
-        runner.speculator = self
+    def __post_init__(self) -> None:
+        self.executor.register("spec_keys", StepSpec(speculative.spec_keys, random_state=True))
+        self.executor.register("spec_accept", StepSpec(speculative.spec_accept))
 
     def describe(self) -> dict:
         """What ``/readyz`` shows: the method, K and the calibration per batch bucket."""
@@ -98,31 +106,32 @@ class Speculator:
 
     # -- one decode step ------------------------------------------------------------------
 
-    def decode(self, runner: ModelRunner) -> RunnerOutput | None:
-        """Run a verify step when it pays (see the module docstring), else None (the runner
-        runs its plain step). A plain step still in flight is read back first (returned, no
-        verify: its tokens must reach the requests before anything is proposed)."""
-        live = [s for s in runner.slots if s is not None]
-        if not live or runner.kv is None:
+    def plan(self, batch: DecodeBatch) -> dict[str, list[int] | int] | None:
+        """Whether ``batch``'s next step is a verify step (see the module docstring): each row's
+        proposals (lookup: the tokens; draft: how many, by request id), or None (a plain step).
+        The engine reads back a plain step still in flight before it runs :meth:`verify`."""
+        live = batch.live
+        if not live or batch.kv is None:
             if isinstance(self.proposer, DraftProposer):
                 self.proposer.kv = None  # the batch is empty: its draft cache goes too
             return None
-        plan = self._plan(runner, live)
-        if plan is None:
-            return None
-        if runner.in_flight:
-            return runner.drain()
-        return self._step(runner, live, plan)
+        return self._plan(live)
 
-    def _plan(self, runner: ModelRunner, live: list[Sequence]) -> dict[str, list[int] | int] | None:
+    def verify(self, batch: DecodeBatch, plan: dict[str, list[int] | int]) -> RunnerOutput:
+        """Run one verify step of ``batch`` with :meth:`plan`'s proposals, read back; the rows'
+        tokens in ``out.tokens``. Every token of the batch must be on the host (no plain step
+        in flight)."""
+        return self._step(batch, batch.live, plan)
+
+    def _plan(self, live: list[Sequence]) -> dict[str, list[int] | int] | None:
         """Each row's proposals (lookup: the tokens; draft: how many), or None: do not speculate."""
-        B = runner.buckets.batch_for(len(live))
+        B = self.buckets.batch_for(len(live))
         ratio = self.ratios.get(B)  # None: a bucket the warm-up did not find worth it (or did not warm)
         unwarmed = not self.calibration and self.max_batch is not None and B <= self.max_batch  # (tests)
         if ratio is not None and (self.forced or self.max_batch is not None) or unwarmed:
             ratio = 1.0
         K = self.tokens
-        if ratio is None or max(s.position for s in live) + K + 1 > runner.capacity_limit:
+        if ratio is None or max(s.position for s in live) + K + 1 > self.buckets.capacity[-1]:
             return None
         self._forget(live)
         plan: dict[str, list[int] | int] = {}
@@ -156,47 +165,48 @@ class Speculator:
         if isinstance(self.proposer, PromptLookup):
             self.proposer.forget(keep)
 
-    def _step(self, runner: ModelRunner, live: list[Sequence], plan: dict[str, list[int] | int]) -> RunnerOutput:
+    def _step(self, batch: DecodeBatch, live: list[Sequence], plan: dict[str, list[int] | int]) -> RunnerOutput:
         """One verify step of the whole batch, read back; the rows' tokens in ``out.tokens``."""
         out, start, K = RunnerOutput(), time.perf_counter(), self.tokens
+        ex = self.executor
         self.plain_steps = 0
         W = K + 1
-        out.moves += runner.fit_slots(live, extra=K)
-        rows, kv = list(runner.slots), runner.kv
+        out.moves += batch.refit(live, extra=K)
+        rows, kv = list(batch.slots), batch.kv
         assert kv is not None
         B, C = kv.batch, kv.capacity
-        keys = [runner.key_of(s) for s in rows]
+        keys = [batch.key_of(s) for s in rows]
         greedy = all(s.params.temperature == 0 for s in live)
-        sampling = _sampling_arrays(rows, runner.vocab)
+        sampling = _sampling_arrays(rows, ex.vocab)
         if greedy:
             noise = extra = chain = None
         else:
             key_rows = mx.stack([k if k is not None else mx.zeros((2,), mx.uint32) for k in keys])
             seeded = mx.array([k is not None for k in keys])
-            noise, chain, extra = runner.step_fn("spec_keys", B, W)(key_rows, seeded, mx.zeros((W,), mx.int32))
+            noise, chain, extra = ex.step_fn("spec_keys", B, W)(key_rows, seeded, mx.zeros((W,), mx.int32))
         fed: list[int] = [0] * B
         if isinstance(self.proposer, DraftProposer):
             proposals, q, fed = self._draft(rows, B, C, W, noise, sampling, greedy)
         else:
             host = [(plan.get(s.request_id) or []) if s else [] for s in rows]
             proposals = mx.array([list(g) + [0] * (K - len(g)) for g in host], mx.int32)  # type: ignore[arg-type]
-            q = None if greedy else self._no_draft(B, runner.vocab)
+            q = None if greedy else self._no_draft(B, ex.vocab)
         last = mx.array([s.last_token if s else 0 for s in rows], mx.int32)
         positions = [s.position if s else 0 for s in rows]
-        logits, runner.kv = runner.step_fn("verify", B, W, C)(
-            runner.model.params, mx.concatenate([last[:, None], proposals], axis=1), mx.array(positions, mx.int32), kv
+        logits, batch.kv = ex.step_fn("verify", B, W, C)(
+            ex.model.params, mx.concatenate([last[:, None], proposals], axis=1), mx.array(positions, mx.int32), kv
         )
         if greedy:
-            y, accept, residual = runner.step_fn("greedy")(logits.reshape(B * W, -1)).reshape(B, W), None, None
+            y, accept, residual = ex.step_fn("greedy")(logits.reshape(B * W, -1)).reshape(B, W), None, None
         else:
-            y, accept, residual = runner.step_fn("spec_accept", B, W)(logits, proposals, q, *sampling, noise, extra)
+            y, accept, residual = ex.step_fn("spec_accept", B, W)(logits, proposals, q, *sampling, noise, extra)
         own = [s if s is not None and s.request_id not in plan and _selects(s) else None for s in rows]
-        selected = runner.select(logits[:, 0], own, keys) if any(own) else None
+        selected = self.selector.select(logits[:, 0], own, keys) if any(own) else None
         mx.eval(y, proposals, *([accept, residual] if accept is not None else []), *(selected[0:1] if selected else []))
         emitted = self._emitted(rows, plan, y, proposals, accept, residual, selected)
-        self._advance(runner, rows, emitted, keys, chain, selected, fed, plan, out)
+        self._advance(batch, rows, emitted, keys, chain, selected, fed, plan, out)
         seconds = time.perf_counter() - start
-        out.steps.append(StepStat(runner.model.name, "verify", f"b{B}x{W}c{C}", len(live), B, seconds))
+        out.steps.append(StepStat(ex.model.name, "verify", f"b{B}x{W}c{C}", len(live), B, seconds))
         return out
 
     def _no_draft(self, B: int, vocab: int) -> mx.array:
@@ -248,21 +258,21 @@ class Speculator:
                 out.append(take_prefix(y_l[i], p_l[i], k))
         return out
 
-    def _advance(self, runner, rows, emitted, keys, chain, selected, fed, plan, out: RunnerOutput) -> None:
+    def _advance(self, batch: DecodeBatch, rows, emitted, keys, chain, selected, fed, plan, out: RunnerOutput) -> None:
         """Move every row past its emitted tokens: positions, keys, the draft's cache, the
-        host-side state (:meth:`ModelRunner.observe`), adaptivity, and the tokens for the engine."""
+        host-side state (:func:`~service.engine.selector.observe`), adaptivity, and the tokens for the engine."""
         counts = [len(e) for e in emitted]
         if chain is not None:
             index = mx.array([max(c, 1) for c in counts], mx.int32)[:, None, None]
             next_chain = mx.take_along_axis(chain, index, axis=1)[:, 0]
-        stat = SpecStat(runner.model.name, self.method)
+        stat = SpecStat(self.executor.model.name, self.method)
         for i, seq in enumerate(rows):
             if seq is None:
                 continue
             guess = plan.get(seq.request_id)
             own = selected is not None and guess is None and _selects(seq)
             if keys[i] is not None and (own or chain is not None):  # (a greedy batch keeps its keys)
-                runner.keep_key(seq, selected[1][i] if own else next_chain[i])  # type: ignore[index]
+                batch.keep_key(seq, selected[1][i] if own else next_chain[i])  # type: ignore[index]
             if isinstance(self.proposer, DraftProposer):
                 self.proposer.accepted(seq, seq.position, counts[i] - 1, fed[i])
             seq.position += counts[i]
@@ -275,7 +285,7 @@ class Speculator:
         lp = selected[2] if selected is not None else None
         for j in range(max(counts)):
             column = [s if s is not None and counts[i] > j else None for i, s in enumerate(rows)]
-            runner.observe(column, [e[j] if len(e) > j else 0 for e in emitted], lp if j == 0 else None)
+            observe(column, [e[j] if len(e) > j else 0 for e in emitted], lp if j == 0 else None)
         out.tokens += [(s, t) for s, e in zip(rows, emitted, strict=True) if s is not None for t in e]
         out.spec.append(stat)
 
@@ -291,7 +301,7 @@ class Speculator:
 
 
 def _selects(seq: Sequence) -> bool:
-    """The row's token comes from :meth:`ModelRunner.select` (logits processors, logprobs)."""
+    """The row's token comes from :meth:`TokenSelector.select` (logits processors, logprobs)."""
     return seq.params.processed or seq.params.logprobs is not None
 
 

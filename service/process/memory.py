@@ -20,7 +20,8 @@ import mlx.core as mx
 from models.loader import LoadedModel
 from service.engine.buckets import BucketTable
 from service.engine.core import Engine
-from service.engine.prefill import batches_last_chunks, last_chunk_rows
+from service.engine.executor import batches_last_chunks
+from service.engine.prefill import last_chunk_rows
 
 SCORES_BYTES = 4  # float32 attention scores: MLX's fallback attention materializes B x heads x T x T of them
 
@@ -155,7 +156,7 @@ def load_bytes(engine: Engine, rows: list[tuple[int, int]]) -> int:
     capacity = buckets.capacity_for(min(max(p + m for p, m in rows), buckets.capacity[-1]))
     decode = buckets.batch_for(running) * decode_row_bytes(engine.model, capacity)
     longest = max(p for p, _ in rows)
-    batched = engine.runner.executor.batches_chunks
+    batched = engine.executor.batches_chunks
     prefill = prefill_bytes(
         engine.model, buckets, running, longest, sched.chunk_tokens, sched.max_batched_tokens, batched
     )

@@ -108,12 +108,12 @@ class EngineWatchdog:
             limit = LOST_RANK_STALL_S
         else:
             limit = self.stall_limit_s * (1 if engine.ready.is_set() else WARMUP_STALL_FACTOR)
-        return engine.runner.executor.stalled_s() > limit
+        return engine.executor.stalled_s() > limit
 
     def _fail_hung(self, hung: list[Engine]) -> None:
         self.exit_code, self.failed_at = ENGINE_DIED_EXIT, time.monotonic()
         for engine in hung:
-            seconds = engine.runner.executor.stalled_s()
+            seconds = engine.executor.stalled_s()
             if self.lost_rank is not None:  # stepserve launch saw the rank exit
                 why, reason = f"{self.lost_rank} (stepserve launch)", "pipeline group lost"
                 message = f"the pipeline group failed: {self.lost_rank}; the group is restarting"

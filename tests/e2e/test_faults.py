@@ -197,12 +197,12 @@ sys.exit(main())
 FAILING_WARMUP = """
 import sys
 import models
-from service.engine.runner import ModelRunner
+from service.engine.executor import Executor
 
 def warm(self, *args, **kwargs):
     raise RuntimeError("injected warm-up fault")
 
-ModelRunner.warm = warm
+Executor.warm = warm
 from service.cli import main
 sys.exit(main())
 """

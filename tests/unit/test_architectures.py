@@ -17,10 +17,9 @@ from models import gemma3_text
 from models.errors import ModelLoadError
 from models.loader import LoadedModel, load_model
 from service.engine.buckets import BucketTable
-from service.engine.compile_cache import CompileCache
-from service.engine.runner import ModelRunner
+from service.engine.core import Engine
 from service.engine.sequence import SamplingParams, Sequence
-from tests.support import ON_GPU, mlx_lm_greedy, tiny_config, write_lm_dir
+from tests.support import ON_GPU, engine_at, mlx_lm_greedy, tiny_config, write_lm_dir
 
 TOL = 3e-2 if ON_GPU else 1e-3
 STEPS = 14
@@ -62,45 +61,46 @@ CASES = [
 ]
 
 
-def admit(runner: ModelRunner, live: list[Sequence], prompt: list[int], how: str) -> tuple[Sequence, mx.array]:
+def admit(engine: Engine, live: list[Sequence], prompt: list[int], how: str) -> tuple[Sequence, mx.array]:
     """Prefill ``prompt`` (whole, or in chunks of 8 on a staging cache) and copy it into a free
     decode slot, as the engine does; returns the sequence and its first logits [V]."""
     seq = Sequence(prompt, SamplingParams(), detokenizer=None, emit=lambda e: None)  # type: ignore[arg-type]
     if how == "whole":
-        logits, kv = runner.prefill([prompt])
+        logits, kv = engine.prefiller.prefill([prompt])
     else:
-        kv = runner.new_kv(1, 32)
+        kv = engine.executor.new_kv(1, 32)
         for offset in range(0, len(prompt), 8):
             part = prompt[offset : offset + 8]
             tokens = mx.array([part + [0] * (8 - len(part))], mx.int32)
-            fn = runner.step_fn("chunk", 1, 8, 32)
+            fn = engine.executor.step_fn("chunk", 1, 8, 32)
             logits, kv = fn(
-                runner.model.params, tokens, mx.array([offset], mx.int32), mx.array([len(part)], mx.int32), kv
+                engine.model.params, tokens, mx.array([offset], mx.int32), mx.array([len(part)], mx.int32), kv
             )
     seq.position = len(prompt)
-    runner.fit(live, [seq])
+    engine.batch.fit(live, [seq])
     taken = {s.slot for s in live}
-    runner.insert(seq, next(i for i in range(runner.kv.batch) if i not in taken), kv, 0)  # type: ignore[union-attr]
+    engine.batch.insert(seq, next(i for i in range(engine.batch.kv.batch) if i not in taken), kv, 0)  # type: ignore[union-attr]
     return seq, logits[0]
 
 
 def run_batched(model: LoadedModel) -> list[tuple[list[int], list[mx.array]]]:
-    """Each prompt of :data:`PROMPTS`'s greedy tokens and logits through the runner, joining
+    """Each prompt of :data:`PROMPTS`'s greedy tokens and logits through the engine's prefiller,
+    decode batch and runner, joining
     the running batch at its step; the batch and capacity buckets move as rows join and grow."""
-    runner = ModelRunner(model, BUCKETS, CompileCache(True, lambda *a: None, lambda s: None))
+    engine = engine_at(model, BUCKETS)
     live: list[Sequence] = []
     out: dict[int, tuple[list[int], list[mx.array]]] = {}
     for step in range(STEPS + PROMPTS[-1][1] + 1):
         for prompt, joins, how in PROMPTS:
             if joins == step:
-                seq, logits = admit(runner, live, prompt, how)
+                seq, logits = admit(engine, live, prompt, how)
                 seq.output_ids.append(int(mx.argmax(logits)))
                 live.append(seq)
                 out[id(seq)] = ([seq.output_ids[-1]], [logits])
-        slots: list[Sequence | None] = [None] * runner.kv.batch  # type: ignore[union-attr]
+        slots: list[Sequence | None] = [None] * engine.batch.kv.batch  # type: ignore[union-attr]
         for s in live:
             slots[s.slot] = s
-        logits = runner.decode(slots, mx.array([s.output_ids[-1] if s else 0 for s in slots], mx.int32))
+        logits = engine.runner.decode(slots, mx.array([s.output_ids[-1] if s else 0 for s in slots], mx.int32))
         for seq in live:
             tokens, history = out[id(seq)]
             history.append(logits[seq.slot])
@@ -108,7 +108,7 @@ def run_batched(model: LoadedModel) -> list[tuple[list[int], list[mx.array]]]:
             seq.output_ids.append(int(mx.argmax(logits[seq.slot])))
             tokens.append(seq.output_ids[-1])
         live = [s for s in live if len(s.output_ids) <= STEPS]
-        runner.fit(live)
+        engine.batch.fit(live)
         if not live:
             break
     return [out[k] for k in list(out)]

@@ -8,9 +8,8 @@ import pytest
 from models.default import default_model_path
 from models.loader import load_model
 from service.engine.buckets import BucketTable
-from service.engine.compile_cache import CompileCache
-from service.engine.runner import ModelRunner
-from tests.support import ON_GPU
+from service.engine.core import Engine
+from tests.support import ON_GPU, engine_at
 
 PROMPTS = [
     "Hi",
@@ -27,24 +26,23 @@ STEPS = 6
 
 
 @pytest.fixture(scope="module")
-def runner() -> ModelRunner:
+def engine() -> Engine:
     model = load_model(default_model_path(), "smol", mx.float32, "dequantized")
-    buckets = BucketTable(batch=(1, 8), prompt=(32, 64), capacity=(128,))
-    return ModelRunner(model, buckets, CompileCache(True, lambda *a: None, lambda s: None))
+    return engine_at(model, BucketTable(batch=(1, 8), prompt=(32, 64), capacity=(128,)))
 
 
-def greedy_run(runner: ModelRunner, prompts: list[list[int]]) -> tuple[list[list[int]], list[mx.array]]:
+def greedy_run(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[mx.array]]:
     """Prefill the prompts together, then decode STEPS greedy tokens for all of them."""
-    logits, prompt_kv = runner.prefill(prompts)
-    n, C = len(prompts), runner.buckets.capacity[0]
+    logits, prompt_kv = engine.prefiller.prefill(prompts)
+    n, C = len(prompts), engine.buckets.capacity[0]
     kv = prompt_kv.resized(C)
     history = [logits[:n]]
     tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
     positions = mx.array([len(p) for p in prompts] + [0] * (kv.batch - n), mx.int32)
     out = [tokens[:n].tolist()]
-    decode = runner.step_fn("decode", kv.batch, C)
+    decode = engine.executor.step_fn("decode", kv.batch, C)
     for _ in range(STEPS):
-        logits, kv = decode(runner.model.params, tokens, positions, kv)
+        logits, kv = decode(engine.model.params, tokens, positions, kv)
         history.append(logits[:n])
         tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
         positions = positions + 1
@@ -52,13 +50,13 @@ def greedy_run(runner: ModelRunner, prompts: list[list[int]]) -> tuple[list[list
     return [list(col) for col in zip(*out, strict=True)], history
 
 
-def test_greedy_tokens_alone_equal_tokens_in_a_batch_of_8(runner, capsys):
-    ids = [runner.model.tokenizer.encode(p) for p in PROMPTS]
-    assert len({runner.buckets.prompt_for(len(i)) for i in ids}) == 2  # mixed lengths, padded to 64
-    batched_tokens, batched_logits = greedy_run(runner, ids)
+def test_greedy_tokens_alone_equal_tokens_in_a_batch_of_8(engine, capsys):
+    ids = [engine.model.tokenizer.encode(p) for p in PROMPTS]
+    assert len({engine.buckets.prompt_for(len(i)) for i in ids}) == 2  # mixed lengths, padded to 64
+    batched_tokens, batched_logits = greedy_run(engine, ids)
     worst = 0.0
     for i, prompt in enumerate(ids):
-        alone_tokens, alone_logits = greedy_run(runner, [prompt])
+        alone_tokens, alone_logits = greedy_run(engine, [prompt])
         assert batched_tokens[i] == alone_tokens[0], f"prompt {i}: tokens differ alone vs in a batch"
         for a, b in zip(alone_logits, batched_logits, strict=True):
             worst = max(worst, mx.abs(a[0] - b[i]).max().item())

@@ -19,8 +19,8 @@ def test_each_measured_prompt_hits_the_cached_system_prompt_and_leaves_the_batch
     bench = HitBench(
         model, BucketTable((1, 4, 8), (16, 64), (256,)), prefix_tokens=96, tail_tokens=9, live=3, block_tokens=8
     )
-    prefix = bench.runner.prefix
-    live = [s for s in bench.runner.slots if s is not None]
+    prefix = bench.engine.prefix
+    live = bench.engine.batch.live
     assert len(live) == 3
     hit_before = prefix.hit_tokens
     parts = bench.parts_s()
@@ -29,7 +29,7 @@ def test_each_measured_prompt_hits_the_cached_system_prompt_and_leaves_the_batch
     hit_before = prefix.hit_tokens
     assert bench.iteration_s(4) > 0
     assert prefix.hit_tokens - hit_before == 4 * 96
-    assert [s for s in bench.runner.slots if s is not None] == live  # the hits' slots were freed
+    assert bench.engine.batch.live == live  # the hits' slots were freed
 
 
 def test_arguments_that_cannot_fit_are_refused_before_the_model_loads(capsys):

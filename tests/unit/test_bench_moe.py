@@ -60,10 +60,10 @@ def test_stepserve_steps_each_take_the_previous_steps_cache(tiny, monkeypatch):
     """As the runner does: the timer keeps only the latest cache, so the step's cache write
     can be in place (a cache held for every step makes each layer's scatter copy it first)."""
     from service.bench import profile
-    from service.engine.runner import ModelRunner
+    from service.engine.executor import Executor
 
     calls = []
-    step_fn = ModelRunner.step_fn
+    step_fn = Executor.step_fn
 
     def spy(self, phase, *args):
         fn = step_fn(self, phase, *args)
@@ -77,7 +77,7 @@ def test_stepserve_steps_each_take_the_previous_steps_cache(tiny, monkeypatch):
 
         return decode
 
-    monkeypatch.setattr(ModelRunner, "step_fn", spy)
+    monkeypatch.setattr(Executor, "step_fn", spy)
     figures = profile.stepserve_timer(tiny[1], 2, 32, 3, 2)()
     assert figures["pipelined_step_s"] > 0 and len(calls) > 5
     for (_, before), (after, _) in zip(calls, calls[1:], strict=False):

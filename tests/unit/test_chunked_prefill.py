@@ -9,10 +9,9 @@ from models.default import default_model_path
 from models.kv_cache import KVCache
 from models.llama import decode, prefill, prefill_chunk
 from models.loader import load_model
-from service.engine.compile_cache import CompileCache
-from service.engine.executor import Executor
+from service.engine.buckets import BucketTable
 from service.engine.prefix_cache import PrefixCache
-from tests.support import ON_GPU
+from tests.support import ON_GPU, engine_at
 
 TOL = 3e-2 if ON_GPU else 1e-3
 STEPS = 4
@@ -102,7 +101,7 @@ def test_hits_whose_last_chunks_run_in_one_call_match_each_prefilled_whole(model
     prefix.insert(shared, kv)
     tails = [model.tokenizer.encode(f" Question {i}: " + "why?" * (1 + 3 * i)) for i in range(3)]
     prompts = [shared + tail for tail in tails]
-    executor = Executor(model, CompileCache(True, lambda *a: None, lambda s: None))
+    executor = engine_at(model, BucketTable(batch=(4,), prompt=(64,), capacity=(256,))).executor
     executor.batches_chunks = True  # as on a GPU (a CPU runs chunks one by one)
     staged, tokens, offsets, lengths = [], [], [], []
     for ids in prompts:

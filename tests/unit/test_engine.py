@@ -13,14 +13,14 @@ from prometheus_client import CollectorRegistry
 
 from models.loader import LoadedModel
 from service.engine.buckets import BucketTable
-from service.engine.compile_cache import CompileCache
-from service.engine.core import Engine, WarmupSpec
+from service.engine.core import Engine
 from service.engine.executor import Executor
 from service.engine.prefix_cache import PrefixCache
 from service.engine.runner import ModelRunner
 from service.engine.sequence import FinalEvent, FinishReason, SamplingParams, Sequence, TokenEvent
+from service.engine.warmup import WarmupSpec
 from service.metrics import Metrics
-from tests.support import TINY, WordTokenizer, prefill_one, random_params
+from tests.support import TINY, WordTokenizer, engine_at, prefill_one, random_params, start_engine
 
 BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(8, 16), capacity=(16, 24, 32))
 
@@ -45,16 +45,16 @@ def chunking_engine(params, stop: frozenset[int], prefix_bytes: int) -> tuple[En
     step, with a prefix cache of ``prefix_bytes`` in blocks of 4 tokens, and its metrics."""
     model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(stop), mx.float32, "dequantized", 0.0)
     metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
-    engine = Engine(
+    engine = engine_at(
         model,
         BUCKETS,
-        CompileCache(True, lambda *a: None, lambda s: None),
         metrics,
-        chunk_tokens=8,
+        prefill_chunk_tokens=8,
         max_batched_tokens=16,
-        prefix=PrefixCache(block_tokens=4, budget_bytes=prefix_bytes),
+        prefix_block_tokens=4,
+        prefix_cache_bytes=prefix_bytes,
     )
-    engine.runner.executor.batches_chunks = True  # as on a GPU (the CPU's default runs them one by one)
+    engine.executor.batches_chunks = True  # as on a GPU (the CPU's default runs them one by one)
     return engine, metrics
 
 
@@ -74,7 +74,7 @@ def run_engine(
     the engine's metrics."""
     engine, metrics = chunking_engine(params, stop, prefix_bytes)
     model = engine.model
-    engine.start(WarmupSpec(prompt_tokens=8, batch=warm_batch))
+    start_engine(engine, WarmupSpec(prompt_tokens=8, batch=warm_batch))
     assert engine.ready.wait(60)
     results: list[tuple[list[int], FinalEvent] | None] = [None] * len(requests)
     done = threading.Semaphore(0)
@@ -198,7 +198,9 @@ def test_a_prompts_blocks_are_saved_after_its_first_token_is_sent(params, monkey
     order: list[str] = []
     insert_rows, decode_requests = PrefixCache.insert_rows, ModelRunner.decode_requests
     monkeypatch.setattr(PrefixCache, "insert_rows", lambda *a: (order.append("save"), insert_rows(*a))[1])
-    monkeypatch.setattr(ModelRunner, "decode_requests", lambda *a: (order.append("decode"), decode_requests(*a))[1])
+    monkeypatch.setattr(
+        ModelRunner, "decode_requests", lambda *a, **k: (order.append("decode"), decode_requests(*a, **k))[1]
+    )
     system = list(range(40, 52))  # 12 tokens: 3 blocks of 4
     finals: list[FinalEvent] = []
 
@@ -225,13 +227,7 @@ def test_a_prompts_blocks_are_saved_after_its_first_token_is_sent(params, monkey
 
 def test_a_request_cancelled_mid_prefill_frees_everything(params):
     model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
-    engine = Engine(
-        model,
-        BUCKETS,
-        CompileCache(True, lambda *a: None, lambda s: None),
-        Metrics(CollectorRegistry(), version="test", device="cpu"),
-        chunk_tokens=8,
-    )
+    engine = engine_at(model, BUCKETS, prefill_chunk_tokens=8)
     ended = threading.Event()
     finals: list[FinalEvent] = []
 
@@ -265,13 +261,8 @@ def test_the_rehearsal_grows_a_decoding_batch_through_each_batch_bucket(params, 
 
     monkeypatch.setattr(KVCache, "batch_resized", spy)
     model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
-    engine = Engine(
-        model,
-        BUCKETS,
-        CompileCache(True, lambda *a: None, lambda s: None),
-        Metrics(CollectorRegistry(), version="t", device="cpu"),
-    )
-    engine.start(WarmupSpec(prompt_tokens=8, batch=4))
+    engine = engine_at(model, BUCKETS)
+    start_engine(engine, WarmupSpec(prompt_tokens=8, batch=4))
     try:
         assert engine.ready.wait(60)
     finally:
@@ -297,8 +288,8 @@ def test_the_rehearsal_fills_holes_in_a_decoding_batch(params, monkeypatch):
     model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
     metrics = Metrics(CollectorRegistry(), version="t", device="cpu")
     buckets = BucketTable(batch=(1, 8), prompt=(8, 16), capacity=(16, 24, 32))
-    engine = Engine(model, buckets, CompileCache(True, lambda *a: None, lambda s: None), metrics)
-    engine.start(WarmupSpec(prompt_tokens=8, batch=8))
+    engine = engine_at(model, buckets, metrics)
+    start_engine(engine, WarmupSpec(prompt_tokens=8, batch=8))
     try:
         assert engine.ready.wait(60)
     finally:
@@ -322,8 +313,8 @@ def test_the_rehearsal_prefills_one_prompt_sent_twice_in_one_row(params, monkeyp
     monkeypatch.setattr(Prefiller, "_whole", spy)
     model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
     metrics = Metrics(CollectorRegistry(), version="t", device="cpu")
-    engine = Engine(model, BUCKETS, CompileCache(True, lambda *a: None, lambda s: None), metrics)
-    engine.start(WarmupSpec(prompt_tokens=8, batch=4))
+    engine = engine_at(model, BUCKETS, metrics)
+    start_engine(engine, WarmupSpec(prompt_tokens=8, batch=4))
     try:
         assert engine.ready.wait(60)
     finally:
@@ -343,7 +334,7 @@ def test_the_rehearsal_runs_several_prompts_last_chunks_in_one_call(params, monk
 
     monkeypatch.setattr(Executor, "chunk_rows", spy)
     engine, _ = chunking_engine(params, frozenset(), 10**7)
-    engine.start(WarmupSpec(prompt_tokens=24, batch=4, chunk_tokens=8, max_batched_tokens=16))
+    start_engine(engine, WarmupSpec(prompt_tokens=24, batch=4, chunk_tokens=8, max_batched_tokens=16))
     try:
         assert engine.ready.wait(60), engine.not_ready_reason
     finally:
@@ -356,8 +347,8 @@ def test_the_rehearsal_fits_a_waiting_queue_shorter_than_its_bursts(params):
     instead of failing warm-up (the engine then never becomes ready)."""
     model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
     metrics = Metrics(CollectorRegistry(), version="t", device="cpu")
-    engine = Engine(model, BUCKETS, CompileCache(True, lambda *a: None, lambda s: None), metrics, max_waiting=1)
-    engine.start(WarmupSpec(prompt_tokens=8, batch=4))
+    engine = engine_at(model, BUCKETS, metrics, max_waiting=1)
+    start_engine(engine, WarmupSpec(prompt_tokens=8, batch=4))
     try:
         assert engine.ready.wait(60), engine.not_ready_reason
     finally:

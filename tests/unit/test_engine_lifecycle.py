@@ -14,14 +14,12 @@ from prometheus_client import CollectorRegistry
 from models.loader import LoadedModel
 from service.config import load_settings
 from service.engine.buckets import BucketTable
-from service.engine.compile_cache import CompileCache
-from service.engine.core import Engine
 from service.engine.sequence import FinalEvent, FinishReason, SamplingParams, Sequence
 from service.engine.warmup import WarmupSpec
 from service.metrics import Metrics
 from service.process.memory import worst_case
 from service.process.startup import MemoryBudgetError, buckets_of, check_memory
-from tests.support import TINY, WordTokenizer, random_params
+from tests.support import TINY, WordTokenizer, engine_at, random_params, start_engine
 
 BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(8, 16), capacity=(16, 32))
 
@@ -51,8 +49,8 @@ def sample(metrics: Metrics, name: str, **labels) -> float:
 
 def test_a_cancel_with_a_reason_ends_the_request_with_it(model):
     metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
-    engine = Engine(model, BUCKETS, CompileCache(True, lambda *a: None, lambda s: None), metrics)
-    engine.start(WarmupSpec(prompt_tokens=0))
+    engine = engine_at(model, BUCKETS, metrics)
+    start_engine(engine, WarmupSpec(prompt_tokens=0))
     assert engine.ready.wait(60)
     try:
         seq, finals, ended = request(model, max_tokens=10)
@@ -72,7 +70,7 @@ def test_a_cancel_with_a_reason_ends_the_request_with_it(model):
 
 def test_a_dead_engines_requests_end_through_the_one_finish_path(model):
     metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
-    engine = Engine(model, BUCKETS, CompileCache(True, lambda *a: None, lambda s: None), metrics)
+    engine = engine_at(model, BUCKETS, metrics)
     # Never started, as after its thread died: the requests it holds wait forever unless failed.
     running, waiting = request(model), request(model)
     engine.submit(running[0])

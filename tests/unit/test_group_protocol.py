@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import cast
 
 import mlx.core as mx
-from prometheus_client import CollectorRegistry
 
 from models.kv_cache import KVCache
 from models.loader import LoadedModel
@@ -23,13 +22,12 @@ from service.engine import follower as follower_module
 from service.engine import group
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
-from service.engine.core import Engine, WarmupSpec
+from service.engine.core import Engine
 from service.engine.executor import Executor
 from service.engine.follower import Follower
-from service.engine.prefix_cache import PrefixCache
 from service.engine.sequence import FinalEvent, SamplingParams, Sequence
-from service.metrics import Metrics
-from tests.support import TINY, WordTokenizer, random_params
+from service.engine.warmup import WarmupSpec
+from tests.support import TINY, WordTokenizer, engine_at, random_params, start_engine
 
 BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(8, 48), capacity=(64, 128))
 FIRST = [[1 + (7 * i + j) % 90 for i in range(n)] for j, n in enumerate((40, 45, 41, 55, 5))]
@@ -55,23 +53,18 @@ class Rank:
 LEADER, FOLLOWER = Rank(0), Rank(1)
 
 
-def cache() -> CompileCache:
-    return CompileCache(True, lambda *a: None, lambda s: None)
-
-
 def serve(model: LoadedModel) -> tuple[list[list[int]], Engine]:
     """Greedy tokens of FIRST (the fourth alone, the others joining its batch) and then SECOND,
     from a real engine thread, and the engine."""
-    engine = Engine(
+    engine = engine_at(
         model,
         BUCKETS,
-        cache(),
-        Metrics(CollectorRegistry(), version="test", device="cpu"),
-        chunk_tokens=48,
+        prefill_chunk_tokens=48,
         max_batched_tokens=192,
-        prefix=PrefixCache(block_tokens=8, budget_bytes=20 * BLOCK_BYTES),  # fewer blocks than the prompts'
+        prefix_block_tokens=8,
+        prefix_cache_bytes=20 * BLOCK_BYTES,  # fewer blocks than the prompts'
     )
-    engine.start(WarmupSpec(prompt_tokens=8, batch=2))
+    start_engine(engine, WarmupSpec(prompt_tokens=8, batch=2))
     assert engine.ready.wait(120)
     outputs: list[list[int]] = [[] for _ in FIRST + SECOND]
     started, done = threading.Event(), [threading.Event() for _ in outputs]
@@ -117,20 +110,21 @@ def test_a_follower_replays_rank_0_and_frees_what_rank_0_dropped(monkeypatch):
     whole = LoadedModel("tiny", Path("-"), TINY, random_params(seed=5), tokenizer, mx.float32, "dequantized", 0.0)
     alone, _ = serve(whole)
     in_group, engine = serve(replace(whole, group=cast(mx.distributed.Group, LEADER)))
-    leader = engine.runner.executor
+    leader = engine.executor
     assert isinstance(leader, group.GroupLeader) and in_group == alone
-    assert engine.runner.prefix.evicted_blocks > 0 and engine.runner.prefix.hit_tokens > 0
+    assert engine.prefix.evicted_blocks > 0 and engine.prefix.hit_tokens > 0
     ops = {m[0] for m in sent}
     assert {op.value for op in group.Op} - ops <= {group.Op.IDLE}  # every other operation ran
     assert any(len(m) > group.HEADER for m in sent)  # a prefill's tokens took a second broadcast
 
-    follower = Follower(Executor(replace(whole, group=cast(mx.distributed.Group, FOLLOWER)), cache()))
+    compiled = CompileCache(True, lambda *a: None, lambda s: None)  # the follower's own, as a rank's process has
+    follower = Follower(Executor(replace(whole, group=cast(mx.distributed.Group, FOLLOWER)), compiled))
     while follower.step():
         pass
     assert not sent
     held = {handle: cast(tuple, finalizer.peek())[0] for handle, finalizer in leader._handles.values()}  # rank 0's
     assert set(follower.store) == set(held) | set(leader._frees)  # frees after the STOP message are not sent
-    assert len(held) == len(engine.runner.prefix) > 0  # the prefix cache's blocks: the decode cache is gone
+    assert len(held) == len(engine.prefix) > 0  # the prefix cache's blocks: the decode cache is gone
     for handle, array in held.items():
         mine = follower.store[handle]
         mine = mine.keys[0] if isinstance(mine, KVCache) else mine

@@ -8,16 +8,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry
 
 from models.loader import LoadedModel
 from service.engine.buckets import BucketTable
-from service.engine.compile_cache import CompileCache
 from service.engine.core import Engine
 from service.engine.processors import ProcessorInputs
 from service.engine.sequence import FinalEvent, SamplingParams, Sequence, TokenEvent
-from service.metrics import Metrics
-from tests.support import TINY, WordTokenizer, prefill_one, random_params
+from tests.support import TINY, WordTokenizer, engine_at, prefill_one, random_params
 
 BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(8, 16), capacity=(32,))
 PROMPT = [5, 9, 2, 7, 3]
@@ -28,12 +25,7 @@ def engine() -> Engine:
     model = LoadedModel(
         "tiny", Path("-"), TINY, random_params(), WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0
     )
-    return Engine(
-        model,
-        BUCKETS,
-        CompileCache(True, lambda *a: None, lambda s: None),
-        Metrics(CollectorRegistry(), version="test", device="cpu"),
-    )
+    return engine_at(model, BUCKETS)
 
 
 def run(engine: Engine, params: list[SamplingParams]) -> list[list]:
@@ -53,14 +45,14 @@ def run(engine: Engine, params: list[SamplingParams]) -> list[list]:
 
 def test_choices_of_one_prompt_share_one_prefill_row(engine):
     stats = []
-    original = engine.runner.prefill_requests
+    original = engine.prefiller.run
 
     def spy(seqs):
         out = original(seqs)
         stats.extend(out.steps)
         return out
 
-    engine.runner.prefill_requests = spy  # type: ignore[method-assign]
+    engine.prefiller.run = spy  # type: ignore[method-assign]
     outputs, _ = run(engine, [SamplingParams(max_tokens=4, temperature=0.0)] * 3)
     assert outputs[0] == outputs[1] == outputs[2]
     assert [(s.phase, s.rows) for s in stats] == [("prefill", 1)]  # three requests, one prompt row

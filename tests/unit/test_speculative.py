@@ -21,16 +21,24 @@ from models.loader import LoadedModel, ModelLoadError
 from models.sampling import filter_logits
 from service.config import ConfigError, load_settings
 from service.engine.buckets import BucketTable
-from service.engine.compile_cache import CompileCache
-from service.engine.core import Engine, WarmupSpec
-from service.engine.draft import DraftProposer
-from service.engine.lookup import NgramIndex, PromptLookup
+from service.engine.core import Engine
+from service.engine.lookup import NgramIndex
 from service.engine.sequence import SamplingParams, Sequence
-from service.engine.speculative import Speculator
+from service.engine.warmup import WarmupSpec
 from service.metrics import Metrics
 from service.process.memory import worst_case
 from service.process.startup import MemoryBudgetError, check_memory, draft_name, load_models
-from tests.support import ATOL, TINY, WordTokenizer, new_cache, prefill_one, random_params, write_dir
+from tests.support import (
+    ATOL,
+    TINY,
+    WordTokenizer,
+    engine_at,
+    new_cache,
+    prefill_one,
+    random_params,
+    start_engine,
+    write_dir,
+)
 
 BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(8, 16), capacity=(16, 32, 64))
 
@@ -58,16 +66,12 @@ def perturbed(params: dict, scale: float) -> dict:
 def make_engine(params, method: str | None = None, draft: dict | None = None, k: int = 3) -> tuple[Engine, Metrics]:
     model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
     metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
-    cache = CompileCache(True, lambda *a: None, lambda s: None)
-    engine = Engine(model, BUCKETS, cache, metrics, chunk_tokens=8, max_batched_tokens=16)
-    if method == "lookup":
-        Speculator(PromptLookup(), tokens=k, max_batch=4).attach(engine.runner)
-    elif method == "draft":
+    d = None
+    if method == "draft":
         tokenizer = WordTokenizer(frozenset())
         d = LoadedModel("tiny/draft", Path("-"), TINY, draft, tokenizer, mx.float32, "dequantized", 0.0)
-        Speculator(DraftProposer(d, BUCKETS, cache, 8), tokens=k, max_batch=4).attach(engine.runner)
-    if method:
-        metrics.init_speculative("tiny", method)
+    speculation = {} if method is None else {"speculative": method, "speculative_tokens": k, "speculative_max_batch": 4}
+    engine = engine_at(model, BUCKETS, metrics, d, prefill_chunk_tokens=8, max_batched_tokens=16, **speculation)
     engine.ready.set()  # record metrics (nothing else reads it when stepping by hand)
     return engine, metrics
 
@@ -237,14 +241,22 @@ def test_warm_up_calibrates_and_compiles_every_verify_step(params, method):
     the rehearsal) leaves nothing to compile: requests after ready miss no compiled step."""
     misses: list[tuple[str, str, str]] = []
     model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
-    cache = CompileCache(True, lambda m, p, b, hit: None if hit else misses.append((m, p, b)), lambda s: None)
     metrics = Metrics(CollectorRegistry(), version="t", device="cpu")
-    engine = Engine(model, BUCKETS, cache, metrics, chunk_tokens=8)
+    metrics.record_lookup = lambda m, p, b, hit: None if hit else misses.append((m, p, b))  # type: ignore[method-assign]
     draft = LoadedModel("tiny/draft", Path("-"), TINY, params, model.tokenizer, mx.float32, "dequantized", 0.0)
-    proposer = PromptLookup() if method == "lookup" else DraftProposer(draft, BUCKETS, cache, 8)
-    speculator = Speculator(proposer, tokens=2, max_batch=None if method == "lookup" else 2)
-    speculator.attach(engine.runner)
-    engine.start(WarmupSpec(prompt_tokens=16, batch=2, chunk_tokens=8, max_batched_tokens=16))
+    engine = engine_at(
+        model,
+        BUCKETS,
+        metrics,
+        draft if method == "draft" else None,
+        prefill_chunk_tokens=8,
+        speculative=method,
+        speculative_tokens=2,
+        speculative_max_batch=None if method == "lookup" else 2,
+    )
+    speculator = engine.speculator
+    assert speculator is not None
+    start_engine(engine, WarmupSpec(prompt_tokens=16, batch=2, chunk_tokens=8, max_batched_tokens=16))
     try:
         assert engine.ready.wait(120)
         assert set(speculator.calibration) == {"b1", "b2"}

@@ -14,7 +14,7 @@ class StuckEngine:
     """An engine whose thread waits on the group (``stalled`` seconds so far) and records fail()."""
 
     def __init__(self, stalled: float):
-        self.runner = SimpleNamespace(executor=SimpleNamespace(stalled_s=lambda: stalled))
+        self.executor = SimpleNamespace(stalled_s=lambda: stalled)
         self.model = SimpleNamespace(name="tiny")
         self.ready = SimpleNamespace(is_set=lambda: True)
         self.alive = True

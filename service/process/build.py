@@ -1,0 +1,119 @@
+"""The one builder of an engine from settings: the compile cache, the bucket table, the prefix
+cache and speculative decoding's proposer as the settings say, the engine (which composes its
+parts), its warm-up plan's extent, and the start of its thread with the warm-up driver.
+``stepserve serve`` (:mod:`service.api.app`), the offline entry point (:mod:`service.offline`),
+the benchmarks and the tests all build engines here."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+from functools import partial
+
+from prometheus_client import CollectorRegistry
+
+from models.loader import LoadedModel, device_name
+from service import __version__
+from service.config import ServedModel, Settings, load_settings
+from service.engine.compile_cache import CompileCache
+from service.engine.core import Engine
+from service.engine.draft import DraftProposer
+from service.engine.lookup import PromptLookup
+from service.engine.prefix_cache import PrefixCache
+from service.engine.warmup import WarmupSpec
+from service.metrics import Metrics
+from service.process import warmer
+from service.process.startup import buckets_of, warmup_extent
+from service.process.warm_sizing import Coverage
+
+log = logging.getLogger("stepserve")
+
+
+def build_engine(
+    settings: Settings, served: ServedModel, model: LoadedModel, metrics: Metrics, draft: LoadedModel | None = None
+) -> Engine:
+    """``model``'s engine as ``settings`` and its ``served`` entry (:meth:`Settings.served_models`)
+    say, not started: its compile cache (recording into ``metrics``), buckets, prefix cache,
+    running and waiting limits, prefill chunk and step token budget, and speculative decoding
+    (``draft``: the draft model, with ``speculative = 'draft'``)."""
+    cache = CompileCache(served.compile, metrics.record_lookup, metrics.record_compile)
+    buckets = buckets_of(served)
+    prefix = PrefixCache(settings.prefix_block_tokens, settings.prefix_cache_bytes)
+    chunk_tokens = min(settings.prefill_chunk_tokens, buckets.prompt[-1])  # as the engine clamps it
+    proposer: PromptLookup | DraftProposer | None = None
+    if served.speculative != "off":
+        proposer = PromptLookup() if draft is None else DraftProposer(draft, buckets, cache, chunk_tokens)
+    engine = Engine(
+        model,
+        buckets,
+        cache,
+        metrics,
+        settings.max_waiting,
+        served.max_sequences,
+        chunk_tokens,
+        settings.max_batched_tokens,
+        prefix,
+        proposer,
+        served.speculative_tokens,
+        served.speculative_max_batch,
+    )
+    if proposer is not None:
+        metrics.init_speculative(model.name, proposer.method)
+    log.info(
+        "model %s: %s, %.0f MB, %s weights, %s compute, compile %s",
+        model.name,
+        model.path,
+        model.nbytes / 1e6,
+        model.weights,
+        model.dtype,
+        served.compile,
+    )
+    return engine
+
+
+def warmup_spec(settings: Settings, served: ServedModel, engine: Engine) -> tuple[WarmupSpec, Coverage]:
+    """What ``engine``'s warm-up covers, and why (:func:`service.process.startup.warmup_extent`,
+    sized to the host on the CPU): its prompt tokens and concurrency, the capacities batches of
+    more than one row reach (prompt plus ``default_max_tokens``), the engine's chunk and step
+    budget, and the rehearsal."""
+    capacity_limit = engine.buckets.capacity[-1]
+    coverage = warmup_extent(served, engine.model, settings, engine.scheduler.max_running)
+    prompt_tokens, batch = coverage.prompt_tokens, coverage.batch
+    positions = None if prompt_tokens >= capacity_limit else prompt_tokens + settings.default_max_tokens
+    spec = WarmupSpec(
+        prompt_tokens,
+        batch,
+        positions,
+        engine.scheduler.chunk_tokens,
+        settings.max_batched_tokens,
+        coverage.rehearse,
+    )
+    return spec, coverage
+
+
+def start_engine(
+    engine: Engine,
+    spec: WarmupSpec,
+    progress: Callable[[int, str], None] | None = None,
+    http_rehearsal: Callable[[], Future[list[str]]] | None = None,
+) -> Engine:
+    """Start ``engine``'s thread: it warms up as ``spec`` says (:func:`service.process.warmer.warm_up`;
+    ``progress`` and ``http_rehearsal`` as there), then serves. Returns ``engine``."""
+    engine.start(partial(warmer.warm_up, spec=spec, progress=progress, http_rehearsal=http_rehearsal))
+    return engine
+
+
+def engine_for(
+    model: LoadedModel,
+    settings: Settings | None = None,
+    metrics: Metrics | None = None,
+    draft: LoadedModel | None = None,
+) -> Engine:
+    """``model``'s engine, not started, as ``settings`` (default: :func:`load_settings`'s) say for their
+    first served model (:func:`build_engine`), recording into ``metrics`` (default: a fresh
+    registry): an engine for one loaded model, as the benchmarks and tests build them."""
+    settings = settings if settings is not None else load_settings()
+    if metrics is None:
+        metrics = Metrics(CollectorRegistry(), version=__version__, device=device_name())
+    return build_engine(settings, settings.served_models()[0], model, metrics, draft)
