@@ -113,7 +113,7 @@ def _start_engine(
         settings.max_batched_tokens,
         prefix,
     )
-    if spec.speculative != "off":
+    if spec.speculative != "off" and model.args.windows is None:  # (sliding-window rings: plain, see load_models)
         proposer = (
             PromptLookup() if draft is None else DraftProposer(draft, buckets, cache, engine.scheduler.chunk_tokens)
         )

@@ -10,7 +10,7 @@ with the draft's K decode steps before it when there is a draft, read back (3 ru
 Each figure is the fastest of its runs (the least disturbed by other work on the machine). A
 bucket whose ratio ``speculative / plain`` is at least K + 1 (the most tokens a verify step can
 yield per row) never speculates, and its verify steps are not compiled; the others keep the
-ratio for the runtime decision (:meth:`Speculator._plan`).
+ratio for the runtime decision (:meth:`Speculator.plan`).
 """
 
 from __future__ import annotations
