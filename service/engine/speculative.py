@@ -37,15 +37,16 @@ speculates when the rows' expected extra tokens, ``sum(t_i - 1)``, exceed ``n * 
 
 **The cost bound.** A row's expectation counts toward a step only while its credit c is
 non-negative: c starts at 0, gains ``BUDGET`` (0.02) per plain step and ``t - r`` per verify
-step it counted toward (what that step gained or cost it, in plain-step times), and is capped at
-K. It enters such a step with c >= 0 and leaves with c >= 1 - r (t >= 1), so after S plain steps
-the verify steps a row counted toward cost it, net of their tokens, at most
-``BUDGET * S + (r - 1)``: 2% of its plain-step time and one verify step's extra cost, whatever
-its acceptance (alike when its average misleads: a middling, noisy acceptance near r). A
-prompt-lookup row whose proposals are never accepted costs nothing: each scored proposal gives
-t = 1, its expectation stays 1 token, and it never counts toward a verify step; it only rides
-along in those the other rows' expected tokens pay for. The ratio is the warm-up's, taken as
-what steps cost at run time.
+step it counted toward (what that step gained or cost it, in plain-step times), gains what a
+step it only rode along in gained it (never charged a cost), and is capped at K. It enters a
+step it counts toward with c >= 0 and leaves with c >= 1 - r (t >= 1), so after S plain steps
+the verify steps a row counted toward cost it, net of their tokens (and of what it gained riding
+along), at most ``BUDGET * S + (r - 1)``: 2% of its plain-step time and one verify step's extra
+cost, whatever its acceptance (alike when its average misleads: a middling, noisy acceptance
+near r). A prompt-lookup row whose proposals are never accepted costs nothing: each scored
+proposal gives t = 1, its expectation stays 1 token, and it never counts toward a verify step;
+it only rides along in those the other rows' expected tokens pay for. The ratio is the
+warm-up's, taken as what steps cost at run time (``service.engine.spec_warmup``).
 """
 
 from __future__ import annotations
@@ -206,13 +207,14 @@ class Speculator:
 
     def verified(self, request_id: str, proposed: int, accepted: int) -> None:
         """Record a verify step's outcome for a row that proposed ``proposed`` tokens and had
-        ``accepted`` of them accepted: its credit (when the plan counted its expectation) and,
+        ``accepted`` of them accepted: its credit (charged when the plan counted its
+        expectation, credited when the step gained it time) and,
         for a draft row, its acceptance average, next proposal length and probe wait (a probe
         that did not pay doubles the wait, up to ``PROBE_MAX`` steps). A prompt-lookup row's
         proposals are scored from its tokens (:meth:`plan`), whether verified or not."""
         state = self.rows.setdefault(request_id, RowState())
         paid = 1 + accepted - self._ratio  # plain-step times the step gained the row (negative: cost)
-        if request_id in self._counted:
+        if request_id in self._counted or paid > 0:  # (a row that rode along is charged nothing)
             state.credit = min(state.credit + paid, self.tokens)
         if isinstance(self.proposer, DraftProposer):
             state.rate = (1 - SMOOTHING) * state.rate + SMOOTHING * accepted / proposed
