@@ -21,12 +21,12 @@ gives row i t_i tokens (1 + its accepted proposals), where plain steps give 1 pe
 when ``sum(t_i) > n * r``. Each row carries its expected t (``RowState.tokens``), and a step
 speculates when the rows' expected extra tokens, ``sum(t_i - 1)``, exceed ``n * (r - 1)``.
 
-- Prompt lookup measures t without verifying: every step it proposes K tokens for each row (the
-  lookup is plain Python and cheap), and once the row's own tokens have come, the proposal is
-  scored by how many of them it guessed (for a greedy row exactly what a verify step would have
-  accepted; for a sampled row, matching, the same in distribution). ``tokens`` averages
-  1 + matched over the row's proposals and starts at 1: no verify step without evidence, and
-  none needed to gather it.
+- Prompt lookup measures t without verifying: every step of a batch bucket that may speculate,
+  it proposes up to K tokens for each row (plain Python, a few dictionary lookups), and once the
+  row's own tokens have come, the proposal is scored by how many of them it guessed (for a
+  greedy row exactly what a verify step would have accepted; for a sampled row, matching, the
+  same in distribution). ``tokens`` averages 1 + matched over the row's proposals and starts at
+  1: no verify step without evidence, and none needed to gather it.
 - A draft's proposals cost draft steps, so a draft row's t comes from its verify steps: an
   average acceptance rate a, ``t = 1 + a + ... + a^k`` (Leviathan et al. 2023, eq. 1) with
   ``k = round(a / (1 - a)) + 1`` proposals (the run length a geometric acceptance of rate a
@@ -207,11 +207,11 @@ class Speculator:
 
     def verified(self, request_id: str, proposed: int, accepted: int) -> None:
         """Record a verify step's outcome for a row that proposed ``proposed`` tokens and had
-        ``accepted`` of them accepted: its credit (charged when the plan counted its
-        expectation, credited when the step gained it time) and,
-        for a draft row, its acceptance average, next proposal length and probe wait (a probe
-        that did not pay doubles the wait, up to ``PROBE_MAX`` steps). A prompt-lookup row's
-        proposals are scored from its tokens (:meth:`plan`), whether verified or not."""
+        ``accepted`` of them accepted: its credit (charged when the plan counted its expectation,
+        credited when the step gained it time) and, for a draft row, its acceptance average,
+        next proposal length and probe wait (a probe that did not pay doubles the wait, up to
+        ``PROBE_MAX`` steps). A prompt-lookup row's proposals are scored from its tokens
+        (:meth:`plan`), whether verified or not."""
         state = self.rows.setdefault(request_id, RowState())
         paid = 1 + accepted - self._ratio  # plain-step times the step gained the row (negative: cost)
         if request_id in self._counted or paid > 0:  # (a row that rode along is charged nothing)
