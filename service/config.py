@@ -7,6 +7,7 @@ import os
 import re
 from argparse import ArgumentParser, Namespace
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -92,10 +93,12 @@ class Settings(BaseSettings):
         "it (0: warm nothing); without OpenBLAS this keeps the first start within minutes",
     )
     speculative: Literal["off", "lookup", "draft"] = Field(
-        "off",
+        "lookup",
         description="speculative decoding: 'lookup' proposes tokens copied from the prompt and output so far "
-        "(n-gram matching, no extra model), 'draft' a smaller model's tokens (draft_model); a verify step checks "
-        "them exactly; 'off': none (docs/SPECULATIVE.md)",
+        "(n-gram matching, no extra model; only where warm-up measured that a verify step can pay, and only for "
+        "rows whose proposals have been coming true; models with sliding-window layers and distributed groups "
+        "decode without it), 'draft' a smaller model's tokens (draft_model); a verify step checks them exactly; "
+        "'off': none (docs/SPECULATIVE.md)",
     )
     draft_model: Path | None = Field(
         None,
@@ -266,10 +269,14 @@ class Settings(BaseSettings):
         return self
 
     def served_models(self) -> list[ServedModel]:
-        """One entry per model to serve, each field resolved (its own value, else the top-level one)."""
+        """One entry per model to serve, each field resolved (its own value, else the top-level one;
+        ``speculative = "lookup"`` is off in a distributed group)."""
         base = {field: getattr(self, top) for field, top in INHERITED.items()}
         specs = self.models or [ModelSettings(name=self.model_name)]
-        return [ServedModel(**{**base, **spec.model_dump(exclude_none=True)}) for spec in specs]
+        served = [ServedModel(**{**base, **spec.model_dump(exclude_none=True)}) for spec in specs]
+        if self.distributed:  # a verify step runs in one process: a group decodes plain (a draft is refused)
+            served = [replace(m, speculative="off") if m.speculative == "lookup" else m for m in served]
+        return served
 
 
 def add_serve_flags(parser: ArgumentParser) -> CliSettingsSource[ArgumentParser]:

@@ -61,13 +61,12 @@ def join_blocks(blocks: list[mx.array], capacity: int | None = None) -> KVCache:
     zeroed buffer of their own, laid out as a cache from :meth:`KVCache.allocate` is. Views
     into the one concatenation would save those copies, but the compiled chunk step's attention
     on CUDA (cuDNN) builds its plan for the layout of its inputs: a hit's first chunk at each
-    (T, C) then built a second one, under a request, that warm-up (on zeroed caches) never ran
-    (docs/BENCHMARKS.md, runs 21 and 22).
+    (T, C) then built a second one, under a request, that warm-up (on zeroed caches) never ran.
 
     The concatenation takes :func:`padded_block_count` inputs, the blocks then zero blocks: on
     CUDA it is one copy per input, and MLX builds a CUDA graph the first time it meets a new
-    sequence of kernels, so each new block count built one under a request (docs/BENCHMARKS.md,
-    run 27); padded, the counts up to a power of two share one.
+    sequence of kernels, so each new block count built one under a request; padded, the counts
+    up to a power of two share one.
     """
     block_tokens = blocks[0].shape[3]
     positions = len(blocks) * block_tokens

@@ -55,11 +55,15 @@ class PromptLookup:
     def __init__(self) -> None:
         self._index: dict[str, NgramIndex] = {}
 
-    def propose(self, request_id: str, tokens: list[int], k: int) -> list[int]:
-        """Up to ``k`` proposed tokens to follow ``tokens`` (the request's prompt and output so
-        far; it only grows between calls for one request)."""
+    def propose(self, request_id: str, prompt: list[int], output: list[int], k: int) -> list[int]:
+        """Up to ``k`` proposed tokens to follow the request's ``prompt`` and ``output`` so far
+        (they only grow between calls for one request; only the new tokens are read)."""
         index = self._index.setdefault(request_id, NgramIndex())
-        index.extend(tokens[len(index.tokens) :])
+        seen = len(index.tokens)
+        if seen < len(prompt):
+            index.extend(prompt[seen:] + output)
+        else:
+            index.extend(output[seen - len(prompt) :])
         return index.propose(k) if k > 0 else []
 
     def forget(self, keep: set[str]) -> None:

@@ -10,7 +10,15 @@ with the draft's K decode steps before it when there is a draft, read back (3 ru
 Each figure is the fastest of its runs (the least disturbed by other work on the machine). A
 bucket whose ratio ``speculative / plain`` is at least K + 1 (the most tokens a verify step can
 yield per row) never speculates, and its verify steps are not compiled; the others keep the
-ratio for the runtime decision (:meth:`Speculator._plan`).
+ratio for the runtime decision (:meth:`Speculator.plan`), where it is r: a verify step speculates
+only when the rows' expected tokens beat it, and each row's credit is charged by it.
+
+The ratio is measured on greedy steps of device work: a sampled batch's verify step also draws
+its keys and accepts (``spec_keys``, ``spec_accept``), each verify step does host work a plain
+step hides behind the device (it is read back, and the plain step in flight is read back
+before it), and larger capacities cost both steps more. Where those make a verify step dearer
+than measured, the decision speculates slightly more than it should; the bound it states holds
+against the measured ratio.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from service.engine.warmup import Step
 
 log = logging.getLogger("stepserve.engine")
 PLAIN_STEPS = 4  # pipelined decode steps timed per batch bucket
-REPEATS = 3  # verify steps timed per batch bucket (median)
+REPEATS = 3  # runs timed per batch bucket (the fastest counts)
 
 
 def warm(

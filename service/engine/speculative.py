@@ -16,14 +16,38 @@ penalties, a logit bias or logprobs do not propose (k = 0): their token comes fr
 :meth:`TokenSelector.select` of plain steps on the verify step's first position, so they keep
 exactly the tokens of plain decoding.
 
-**Adaptivity.** Each row keeps an average of its acceptance (accepted / proposed); its next
-proposal length is ``round(a / (1 - a)) + 1`` (capped at K), the run length a geometric
-acceptance of rate ``a`` makes likely. A step speculates when the rows' expected tokens,
-``sum(1 + a + ... + a^k)`` (Leviathan et al. 2023, eq. 1), beat one token per row times the
-bucket's cost ratio (verify step / plain step, measured at warm-up), or when a row has proposed
-for ``PROBE`` plain steps without being verified (a probe, so that a row whose average started
-low can show that it copies); a probe that does not pay doubles that row's wait, and probes of a
-batch of n rows are at least ``PROBE * n`` plain steps apart (each costs the whole batch).
+**The decision** (:meth:`Speculator.plan`). Let r be the batch bucket's cost ratio (verify step
+/ plain step, measured at warm-up) and n the rows. A verify step takes r plain steps' time and
+gives row i t_i tokens (1 + its accepted proposals), where plain steps give 1 per step; it pays
+when ``sum(t_i) > n * r``. Each row carries its expected t (``RowState.tokens``), and a step
+speculates when the rows' expected extra tokens, ``sum(t_i - 1)``, exceed ``n * (r - 1)``.
+
+- Prompt lookup measures t without verifying: every step of a batch bucket that may speculate,
+  it proposes up to K tokens for each row (plain Python, a few dictionary lookups), and once the
+  row's own tokens have come, the proposal is scored by how many of them it guessed (for a
+  greedy row exactly what a verify step would have accepted; for a sampled row, matching, the
+  same in distribution). ``tokens`` averages 1 + matched over the row's proposals and starts at
+  1: no verify step without evidence, and none needed to gather it.
+- A draft's proposals cost draft steps, so a draft row's t comes from its verify steps: an
+  average acceptance rate a, ``t = 1 + a + ... + a^k`` (Leviathan et al. 2023, eq. 1) with
+  ``k = round(a / (1 - a)) + 1`` proposals (the run length a geometric acceptance of rate a
+  makes likely), starting from ``PRIOR``. A draft row whose t fell too low is verified anyway
+  after ``PROBE`` plain steps (doubling after each probe that did not pay, up to ``PROBE_MAX``),
+  so that it can show it drafts well again; probes of a batch are at least
+  ``(r - 1) / BUDGET`` plain steps apart (each costs the batch r - 1 plain steps).
+
+**The cost bound.** A row's expectation counts toward a step only while its credit c is
+non-negative: c starts at 0, gains ``BUDGET`` (0.02) per plain step and ``t - r`` per verify
+step it counted toward (what that step gained or cost it, in plain-step times), gains what a
+step it only rode along in gained it (never charged a cost), and is capped at K. It enters a
+step it counts toward with c >= 0 and leaves with c >= 1 - r (t >= 1), so after S plain steps
+the verify steps a row counted toward cost it, net of their tokens (and of what it gained riding
+along), at most ``BUDGET * S + (r - 1)``: 2% of its plain-step time and one verify step's extra
+cost, whatever its acceptance (alike when its average misleads: a middling, noisy acceptance
+near r). A prompt-lookup row whose proposals are never accepted costs nothing: each scored
+proposal gives t = 1, its expectation stays 1 token, and it never counts toward a verify step;
+it only rides along in those the other rows' expected tokens pay for. The ratio is the
+warm-up's, taken as what steps cost at run time (``service.engine.spec_warmup``).
 """
 
 from __future__ import annotations
@@ -46,20 +70,37 @@ from service.engine.selector import TokenSelector, observe
 from service.engine.sequence import Sequence
 from service.metrics import SpecStat, StepStat
 
-PRIOR = 0.5  # a new row's assumed acceptance rate
-SMOOTHING = 0.3  # weight of the newest step in a row's acceptance average
-PROBE = 8  # plain steps a proposing row waits before it is verified anyway (to measure its acceptance)
+PRIOR = 0.5  # a draft row's assumed acceptance rate before its first verify step
+SMOOTHING = 0.3  # weight of the newest outcome in a row's averages
+BUDGET = 0.02  # a row's credit per plain step: the share of its plain-step time verify steps may cost it
+PROBE = 8  # plain steps a proposing draft row waits before it is verified anyway (to measure its acceptance)
 PROBE_MAX = 256  # the longest wait: it doubles after each probe that did not pay
 
 
 @dataclass
 class RowState:
-    """A row's recent acceptance (exponential average) and its next proposal length."""
+    """A row's record for the speculate-or-not decision (see the module docstring).
 
+    Attributes:
+        tokens: expected tokens a verify step gives the row (1 + accepted proposals); prompt
+            lookup's average of its scored proposals, 1.0 before the first.
+        rate: a draft row's average acceptance (accepted / proposed).
+        k: a draft row's next proposal length.
+        credit: plain-step times verify steps may still cost the row; its expectation counts
+            only while it is >= 0.
+        pending: prompt lookup's proposals not scored yet: (the row's length in tokens, prompt
+            and output, when proposed; the proposed tokens).
+        waited: plain steps since a draft row proposed without being verified.
+        probe: a draft row's current wait before a probe.
+    """
+
+    tokens: float = 1.0
     rate: float = PRIOR
     k: int = 2
-    waited: int = 0  # plain steps since it proposed without being verified
-    probe: int = PROBE  # its current wait before a probe
+    credit: float = 0.0
+    pending: list[tuple[int, list[int]]] = field(default_factory=list)
+    waited: int = 0
+    probe: int = PROBE
 
 
 @dataclass
@@ -90,6 +131,8 @@ class Speculator:
     forced: bool = False
     rows: dict[str, RowState] = field(default_factory=dict)
     plain_steps: int = 0  # plain steps since the last verify step (probes are spaced by them)
+    _ratio: float = 1.0  # the ratio the latest plan was made with
+    _counted: set[str] = field(default_factory=set)  # the rows whose expectation the latest plan counted
     _zeros: dict[int, mx.array] = field(default_factory=dict, repr=False)
 
     @property
@@ -115,7 +158,7 @@ class Speculator:
             if isinstance(self.proposer, DraftProposer):
                 self.proposer.kv = None  # the batch is empty: its draft cache goes too
             return None
-        return self._plan(live)
+        return self.plan_rows(live)
 
     def verify(self, batch: DecodeBatch, plan: dict[str, list[int] | int]) -> RunnerOutput:
         """Run one verify step of ``batch`` with :meth:`plan`'s proposals, read back; the rows'
@@ -123,8 +166,10 @@ class Speculator:
         in flight)."""
         return self._step(batch, batch.live, plan)
 
-    def _plan(self, live: list[Sequence]) -> dict[str, list[int] | int] | None:
-        """Each row's proposals (lookup: the tokens; draft: how many), or None: do not speculate."""
+    def plan_rows(self, live: list[Sequence]) -> dict[str, list[int] | int] | None:
+        """:meth:`plan` for the rows ``live`` (the decision alone, no cache needed): each row's
+        proposals (lookup: the tokens; draft: how many, by request id), or None: a plain step.
+        A lookup row's earlier proposals are scored against the tokens it has now."""
         B = self.buckets.batch_for(len(live))
         ratio = self.ratios.get(B)  # None: a bucket the warm-up did not find worth it (or did not warm)
         unwarmed = not self.calibration and self.max_batch is not None and B <= self.max_batch  # (tests)
@@ -135,29 +180,74 @@ class Speculator:
             return None
         self._forget(live)
         plan: dict[str, list[int] | int] = {}
-        gain, probe = 0.0, False
+        gain, probe, counted = 0.0, False, set()
         for seq in live:
-            p = seq.params
-            room = p.max_tokens - len(seq.output_ids) - 1
+            room = seq.params.max_tokens - len(seq.output_ids) - 1
             if _selects(seq) or room <= 0:
                 continue
             state = self.rows.setdefault(seq.request_id, RowState(k=min(2, K)))
-            k = min(state.k, room)
             if isinstance(self.proposer, PromptLookup):
-                guess = self.proposer.propose(seq.request_id, seq.prompt_ids + seq.output_ids, k)
+                guess = self._lookup(seq, state, min(K, room))
                 if not guess:
                     continue
-                plan[seq.request_id], k = guess, len(guess)
+                plan[seq.request_id], expected = guess, min(state.tokens - 1, len(guess))
             else:
-                plan[seq.request_id] = k
-            gain += sum(state.rate**i for i in range(1, k + 1))
-            state.waited += 1
-            probe = probe or state.waited > state.probe
-        probe = probe and self.plain_steps >= PROBE * len(live)  # a probe costs the whole batch a verify step
-        if not plan or (len(live) + gain < len(live) * ratio and not probe):
-            self.plain_steps += 1
-            return None
-        return plan
+                k = min(state.k, room)
+                plan[seq.request_id], expected = k, sum(state.rate**i for i in range(1, k + 1))
+                state.waited += 1
+                probe = probe or (state.waited > state.probe and state.credit >= 0)
+            if state.credit >= 0:
+                gain += expected
+                counted.add(seq.request_id)
+        probe = probe and self.plain_steps * BUDGET >= ratio - 1  # a probe costs the whole batch r - 1 steps
+        if plan and (self.forced or gain > max(len(live) * (ratio - 1), 0.0) or probe):
+            self._ratio, self._counted = ratio, counted
+            return plan
+        self.plain_steps += 1
+        for seq in live:
+            if (state := self.rows.get(seq.request_id)) is not None:
+                state.credit = min(state.credit + BUDGET, K)
+        return None
+
+    def verified(self, request_id: str, proposed: int, accepted: int) -> None:
+        """Record a verify step's outcome for a row that proposed ``proposed`` tokens and had
+        ``accepted`` of them accepted: its credit (charged when the plan counted its expectation,
+        credited when the step gained it time) and, for a draft row, its acceptance average,
+        next proposal length and probe wait (a probe that did not pay doubles the wait, up to
+        ``PROBE_MAX`` steps). A prompt-lookup row's proposals are scored from its tokens
+        (:meth:`plan`), whether verified or not."""
+        state = self.rows.setdefault(request_id, RowState())
+        paid = 1 + accepted - self._ratio  # plain-step times the step gained the row (negative: cost)
+        if request_id in self._counted or paid > 0:  # (a row that rode along is charged nothing)
+            state.credit = min(state.credit + paid, self.tokens)
+        if isinstance(self.proposer, DraftProposer):
+            state.rate = (1 - SMOOTHING) * state.rate + SMOOTHING * accepted / proposed
+            run = state.rate / max(1 - state.rate, 1e-3)
+            state.k = max(1, min(self.tokens, round(run) + 1))
+            state.probe = PROBE if paid >= 0 else min(2 * state.probe, PROBE_MAX)
+            state.waited = 0
+
+    def _lookup(self, seq: Sequence, state: RowState, k: int) -> list[int]:
+        """Score the row's earlier proposals that its tokens now decide (into ``state.tokens``),
+        then propose up to ``k`` tokens (remembered, to be scored in turn)."""
+        offset, out = len(seq.prompt_ids), seq.output_ids
+        length = offset + len(out)
+        waiting = []
+        for at, guess in state.pending:
+            came = out[at - offset : at - offset + len(guess)]
+            matched = next((j for j, (a, b) in enumerate(zip(came, guess, strict=False)) if a != b), len(came))
+            if matched < len(came) or len(came) == len(guess):  # a miss, or every guess came true
+                state.tokens += SMOOTHING * (1 + matched - state.tokens)
+            else:
+                waiting.append((at, guess))
+        assert isinstance(self.proposer, PromptLookup)
+        guess = self.proposer.propose(seq.request_id, seq.prompt_ids, out, k)
+        if guess:
+            if waiting and waiting[-1][0] == length:  # planned again before a new token came
+                waiting.pop()
+            waiting.append((length, guess))
+        state.pending = waiting[-2 * self.tokens :]
+        return guess
 
     def _forget(self, live: list[Sequence]) -> None:
         keep = {s.request_id for s in live}
@@ -279,7 +369,7 @@ class Speculator:
             stat.tokens_per_row.append(counts[i])
             if guess is not None:
                 k = guess if isinstance(guess, int) else len(guess)
-                self._adapt(seq.request_id, k, counts[i] - 1)
+                self.verified(seq.request_id, k, counts[i] - 1)
                 stat.proposed.append(k)
                 stat.accepted.append(counts[i] - 1)
         lp = selected[2] if selected is not None else None
@@ -288,16 +378,6 @@ class Speculator:
             observe(column, [e[j] if len(e) > j else 0 for e in emitted], lp if j == 0 else None)
         out.tokens += [(s, t) for s, e in zip(rows, emitted, strict=True) if s is not None for t in e]
         out.spec.append(stat)
-
-    def _adapt(self, request_id: str, proposed: int, accepted: int) -> None:
-        """Update a verified row's acceptance average and next proposal length; a probe that
-        did not pay doubles the row's wait before the next (up to ``PROBE_MAX`` steps)."""
-        state = self.rows.setdefault(request_id, RowState())
-        state.rate = (1 - SMOOTHING) * state.rate + SMOOTHING * accepted / proposed
-        run = state.rate / max(1 - state.rate, 1e-3)
-        state.k = max(1, min(self.tokens, round(run) + 1))
-        state.probe = PROBE if accepted * 2 >= proposed else min(2 * state.probe, PROBE_MAX)
-        state.waited = 0
 
 
 def _selects(seq: Sequence) -> bool:

@@ -42,7 +42,7 @@ def build_engine(
     prefix = PrefixCache(settings.prefix_block_tokens, settings.prefix_cache_bytes)
     chunk_tokens = min(settings.prefill_chunk_tokens, buckets.prompt[-1])  # as the engine clamps it
     proposer: PromptLookup | DraftProposer | None = None
-    if served.speculative != "off":
+    if served.speculative != "off" and model.args.windows is None:  # (sliding-window rings decode plain: load_models)
         proposer = PromptLookup() if draft is None else DraftProposer(draft, buckets, cache, chunk_tokens)
     engine = Engine(
         model,

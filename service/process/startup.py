@@ -53,7 +53,7 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
     Raises:
         ModelLoadError: a file is missing, unreadable or unsupported (the message names it),
             a draft's vocabulary differs from its model's, or a model with sliding-window layers
-            is set to speculate.
+            is given a draft (with ``speculative = "lookup"`` it decodes plain).
     """
     log_cpu_blas()
     models = {}
@@ -63,7 +63,9 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
         if device_name() == "cpu" and None in (spec.warmup_prompt_tokens, spec.warmup_batch):
             args = models[spec.name].args  # the host's matmul rate (warmup_extent), before any engine runs
             warm_sizing.measure_gflops(args.hidden_size, args.intermediate_size, dtype)
-        if spec.speculative != "off" and models[spec.name].args.windows is not None:
+        if spec.speculative == "lookup" and models[spec.name].args.windows is not None:
+            log.info("model '%s' has sliding-window layers: it decodes without speculation", spec.name)
+        if spec.speculative == "draft" and models[spec.name].args.windows is not None:
             raise ModelLoadError(
                 f"model '{spec.name}': speculative = '{spec.speculative}' is not implemented for models with "
                 f"sliding-window layers (their decode cache is a ring a verify step cannot write); set "

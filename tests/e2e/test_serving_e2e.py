@@ -259,7 +259,8 @@ def test_compile_auto_chooses_per_bucket_and_answers_the_same(server):
         with auto.client() as client:
             ready = client.get("/readyz").json()["models"][MODEL]
             reply = client.post("/infer", json={"prompt": "The sky is", "max_tokens": 8}).json()
-        assert ready["compile"] == "auto" and ready["warmed"] == len(ready["buckets"])
+        planned = [k for k in ready["buckets"] if not k.startswith(("verify ", "spec_"))]  # (and speculation's)
+        assert ready["compile"] == "auto" and ready["warmed"] == len(planned)
         assert ready["compiled"] == sum(choice == "compiled" for choice in ready["buckets"].values())
         assert set(ready["buckets"].values()) <= {"compiled", "eager"} and "decode b1x256" in ready["buckets"]
         gauge = auto.metric("stepserve_compiled_step", phase="decode", bucket="b1x256")

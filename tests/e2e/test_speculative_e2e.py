@@ -1,8 +1,9 @@
 """Speculative decoding in a real `stepserve serve` over real HTTP (the default model, CPU,
-float32): one process serves the model twice, speculating with prompt lookup and with itself as
-its own draft; greedy answers (and, with prompt lookup, seeded sampled ones) are exactly those of
-the session's server without speculation, alone and in a mixed batch, across a capacity-bucket
-move; a model drafting for itself has every proposal accepted."""
+float32): one process serves the model three times, with prompt lookup (the default), with
+itself as its own draft, and without speculation; greedy answers (and, with prompt lookup,
+seeded sampled ones) are exactly those without speculation, alone and in a mixed batch, across
+a capacity-bucket move; a copying answer at the defaults accepts proposals; a model drafting for
+itself has every proposal accepted."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def spec_server(tmp_path_factory):
     small = "batch_buckets = [1, 2]\nprompt_buckets = [32, 64, 128, 256]\ncapacity_buckets = [256, 512]\n"
     config.write_text(
         "warmup_prompt_tokens = 32\nwarmup_rehearsal = false\n"
-        f'[[models]]\nname = "lookup"\nspeculative = "lookup"\n{small}\n'
+        f'[[models]]\nname = "lookup"\n{small}\n'  # speculative = "lookup" by default
+        f'[[models]]\nname = "plain"\nspeculative = "off"\n{small}\n'
         f'[[models]]\nname = "draft"\nspeculative = "draft"\ndraft_model = "{default_model_path()}"\n'
         f"speculative_tokens = 3\nspeculative_max_batch = 2\n{small}"
     )
@@ -50,9 +52,9 @@ def infer(server: ServerProcess, messages, model: str | None = None, **sampling)
     return reply.json()["text"]
 
 
-def test_answers_are_those_of_plain_decoding(server, spec_server):
-    plain = {name: infer(server, m) for name, m in (("copy", COPY), ("long", LONG))}
-    plain["sampled"] = infer(server, COPY, **SAMPLED)
+def test_answers_are_those_of_plain_decoding(spec_server):
+    plain = {name: infer(spec_server, m, "plain") for name, m in (("copy", COPY), ("long", LONG))}
+    plain["sampled"] = infer(spec_server, COPY, "plain", **SAMPLED)
     for model in ("lookup", "draft"):
         assert infer(spec_server, COPY, model) == plain["copy"], model
         assert infer(spec_server, LONG, model) == plain["long"], model
@@ -74,3 +76,4 @@ def test_answers_are_those_of_plain_decoding(server, spec_server):
     ready = spec_server.client().get("/readyz").json()["models"]
     assert any(k.startswith("verify b1x5c") for k in ready["lookup"]["buckets"])
     assert ready["draft"]["speculative"]["method"] == "draft"
+    assert ready["plain"]["speculative"] is None

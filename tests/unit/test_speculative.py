@@ -7,6 +7,7 @@ distribution (chi-square tests, seeded, so they do not flake)."""
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections import Counter
 from pathlib import Path
@@ -22,8 +23,9 @@ from models.sampling import filter_logits
 from service.config import ConfigError, load_settings
 from service.engine.buckets import BucketTable
 from service.engine.core import Engine
-from service.engine.lookup import NgramIndex
+from service.engine.lookup import NgramIndex, PromptLookup
 from service.engine.sequence import SamplingParams, Sequence
+from service.engine.speculative import Speculator
 from service.engine.warmup import WarmupSpec
 from service.metrics import Metrics
 from service.process.memory import worst_case
@@ -115,6 +117,97 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     index.extend([7])
     assert index.propose(2) == [9, 2]  # "5 6 7": the latest earlier occurrence wins
     assert NgramIndex().propose(3) == []
+
+
+class Repeater:
+    """A scripted row's model: the next token is the one prompt lookup would guess first with
+    probability ``p`` (a seeded coin per position), else another of ``vocab`` tokens. Over a
+    small vocabulary every suffix recurs, so lookup proposes at nearly every step; ``p = 0``: a
+    row whose proposals always fail, ``p = 1``: one that copies."""
+
+    def __init__(self, p: float, seed: int = 0, vocab: int = 6) -> None:
+        self.p, self.seed, self.vocab, self.index = p, seed, vocab, NgramIndex()
+
+    def next(self, tokens: list[int]) -> int:
+        self.index.extend(tokens[len(self.index.tokens) :])
+        guess = self.index.propose(1)
+        coin = random.Random(self.seed * 1_000_003 + len(tokens))
+        if guess and coin.random() < self.p:
+            return guess[0]
+        return guess[0] % self.vocab + 1 if guess else coin.randrange(1, self.vocab + 1)
+
+
+class StepRegistry:
+    """Where a speculator registers its step functions; the scripted policy runs none of them."""
+
+    def register(self, phase, spec) -> None:
+        pass
+
+
+class CountingLookup(PromptLookup):
+    proposals = 0  # calls that proposed something
+
+    def propose(self, request_id: str, prompt: list[int], output: list[int], k: int) -> list[int]:
+        guess = super().propose(request_id, prompt, output, k)
+        self.proposals += bool(guess)
+        return guess
+
+
+def decode_scripted(
+    model: Repeater, ratio: float, lookup: PromptLookup | None = None, steps: int = 256
+) -> tuple[int, int, int]:
+    """Decode one row for ``steps`` steps under the speculator's policy, a verify step costing
+    ``ratio`` plain steps (batch bucket 1, K = 4), each verify step greedy (proposals accepted
+    while they are the model's tokens, then its own). Returns (plain steps, verify steps, tokens)."""
+    buckets = BucketTable(batch=(1,), prompt=(16,), capacity=(1 << 30,))  # no capacity limit in sight
+    spec = Speculator(
+        lookup or PromptLookup(), StepRegistry(), None, buckets, tokens=4, ratios={1: ratio}, calibration={"b1": {}}
+    )
+    prompt = [1, 2, 3, 4, 5, 6, 1, 3, 5, 2, 4, 6]
+    seq = Sequence(prompt, SamplingParams(max_tokens=10 * steps), WordTokenizer(frozenset()).detokenizer(), print)
+    plain = verify = 0
+    for _ in range(steps):
+        plan = spec.plan_rows([seq])
+        if plan is None:
+            seq.output_ids.append(model.next(prompt + seq.output_ids))
+            plain += 1
+            continue
+        guess = plan[seq.request_id]
+        assert isinstance(guess, list)
+        verify += 1
+        for j in range(len(guess) + 1):
+            seq.output_ids.append(model.next(prompt + seq.output_ids))
+            if j == len(guess) or seq.output_ids[-1] != guess[j]:
+                spec.verified(seq.request_id, len(guess), j)
+                break
+    return plain, verify, len(seq.output_ids)
+
+
+@pytest.mark.parametrize("ratio", [1.05, 1.5, 3.0])
+def test_a_row_whose_proposals_always_fail_triggers_no_verify_step(ratio):
+    lookup = CountingLookup()
+    plain, verify, _ = decode_scripted(Repeater(p=0.0), ratio, lookup)
+    assert (plain, verify) == (256, 0)
+    assert lookup.proposals > 200  # it proposed (and was wrong) at nearly every step
+
+
+@pytest.mark.parametrize("p", [0.3, 0.5, 0.7, 0.85])
+@pytest.mark.parametrize("ratio", [1.2, 2.0, 3.0])
+def test_verify_steps_cost_a_row_at_most_two_percent_whatever_its_acceptance(p, ratio):
+    """Middling, noisy acceptance (a row that sometimes repeats itself), with the cost of a
+    verify step near what it yields: the time lost to verify steps net of their tokens is at
+    most 2% of the plain steps' time and one verify step's extra cost (the module's bound)."""
+    for seed in range(3):
+        plain, verify, tokens = decode_scripted(Repeater(p, seed), ratio)
+        lost = plain + ratio * verify - tokens  # plain steps give one token each
+        assert lost <= 0.02 * plain + (ratio - 1) + 1e-9, (seed, plain, verify, tokens)
+
+
+@pytest.mark.parametrize("ratio", [1.2, 3.0])
+def test_a_copying_row_speculates(ratio):
+    plain, verify, tokens = decode_scripted(Repeater(p=1.0), ratio)
+    assert verify > 0.8 * (plain + verify)  # verified from its first few steps on
+    assert tokens / (plain + ratio * verify) > 4.5 / ratio  # K + 1 = 5 tokens a verify step, less the start
 
 
 def mixed_requests(reference_stop: int | None = None) -> list[tuple[list[int], SamplingParams]]:
@@ -227,12 +320,14 @@ def test_speculative_settings_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="model 'a': speculative = 'draft' needs draft_model"):
         load_settings(config)
     config.write_text('draft_model = "/m"\n')
-    with pytest.raises(ConfigError, match="draft_model is set but speculative is 'off'"):
+    with pytest.raises(ConfigError, match="draft_model is set but speculative is 'lookup'"):
         load_settings(config)
     with pytest.raises(ConfigError, match="speculative_tokens"):
         load_settings(speculative="lookup", speculative_tokens=0)
-    spec = load_settings(speculative="lookup", speculative_tokens=2).served_models()[0]
+    spec = load_settings(speculative_tokens=2).served_models()[0]
     assert (spec.speculative, spec.speculative_tokens, spec.speculative_max_batch) == ("lookup", 2, None)
+    assert load_settings(speculative="off").served_models()[0].speculative == "off"
+    assert load_settings(distributed=True).served_models()[0].speculative == "off"  # a verify step is one process's
 
 
 @pytest.mark.parametrize("method", ["lookup", "draft"])
@@ -292,9 +387,13 @@ def test_the_start_up_memory_check_counts_a_draft(tmp_path, params):
         check_memory(budget, {"m": model, "m/draft": draft})
 
 
-def test_a_model_with_sliding_window_layers_may_not_speculate(tmp_path):
+def test_a_model_with_sliding_window_layers_decodes_without_lookup_and_refuses_a_draft(tmp_path):
     # Its decode cache holds rings for the sliding layers, which a verify step's several tokens
-    # per row cannot be written into: refused at start-up rather than served wrong.
+    # per row cannot be written into: prompt lookup (the default) is left off for it, and a draft
+    # is refused at start-up rather than served wrong.
     write_dir(tmp_path / "m", model_keys={"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]})
-    with pytest.raises(ModelLoadError, match="speculative = 'lookup' is not implemented for models with sliding"):
-        load_models(load_settings(model=str(tmp_path / "m"), speculative="lookup"))
+    settings = load_settings(model=str(tmp_path / "m"))
+    assert settings.served_models()[0].speculative == "lookup"
+    assert load_models(settings)[settings.model_name].args.windows is not None  # loads (the builder skips lookup)
+    with pytest.raises(ModelLoadError, match="speculative = 'draft' is not implemented for models with sliding"):
+        load_models(load_settings(model=str(tmp_path / "m"), speculative="draft", draft_model=tmp_path / "m"))
