@@ -93,7 +93,7 @@ class Settings(BaseSettings):
         "it (0: warm nothing); without OpenBLAS this keeps the first start within minutes",
     )
     speculative: Literal["off", "lookup", "draft"] = Field(
-        "lookup",
+        "off",
         description="speculative decoding: 'lookup' proposes tokens copied from the prompt and output so far "
         "(n-gram matching, no extra model; only where warm-up measured that a verify step can pay, and only for "
         "rows whose proposals have been coming true; models with sliding-window layers and distributed groups "

@@ -1,5 +1,5 @@
 """Speculative decoding in a real `stepserve serve` over real HTTP (the default model, CPU,
-float32): one process serves the model three times, with prompt lookup (the default), with
+float32): one process serves the model three times, with prompt lookup, with
 itself as its own draft, and without speculation; greedy answers (and, with prompt lookup,
 seeded sampled ones) are exactly those without speculation, alone and in a mixed batch, across
 a capacity-bucket move; a copying answer at the defaults accepts proposals; a model drafting for
@@ -30,7 +30,7 @@ def spec_server(tmp_path_factory):
     small = "batch_buckets = [1, 2]\nprompt_buckets = [32, 64, 128, 256]\ncapacity_buckets = [256, 512]\n"
     config.write_text(
         "warmup_prompt_tokens = 32\nwarmup_rehearsal = false\n"
-        f'[[models]]\nname = "lookup"\n{small}\n'  # speculative = "lookup" by default
+        f'[[models]]\nname = "lookup"\nspeculative = "lookup"\n{small}\n'
         f'[[models]]\nname = "plain"\nspeculative = "off"\n{small}\n'
         f'[[models]]\nname = "draft"\nspeculative = "draft"\ndraft_model = "{default_model_path()}"\n'
         f"speculative_tokens = 3\nspeculative_max_batch = 2\n{small}"
