@@ -328,7 +328,9 @@ def test_speculative_settings_are_checked(tmp_path):
     spec = load_settings(speculative="lookup", speculative_tokens=2).served_models()[0]
     assert (spec.speculative, spec.speculative_tokens, spec.speculative_max_batch) == ("lookup", 2, None)
     assert load_settings(speculative="off").served_models()[0].speculative == "off"
-    assert load_settings(speculative="lookup", distributed=True).served_models()[0].speculative == "off"  # a verify step is one process's
+    assert (
+        load_settings(speculative="lookup", distributed=True).served_models()[0].speculative == "off"
+    )  # a verify step is one process's
 
 
 @pytest.mark.parametrize("method", ["lookup", "draft"])
