@@ -36,8 +36,8 @@ def test_readyz_is_503_until_warmup_is_done(server):
     with server.client() as client:
         body = client.get("/readyz").json()
     ready = body["models"]["SmolLM2-135M-Instruct"]
-    assert ready["warmed"] > 0 and ready["compiled"] == len(ready["buckets"])  # compile on: every step compiled
-    assert ready["compiled"] == ready["warmed"] and ready["speculative"] is None  # speculation is off by default
+    assert ready["warmed"] > 0 and ready["compiled"] == ready["warmed"]  # compile on: every bucket compiled
+    assert ready["speculative"] is None  # speculation is off by default
     warm = ready["warmup"]  # what is warm: the whole CPU extent (the fixture's budget fits it on any host)
     assert (warm["prompt_tokens"], warm["batch"], warm["rehearse"], warm["reduced"]) == (512, 4, True, False)
     assert warm["buckets"] == ready["warmed"] and warm["gflops"] > 0 and warm["blas"] in ("openblas", "reference")
