@@ -151,8 +151,8 @@ def grammar(engine: Engine, response_format, lark: str | None = None, param: str
     kind = None if response_format is None else response_format.type
     if lark is None and kind in (None, "text"):
         return None
-    compiler = engine.grammars
     try:
+        compiler = engine.grammars
         if lark is not None:
             return compiler.lark(lark)
         if kind == "json_object":

@@ -26,7 +26,7 @@ from service.engine.batch import DecodeBatch
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
 from service.engine.draft import DraftProposer
-from service.engine.grammar import TokenGrammar
+from service.engine.grammar import GrammarError, TokenGrammar
 from service.engine.group import GroupLost, executor_for
 from service.engine.lookup import PromptLookup
 from service.engine.outputs import RunnerOutput
@@ -182,11 +182,27 @@ class Engine:
             for k, c in choices
         }
 
-    @cached_property
+    @property
     def grammars(self) -> TokenGrammar:
         """The grammar compiler for this model's tokenizer (built during warm-up, off the event
-        loop: reading the vocabulary into llguidance takes a fraction of a second)."""
-        return TokenGrammar(self.model.tokenizer, self.model.args.vocab_size)
+        loop: reading the vocabulary into llguidance takes a fraction of a second).
+
+        Raises:
+            GrammarError: llguidance cannot read the tokenizer (:class:`TokenGrammar`); the
+                model still serves free text.
+        """
+        built = self._grammars
+        if isinstance(built, GrammarError):
+            raise GrammarError(str(built))
+        return built
+
+    @cached_property
+    def _grammars(self) -> TokenGrammar | GrammarError:
+        """The grammar compiler, or why there is none (built once either way)."""
+        try:
+            return TokenGrammar(self.model.tokenizer, self.model.args.vocab_size)
+        except GrammarError as exc:
+            return exc
 
     @property
     def compile_policy(self) -> str:

@@ -47,6 +47,10 @@ class TokenGrammar:
         tokenizer: the model's tokenizer; its stop tokens are the grammar's end of sequence.
         vocab_size: the model's logits width (may exceed the tokenizer's vocabulary: the
             extra ids are never allowed).
+
+    Raises:
+        GrammarError: llguidance cannot read the tokenizer (its ``tokenizer.json`` has no
+            decoder, or one llguidance does not know, such as WordPiece).
     """
 
     def __init__(self, tokenizer: ChatTokenizer, vocab_size: int):
@@ -55,7 +59,13 @@ class TokenGrammar:
         self.words = (vocab_size + 31) // 32  # int32 words per mask row
         # llguidance reads the tokenizer's own JSON (no `transformers`); with n_vocab it sizes
         # its masks to the logits width and never allows the ids past the tokenizer's vocabulary.
-        self._tokenizer = llguidance.LLTokenizer(tokenizer.tokenizer.to_str(), n_vocab=vocab_size, eos_token=stops)
+        try:
+            self._tokenizer = llguidance.LLTokenizer(tokenizer.tokenizer.to_str(), n_vocab=vocab_size, eos_token=stops)
+        except ValueError as exc:
+            raise GrammarError(
+                f"the grammar engine cannot read this model's tokenizer ({exc}): structured outputs and "
+                "forced tool calls are unavailable for it"
+            ) from exc
         self._lock = threading.Lock()
         self._compiled: OrderedDict[tuple, Grammar] = OrderedDict()  # LRU of GRAMMAR_CACHE_SIZE
 

@@ -17,6 +17,7 @@ from models.tokenizer import ChatTokenizer
 from service.engine import spec_warmup, warmup
 from service.engine.core import IDLE_WAIT_S, Engine
 from service.engine.executor import Executor
+from service.engine.grammar import GrammarError
 from service.engine.scheduler import QueueFullError
 from service.engine.sequence import SamplingParams, Sequence
 from service.engine.warmup import Step, WarmupSpec
@@ -46,7 +47,10 @@ def warm_up(
     if spec.rehearse and steps:
         engine.rehearsed = rehearse(engine, spec)
     if isinstance(engine.model.tokenizer, ChatTokenizer):  # (tests' toy tokenizers have none)
-        engine.grammars  # noqa: B018  # built now, not under the first structured request
+        try:
+            engine.grammars  # noqa: B018  # built now, not under the first structured request
+        except GrammarError as exc:  # the model serves free text; structured requests get 400
+            log.warning("model %s: %s", engine.model.name, exc)
     if spec.rehearse and steps and http_rehearsal is not None:
         engine.rehearsed += _serve_rehearsal(engine, http_rehearsal())
     engine.warmup_seconds, engine.warmup_buckets = time.perf_counter() - start, len(steps)

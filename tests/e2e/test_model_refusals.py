@@ -1,5 +1,7 @@
 """A model the server cannot compute exactly is refused at start-up: `stepserve serve` exits 2
-with a message naming the file, the key and what is supported, before serving anything."""
+with a message naming the file, the key and what is supported, before serving anything; a model
+that serves free text but whose tokenizer the grammar engine cannot read refuses structured output
+alone."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.support import STEPSERVE, tiny_config, write_dir, write_lm_dir
+from tests.support import STEPSERVE, ServerProcess, tiny_config, write_dir, write_lm_dir
 
 DYNAMIC_ROPE = {"rope_type": "dynamic", "factor": 2.0}  # NTK scaling that depends on the length: not implemented
 
@@ -46,3 +48,32 @@ def test_unknown_model_types_and_other_architectures_keys_fail_start_up(tmp_path
     )
     assert result.returncode == 2, result.stderr
     assert named in result.stderr and "config.json" in result.stderr
+
+
+def test_a_tokenizer_the_grammar_engine_cannot_read_serves_free_text_and_refuses_structured_output(tmp_path):
+    """Not every tokenizer.json has a decoder llguidance reads (a WordLevel vocabulary without
+    one): the model still becomes ready and serves free text; a structured request gets 400
+    naming response_format, and the log says why, instead of the server dying at warm-up."""
+    write_dir(tmp_path / "model")  # a WordLevel tokenizer with no decoder
+    (tmp_path / "model" / "tokenizer_config.json").write_text(
+        '{"chat_template": "{% for m in messages %}{{ m.content }} {% endfor %}"}'
+    )
+    proc = ServerProcess.start(
+        ["--model", str(tmp_path / "model"), "--warmup-prompt-tokens", "16", "--warmup-batch", "1"]
+    )
+    try:
+        proc.wait_ready()
+        messages = [{"role": "user", "content": "t3 t4 t5"}]
+        with proc.client() as client:
+            name = client.get("/v1/models").json()["data"][0]["id"]
+            free = client.post("/infer", json={"prompt": "t3 t4 t5", "max_tokens": 4})
+            structured = client.post(
+                "/v1/chat/completions",
+                json={"model": name, "messages": messages, "max_tokens": 4, "response_format": {"type": "json_object"}},
+            )
+        assert free.status_code == 200 and free.json()["usage"]["completion_tokens"] >= 1
+        assert structured.status_code == 400, structured.text
+        assert "response_format" in structured.text and "cannot read this model's tokenizer" in structured.text
+        assert "structured outputs and forced tool calls are unavailable" in proc.log()
+    finally:
+        proc.stop()
