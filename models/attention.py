@@ -105,19 +105,38 @@ class CacheAttention:
         return attend
 
     def _layout(self, window: int | None, size: int) -> tuple[mx.array, mx.array]:
-        """(write index int32 [B, 1, L, 1], mask bool [B, 1, L, size]) for a buffer of ``size``.
-
-        Several tokens per row (a chunk) always use the linear layout: a chunk is written into
-        a linear staging cache whose positions are all below its size (the caller's contract),
-        where a ring of S <= W would read the same anyway."""
-        p = self.positions  # [B, L]
-        ring = is_ring(window, size) and p.shape[1] == 1
+        """:func:`cache_layout` of this step's positions for a buffer of ``size``, computed once
+        per (layout, size) and shared by the layers that have it."""
+        ring = is_ring(window, size) and self.positions.shape[1] == 1
         key = ("ring", size) if ring else (window, size)
         if key not in self._layouts:
-            j = mx.arange(size)[None, None, :]  # [1, 1, size]
-            mask = j <= p[:, :, None]  # [B, L, size]: written already (ring) or causal (linear)
-            if window is not None and not ring:
-                mask = mask & (p[:, :, None] - j < window)
-            index = p % size if ring else p
-            self._layouts[key] = (index[:, None, :, None], mask[:, None, :, :])
+            self._layouts[key] = cache_layout(self.positions, window, size)
         return self._layouts[key]
+
+
+def cache_layout(positions: mx.array, window: int | None, size: int) -> tuple[mx.array, mx.array]:
+    """Where new tokens go in one layer's buffer and which indices their queries see.
+
+    Args:
+        positions: int32 [B, L], each new token's position.
+        window: the layer's sliding window in positions, or None (full attention).
+        size: S, the positions the layer's buffer holds.
+
+    Returns:
+        (write index int32 [B, 1, L, 1], mask bool [B, 1, L, S]). A buffer read as a ring
+        (:func:`is_ring`, and one token per row: decode) writes position p at p mod S and masks
+        the indices not written yet (index > p); any other buffer is linear: p at index p, query
+        l of row b seeing indices 0..p (full) or p - W + 1..p (sliding, Beltagy et al. 2020).
+
+    Several tokens per row (a chunk) always use the linear layout: a chunk is written into
+    a linear staging cache whose positions are all below its size (the caller's contract),
+    where a ring of S <= W would read the same anyway.
+    """
+    p = positions.astype(mx.int32)  # [B, L]
+    ring = is_ring(window, size) and p.shape[1] == 1
+    j = mx.arange(size)[None, None, :]  # [1, 1, S]
+    mask = j <= p[:, :, None]  # [B, L, S]: written already (ring) or causal (linear)
+    if window is not None and not ring:
+        mask = mask & (p[:, :, None] - j < window)
+    index = p % size if ring else p
+    return index[:, None, :, None], mask[:, None, :, :]

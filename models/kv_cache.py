@@ -7,6 +7,11 @@ ring of min(W, C) positions instead (:mod:`models.attention`), so its memory sto
 at the window. Step functions write into it at array indices and return a new cache (MLX
 arrays are immutable values inside a compiled graph); the shapes never change inside a step,
 so each (B, C) pair is one compiled shape.
+
+A model with recurrent layers (Mamba-style SSMs, gated delta nets, short convolutions) also
+carries ``states``: per-row arrays [B, ...] of fixed shape whatever the position, which rows
+carry along (insert, reorder, batch resize) like their keys and values, and which a capacity
+change leaves as they are.
 """
 
 from __future__ import annotations
@@ -36,29 +41,31 @@ def ring_positions(length: int, size: int) -> list[int]:
 
 
 class KVCache(NamedTuple):
-    """Per-layer key and value buffers, each [B, Hkv, C, D] (a pytree MLX compilation accepts)."""
+    """Per-layer key and value buffers, each [B, Hkv, C, D] (keys and values may differ in D),
+    and recurrent states, each [B, ...] (a pytree MLX compilation accepts)."""
 
     keys: list[mx.array]
     values: list[mx.array]
+    states: Sequence[mx.array] = ()
 
     @property
     def capacity(self) -> int:
-        """C: positions per row (the largest layer's; ring layers hold fewer)."""
-        return max(k.shape[2] for k in self.keys)
+        """C: positions per row (the largest layer's; ring layers hold fewer; 0 without keys)."""
+        return max((k.shape[2] for k in self.keys), default=0)
 
     @property
     def batch(self) -> int:
         """B: rows (slots)."""
-        return self.keys[0].shape[0]
+        return (self.keys or self.states)[0].shape[0]
 
     @property
     def dtype(self) -> mx.Dtype:
-        return self.keys[0].dtype
+        return (self.keys or self.states)[0].dtype
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by all buffers."""
-        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+        """Bytes held by all buffers and states."""
+        return sum(a.nbytes for a in (*self.keys, *self.values, *self.states))
 
     @staticmethod
     def allocate(
@@ -100,19 +107,27 @@ class KVCache(NamedTuple):
         return KVCache(
             [fit(k, s) for k, s in zip(self.keys, sizes, strict=True)],
             [fit(v, s) for v, s in zip(self.values, sizes, strict=True)],
+            self.states,
         )
 
     def reordered(self, rows: list[int]) -> KVCache:
-        """A copy whose row i is row ``rows[i]`` of this cache (one gather per layer)."""
+        """A copy whose row i is row ``rows[i]`` of this cache (one gather per buffer)."""
         order = mx.array(rows, mx.int32)
-        return KVCache([k[order] for k in self.keys], [v[order] for v in self.values])
+        return KVCache(
+            [k[order] for k in self.keys], [v[order] for v in self.values], [s[order] for s in self.states]
+        )
 
     def batch_resized(self, batch: int) -> KVCache:
-        """This cache padded with empty rows, or cut, to ``batch`` rows."""
+        """This cache padded with empty (zero) rows, or cut, to ``batch`` rows."""
         if batch < self.batch:
-            return KVCache([k[:batch] for k in self.keys], [v[:batch] for v in self.values])
-        pad = [(0, batch - self.batch), (0, 0), (0, 0), (0, 0)]
-        return KVCache([mx.pad(k, pad) for k in self.keys], [mx.pad(v, pad) for v in self.values])
+            return KVCache(
+                [k[:batch] for k in self.keys], [v[:batch] for v in self.values], [s[:batch] for s in self.states]
+            )
+
+        def pad(a: mx.array) -> mx.array:
+            return mx.pad(a, [(0, batch - self.batch)] + [(0, 0)] * (a.ndim - 1))
+
+        return KVCache([pad(k) for k in self.keys], [pad(v) for v in self.values], [pad(s) for s in self.states])
 
     def insert_row(self, slot: int, src: KVCache, row: int, length: int) -> None:
         """Copy row ``row`` of a linear cache ``src`` (a prefill or staging cache holding
@@ -120,11 +135,12 @@ class KVCache(NamedTuple):
         entries are replaced). A layer of this cache smaller than ``length`` is a ring
         (the decode cache's sliding layers): it gets each index's latest position
         (:func:`ring_positions`); every other layer gets positions 0..S-1 (zero-padded).
+        Each recurrent state gets the source row's (its state after position length-1).
 
         Raises:
             ValueError: ``src`` holds fewer than ``length`` positions.
         """
-        if src.capacity < length:
+        if self.keys and src.capacity < length:
             raise ValueError(f"the source cache holds {src.capacity} positions, fewer than the row's {length}")
         for layer, (keys, values) in enumerate(zip(src.keys, src.values, strict=True)):
             size = self.keys[layer].shape[2]
@@ -135,6 +151,8 @@ class KVCache(NamedTuple):
                 continue
             self.keys[layer][slot] = _fit_positions(keys[row], size)
             self.values[layer][slot] = _fit_positions(values[row], size)
+        for state, source in zip(self.states, src.states, strict=True):
+            state[slot] = source[row]
 
     def insert_rows(self, slots: list[int], src: KVCache, rows: list[int], lengths: list[int]) -> None:
         """Copy rows ``rows`` of a linear cache ``src`` (row i holding positions
@@ -142,12 +160,13 @@ class KVCache(NamedTuple):
         layer for the rows that fit a layer linearly (on a GPU each copy is a kernel launch).
         Only the first ``min(src.capacity, S)`` positions of a layer of S are written: the rest
         of a slot keeps whatever it held, which attention masks by position. A ring layer that
-        a row has wrapped gets that row's latest positions, as in :meth:`insert_row`.
+        a row has wrapped gets that row's latest positions, as in :meth:`insert_row`. Each
+        recurrent state gets its source rows' (one indexed copy per state).
 
         Raises:
             ValueError: ``src`` holds fewer positions than some row's length.
         """
-        if src.capacity < max(lengths):
+        if self.keys and src.capacity < max(lengths):
             raise ValueError(f"the source cache holds {src.capacity} positions, fewer than a row's {max(lengths)}")
         for layer, (keys, values) in enumerate(zip(src.keys, src.values, strict=True)):
             size = self.keys[layer].shape[2]
@@ -161,6 +180,10 @@ class KVCache(NamedTuple):
                 index = mx.array(ring_positions(lengths[i], size), mx.int32)
                 self.keys[layer][slots[i]] = keys[rows[i]][:, index]
                 self.values[layer][slots[i]] = values[rows[i]][:, index]
+        if self.states:
+            dst, at = _index(slots), _index(rows)
+            for state, source in zip(self.states, src.states, strict=True):
+                state[dst] = source[at]
 
 
 def _index(rows: list[int]) -> slice | mx.array:
