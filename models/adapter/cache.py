@@ -1,0 +1,132 @@
+"""The per-layer cache objects an unmodified mlx-lm module sees inside a compiled step.
+
+mlx-lm's modules talk to their caches through a small protocol (``mlx_lm.models.cache``):
+attention layers read ``cache.offset`` as the RoPE offset, call ``update_and_fetch(keys,
+values)`` and build masks with ``make_mask`` (through ``base.create_attention_mask``);
+recurrent layers index an ``ArraysCache`` (``cache[0]``, ``cache[1] = ...``), read its
+``lengths`` and call ``advance``. mlx-lm's own caches grow by concatenation and keep a Python
+int offset, so one compiled function cannot serve them at a fixed shape. The classes here speak
+the same protocol over fixed buffers with per-row positions as arrays:
+
+- :class:`SlotKVCache`: keys and values [B, Hkv, S, D] (a bucket's rows and capacity), the
+  offset an int32 [B] array (each row's next position), writes and masks by
+  :func:`models.attention.cache_layout` (linear, or a ring of S <= W positions for a sliding
+  layer in decode);
+- :class:`SlotStateCache`: mlx-lm's ``ArraysCache`` (so the modules' ``isinstance`` checks
+  pass) whose arrays [B, ...] come in and go out of the step;
+- mlx-lm's ``CacheList`` holding these, for layers with several caches.
+
+Shapes: B rows, L new tokens per row, S a layer's buffer positions, Hkv key-value heads, Dk and
+Dv the key and value head dims (they differ in multi-head latent attention).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
+
+from models.attention import cache_layout, write_prefix
+
+
+class SlotKVCache:
+    """One attention layer's keys and values in a bucket's fixed buffers, in mlx-lm's cache
+    protocol (``offset``, ``update_and_fetch``, ``make_mask``, ``state``).
+
+    Args:
+        keys: [B, Hkv, S, Dk], the layer's key buffer.
+        values: [B, Hkv, S, Dv], its value buffer.
+        offset: int32 [B], each row's position of its first new token (mlx-lm's ``offset``,
+            the RoPE offset: ``mx.fast.rope`` takes one offset per row).
+        window: the layer's sliding window in positions (from the model's own
+            ``RotatingKVCache``), or None for full attention.
+        prefix: the step writes every row from position 0 over the whole buffer (prefill:
+            L == S, offsets all 0), so a write is a copy rather than a scatter.
+    """
+
+    def __init__(
+        self, keys: mx.array, values: mx.array, offset: mx.array, window: int | None = None, prefix: bool = False
+    ):
+        self.keys, self.values = keys, values
+        self.offset = offset.astype(mx.int32)
+        self.window, self.prefix = window, prefix
+
+    def _positions(self, n: int) -> mx.array:
+        """int32 [B, n]: the positions of each row's next n tokens."""
+        return self.offset[:, None] + mx.arange(n, dtype=mx.int32)[None, :]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write each row's L new keys [B, Hkv, L, Dk] and values [B, Hkv, L, Dv] at its
+        positions offset..offset+L-1 (a ring: position mod S, L == 1), advance the offset by L
+        and return the whole buffers [B, Hkv, S, D] (the mask hides what a query may not see)."""
+        L = keys.shape[2]
+        if self.prefix and L == self.keys.shape[2]:
+            self.keys, self.values = write_prefix(self.keys, keys), write_prefix(self.values, values)
+        else:
+            index, _ = cache_layout(self._positions(L), self.window, self.keys.shape[2])
+            self.keys = _scatter(self.keys, index, keys)
+            self.values = _scatter(self.values, index, values)
+        self.offset = self.offset + L
+        return self.keys, self.values
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+        """bool [B, 1, N, S]: which buffer indices each of the next N queries of each row sees
+        (:func:`models.attention.cache_layout`; ``window_size`` overrides the layer's window).
+        Always an array, whatever ``return_array`` says: mlx-lm's ``None`` and ``"causal"`` hold
+        only when the keys are exactly the filled positions, never in a fixed buffer."""
+        window = window_size if window_size is not None else self.window
+        _, mask = cache_layout(self._positions(N), window, self.keys.shape[2])
+        return mask
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """The whole buffers [B, Hkv, S, Dk] and [B, Hkv, S, Dv]."""
+        return self.keys, self.values
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        """(keys, values), the buffers."""
+        return self.keys, self.values
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of both buffers."""
+        return self.keys.nbytes + self.values.nbytes
+
+    def size(self) -> int:
+        """S, the positions the buffer holds."""
+        return self.keys.shape[2]
+
+    def empty(self) -> bool:
+        """Never: the buffers exist from the start."""
+        return False
+
+    def is_trimmable(self) -> bool:
+        """No: a step rolls back by position alone (the caller passes earlier positions)."""
+        return False
+
+
+class SlotStateCache(ArraysCache):
+    """One recurrent layer's state arrays [B, ...] as mlx-lm's ``ArraysCache``: the layer reads
+    ``cache[i]`` and assigns ``cache[i] = new``; the step passes the arrays in and collects
+    them after.
+
+    Args:
+        states: the layer's arrays, each [B, ...]; None entries (a prefill) let the module
+            start from its own initial state, as mlx-lm does with a fresh cache.
+        lengths: int32 [B], each row's real tokens in a right-padded step (the modules that
+            honour it mask the padding and keep each row's state at its last real token), or
+            None (decode: every row has exactly one token).
+    """
+
+    def __init__(self, states: list[mx.array | None], lengths: mx.array | None = None):
+        super().__init__(len(states))
+        self.cache = list(states)
+        self.lengths = lengths
+
+    def empty(self) -> bool:
+        """Whether the first array is still unset (a fresh prefill)."""
+        return self.cache[0] is None
+
+
+def _scatter(buf: mx.array, index: mx.array, new: mx.array) -> mx.array:
+    """buf [B, H, S, D] with new [B, H, L, D] written at index int32 [B, 1, L, 1] along S."""
+    return mx.put_along_axis(buf, mx.broadcast_to(index, new.shape), new.astype(buf.dtype), axis=2)

@@ -1,0 +1,314 @@
+"""The four step functions over an unmodified mlx-lm module, with the hand-written
+architectures' signatures (:mod:`models.llama`): ``prefill``, ``prefill_chunk``, ``decode`` and
+``verify``, each compiled once per bucket with ``params`` an input pytree.
+
+Inside a step the module's parameters are replaced by ``params`` (under ``mx.compile`` these
+are the trace's placeholders) and always restored afterwards, so the module left behind holds
+real arrays. Its caches are :mod:`models.adapter.cache` objects over the step's
+:class:`models.kv_cache.KVCache`: one buffer pair per attention cache and the arrays of each
+recurrent cache, in the order of :func:`models.adapter.layout.flatten`.
+
+Shapes: B rows, T prompt or chunk tokens, C capacity, K proposed tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import CacheList
+
+from models.adapter.cache import SlotKVCache, SlotStateCache
+from models.adapter.layout import KVLayout, Layout, ListLayout, StateLayout, flatten, learn_layouts
+from models.kv_cache import KVCache, layer_sizes
+
+Params = dict[str, Any]
+
+
+@dataclass(frozen=True, eq=False)
+class AdapterArgs:
+    """What the steps and the engine need of an mlx-lm module (static under compilation).
+
+    Attributes:
+        module: the mlx-lm ``nn.Module`` (its ``__call__(tokens [B, L], cache=list)`` returns
+            logits [B, L, V]).
+        layouts: one :data:`models.adapter.layout.Layout` per entry of its prompt cache.
+        model_type: the checkpoint's ``model_type``.
+        vocab_size: V, the logits' width.
+        max_position_embeddings: the model's context length, where its config gives one.
+        pads_prompts: whether a prompt row may be right-padded (every recurrent layer masks
+            by ``ArraysCache.lengths``); where False, prefill and chunk rows must be exactly
+            as long as their bucket (mamba's layers ignore ``lengths``).
+    """
+
+    module: nn.Module
+    layouts: tuple[Layout, ...]
+    model_type: str
+    vocab_size: int
+    max_position_embeddings: int | None = None
+    pads_prompts: bool = True
+
+    @classmethod
+    def from_module(cls, module: nn.Module, model_type: str | None = None) -> AdapterArgs:
+        """Learn ``module``'s layouts (:func:`models.adapter.layout.learn_layouts`, one eager
+        token) and whether padded prompts keep its states exact (two eager one-row prefills:
+        one token, and the same token padded by one). ``model_type`` defaults to the module's.
+
+        Raises:
+            models.adapter.layout.UnsupportedCache: a cache the adapter cannot hold.
+        """
+        model_args = getattr(module, "args", None)
+        layouts = learn_layouts(module)
+        args = cls(
+            module,
+            layouts,
+            model_type or getattr(module, "model_type", None) or getattr(model_args, "model_type", "unknown"),
+            0,
+            getattr(model_args, "max_position_embeddings", None),
+        )
+        vocab, same = _padding_probe(args)
+        return dataclasses.replace(args, vocab_size=vocab, pads_prompts=same)
+
+    @property
+    def num_hidden_layers(self) -> int:
+        """Layers (entries of the prompt cache)."""
+        return len(self.layouts)
+
+    @property
+    def kv_layouts(self) -> list[KVLayout]:
+        """The attention caches' layouts, one per buffer pair of a :class:`KVCache`."""
+        return flatten(self.layouts)[0]
+
+    @property
+    def state_layouts(self) -> list[StateLayout]:
+        """The recurrent caches' layouts, in the order of a :class:`KVCache`'s states."""
+        return flatten(self.layouts)[1]
+
+    @property
+    def has_states(self) -> bool:
+        """Whether some layer keeps a recurrent state."""
+        return bool(self.state_layouts)
+
+    @property
+    def windows(self) -> tuple[int | None, ...] | None:
+        """The sliding window of each buffer pair of a :class:`KVCache` (one per layer for a
+        plain attention model), or None when none slides: what :meth:`KVCache.resized` takes."""
+        windows = tuple(kv.window for kv in self.kv_layouts)
+        return windows if any(w is not None for w in windows) else None
+
+    @property
+    def can_verify(self) -> bool:
+        """Whether :func:`verify` serves this model: no sliding layer (its decode ring would be
+        written past its size) and no recurrent state (a rejected proposal cannot be undone
+        by position)."""
+        return self.windows is None and not self.has_states
+
+    def kv_bytes(self, capacity: int, itemsize: int, ring: bool = True, layers: range | None = None) -> int:
+        """Bytes of one row's cache at ``capacity`` positions: keys and values of ``itemsize``
+        bytes per element (sliding layers holding min(W, C) positions when ``ring``: a decode
+        cache) and the recurrent states in their own dtypes; only ``layers`` (a pipeline
+        stage's) where given."""
+        chosen = self.layouts if layers is None else self.layouts[layers.start : layers.stop]
+        kv, states = flatten(chosen)
+        windows = [k.window for k in kv] if ring else None
+        sizes = layer_sizes(len(kv), capacity, windows)
+        return sum(k.row_bytes(s, itemsize) for k, s in zip(kv, sizes, strict=True)) + sum(
+            s.row_bytes() for s in states
+        )
+
+    def allocate(self, batch: int, capacity: int, dtype: mx.Dtype, ring: bool = False) -> KVCache:
+        """A zeroed cache of ``batch`` rows: keys and values [batch, Hkv, S, D] in ``dtype``, S
+        = ``capacity`` (sliding layers min(W, C) when ``ring``: a decode cache), and each
+        recurrent state [batch, ...] in its own dtype."""
+        kv = self.kv_layouts
+        sizes = layer_sizes(len(kv), capacity, self.windows if ring else None)
+        return KVCache(
+            [mx.zeros((batch, k.heads, s, k.key_dim), dtype) for k, s in zip(kv, sizes, strict=True)],
+            [mx.zeros((batch, k.heads, s, k.value_dim), dtype) for k, s in zip(kv, sizes, strict=True)],
+            [mx.zeros((batch, *shape), d) for st in self.state_layouts for shape, d in zip(st.shapes, st.dtypes)],
+        )
+
+
+def prefill(
+    params: Params, tokens: mx.array, lengths: mx.array, cache: KVCache, *, args: AdapterArgs
+) -> tuple[mx.array, KVCache]:
+    """Run prompts from position 0 (:func:`models.llama.prefill`'s contract).
+
+    Args:
+        params: the module's parameter tree (``module.parameters()``).
+        tokens: int32 [B, T], prompts right-padded to T (exactly T where not
+            ``args.pads_prompts``).
+        lengths: int32 [B], real tokens per row (1 <= lengths <= T).
+        cache: a linear cache of capacity T (:meth:`AdapterArgs.allocate`); its states are not
+            read: each recurrent layer starts from its own initial state.
+        args: the model (static).
+
+    Returns:
+        (float32 logits [B, V] at each row's last real token, the cache holding positions
+        0..T-1 and each row's states after its last real token).
+    """
+    offsets = mx.zeros((tokens.shape[0],), mx.int32)
+    logits, cache = _forward(args, params, tokens, cache, offsets, lengths, prefill=True)
+    return _last(logits, lengths), cache
+
+
+def prefill_chunk(
+    params: Params, tokens: mx.array, offsets: mx.array, lengths: mx.array, cache: KVCache, *, args: AdapterArgs
+) -> tuple[mx.array, KVCache]:
+    """Continue each row's prompt at its offset (:func:`models.llama.prefill_chunk`'s contract).
+
+    Args:
+        params: the module's parameter tree.
+        tokens: int32 [B, T], each row's next prompt tokens, right-padded to T.
+        offsets: int32 [B], tokens already in each row's cache.
+        lengths: int32 [B], real tokens in each row's chunk (1 <= lengths <= T).
+        cache: a linear staging cache of capacity C >= offsets + T, its states each row's after
+            its first offsets[b] tokens (zeros at offset 0).
+        args: the model (static).
+
+    Returns:
+        (float32 logits [B, V] at each row's last real token of the chunk, the cache with the
+        chunk written at offsets..offsets+T-1 and each row's states after its last real token).
+    """
+    logits, cache = _forward(args, params, tokens, cache, offsets, lengths, prefill=False)
+    return _last(logits, lengths), cache
+
+
+def decode(
+    params: Params, tokens: mx.array, positions: mx.array, cache: KVCache, *, args: AdapterArgs
+) -> tuple[mx.array, KVCache]:
+    """One token per row at its own position (:func:`models.llama.decode`'s contract).
+
+    Args:
+        params: the module's parameter tree.
+        tokens: int32 [B], each row's newest token.
+        positions: int32 [B], its position (< C; sliding layers may be rings of min(W, C)).
+        cache: the decode cache.
+        args: the model (static).
+
+    Returns:
+        (float32 logits [B, V], the cache with each row's token written and states advanced).
+    """
+    logits, cache = _forward(args, params, tokens[:, None], cache, positions, None, prefill=False)
+    return logits[:, 0, :], cache
+
+
+def verify(
+    params: Params, tokens: mx.array, positions: mx.array, cache: KVCache, *, args: AdapterArgs
+) -> tuple[mx.array, KVCache]:
+    """Score each row's newest token and its K proposals (:func:`models.llama.verify`'s contract).
+
+    Args:
+        params: the module's parameter tree.
+        tokens: int32 [B, K+1], each row's newest token then its proposals, padded.
+        positions: int32 [B], the newest token's position (positions + K < C).
+        cache: the decode cache (linear: see :attr:`AdapterArgs.can_verify`).
+        args: the model (static).
+
+    Returns:
+        (float32 logits [B, K+1, V], the cache with tokens[b, j] written at positions[b] + j).
+
+    Raises:
+        ValueError: the model has a sliding layer or a recurrent state.
+    """
+    if not args.can_verify:
+        raise ValueError(f"{args.model_type}: verify needs a model without sliding-window rings or recurrent states")
+    return _forward(args, params, tokens, cache, positions, None, prefill=False)
+
+
+def _forward(
+    args: AdapterArgs,
+    params: Params,
+    tokens: mx.array,
+    cache: KVCache,
+    offsets: mx.array,
+    lengths: mx.array | None,
+    *,
+    prefill: bool,
+) -> tuple[mx.array, KVCache]:
+    """The module on tokens int32 [B, L] at per-row offsets int32 [B] over ``cache``:
+    (float32 logits [B, L, V], the new cache). The module's own parameters are restored
+    whatever happens."""
+    module = args.module
+    real = module.parameters()
+    module.update(params)
+    try:
+        caches = _open(args.layouts, cache, offsets, lengths, prefill)
+        logits = module(tokens, cache=caches)
+    finally:
+        module.update(real)
+    return logits.astype(mx.float32), _close(caches, args.state_layouts)
+
+
+def _open(
+    layouts: tuple[Layout, ...], cache: KVCache, offsets: mx.array, lengths: mx.array | None, prefill: bool
+) -> list[Any]:
+    """One mlx-lm cache object per layout over ``cache``'s buffers and states, in order
+    (a prefill's states start unset: the module's own initial state)."""
+    pairs: Iterator[tuple[mx.array, mx.array]] = iter(zip(cache.keys, cache.values, strict=True))
+    states = iter(cache.states)
+
+    def make(layout: Layout) -> Any:
+        if isinstance(layout, ListLayout):
+            return CacheList(*(make(part) for part in layout.parts))
+        if isinstance(layout, KVLayout):
+            keys, values = next(pairs)
+            return SlotKVCache(keys, values, offsets, layout.window, prefix=prefill)
+        arrays = [next(states, None) for _ in layout.shapes]
+        return SlotStateCache([None] * len(arrays) if prefill else arrays, lengths)
+
+    return [make(layout) for layout in layouts]
+
+
+def _close(caches: list[Any], state_layouts: list[StateLayout]) -> KVCache:
+    """The :class:`KVCache` of the cache objects after the module ran (states cast to their
+    layouts' dtypes, so a step's output cache has its input's dtypes).
+
+    Raises:
+        ValueError: a recurrent layer left a state unset.
+    """
+    keys: list[mx.array] = []
+    values: list[mx.array] = []
+    states: list[mx.array] = []
+
+    def walk(c: Any) -> None:
+        if isinstance(c, CacheList):
+            for part in c.caches:
+                walk(part)
+        elif isinstance(c, SlotKVCache):
+            keys.append(c.keys)
+            values.append(c.values)
+        else:
+            if any(a is None for a in c.cache):
+                raise ValueError("a recurrent layer left its state unset")
+            states.extend(c.cache)
+
+    for c in caches:
+        walk(c)
+    dtypes = [d for layout in state_layouts for d in layout.dtypes]
+    return KVCache(keys, values, [s.astype(d) for s, d in zip(states, dtypes, strict=True)])
+
+
+def _last(logits: mx.array, lengths: mx.array) -> mx.array:
+    """logits [B, T, V] -> [B, V] at each row's last real token (lengths - 1)."""
+    at = (lengths.astype(mx.int32) - 1)[:, None, None]
+    return mx.take_along_axis(logits, at, axis=1)[:, 0, :]
+
+
+def _padding_probe(args: AdapterArgs) -> tuple[int, bool]:
+    """Eager one-row prefills of one token, alone and padded by one: (V, whether the padded
+    row's states equal the lone row's)."""
+    params = args.module.parameters()
+
+    def run(tokens: list[int]) -> tuple[mx.array, KVCache]:
+        cache = args.allocate(1, len(tokens), mx.float32)
+        return prefill(params, mx.array([tokens], mx.int32), mx.array([1], mx.int32), cache, args=args)
+
+    logits, alone = run([1])
+    _, padded = run([1, 2])
+    same = all(mx.allclose(a, b, atol=1e-5).item() for a, b in zip(alone.states, padded.states, strict=True))
+    return logits.shape[-1], same
