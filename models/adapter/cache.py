@@ -47,7 +47,7 @@ class SlotKVCache:
         self, keys: mx.array, values: mx.array, offset: mx.array, window: int | None = None, prefix: bool = False
     ):
         self.keys, self.values = keys, values
-        self.offset = offset.astype(mx.int32)
+        self.offset = offset.astype(mx.int32)  # an array of its own: a module may add to it in place
         self.window, self.prefix = window, prefix
 
     def _positions(self, n: int) -> mx.array:
@@ -120,7 +120,9 @@ class SlotStateCache(ArraysCache):
     def __init__(self, states: list[mx.array | None], lengths: mx.array | None = None):
         super().__init__(len(states))
         self.cache = list(states)
-        self.lengths = lengths
+        # An array of its own: mlx-lm's ``advance`` subtracts in place, and one lengths array
+        # serves every layer of a step (and the step's own last-token lookup).
+        self.lengths = None if lengths is None else lengths.astype(mx.int32)
 
     def empty(self) -> bool:
         """Whether the first array is still unset (a fresh prefill)."""
