@@ -113,9 +113,7 @@ class KVCache(NamedTuple):
     def reordered(self, rows: list[int]) -> KVCache:
         """A copy whose row i is row ``rows[i]`` of this cache (one gather per buffer)."""
         order = mx.array(rows, mx.int32)
-        return KVCache(
-            [k[order] for k in self.keys], [v[order] for v in self.values], [s[order] for s in self.states]
-        )
+        return KVCache([k[order] for k in self.keys], [v[order] for v in self.values], [s[order] for s in self.states])
 
     def batch_resized(self, batch: int) -> KVCache:
         """This cache padded with empty (zero) rows, or cut, to ``batch`` rows."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import partial
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -103,7 +104,7 @@ def check_parity(
             lengths = (max(lengths),) * len(lengths)
             report.notes.append("rows of equal length: its recurrent layers ignore padding")
         mx.random.seed(seed)
-        prompts = [mx.random.randint(0, args.vocab_size, (n,)).tolist() for n in lengths]
+        prompts = [[_int(t) for t in mx.random.randint(0, args.vocab_size, (n,))] for n in lengths]
         ref = _reference(model, prompts, steps)
         _batched(args, prompts, ref, report, shift)
         _chunked(args, prompts, ref, report)
@@ -125,7 +126,7 @@ def _reference(model: nn.Module, prompts: list[list[int]], steps: int) -> _Refer
         ref.prefill.append(logits)
         tokens, outs = [], []
         for _ in range(steps):
-            tokens.append(int(mx.argmax(logits).item()))
+            tokens.append(_greedy(logits))
             logits = model(mx.array([[tokens[-1]]], mx.int32), cache=cache)[0, -1].astype(mx.float32)
             outs.append(logits)
         ref.tokens.append(tokens)
@@ -136,9 +137,9 @@ def _reference(model: nn.Module, prompts: list[list[int]], steps: int) -> _Refer
 
 def _compare(report: ParityReport, phase: str, got: list[mx.array], want: list[mx.array], tokens: list[int]) -> None:
     """Record max |got - want| under ``phase`` and whether argmax(got) equals ``tokens``."""
-    diff = max(mx.abs(g - w).max().item() for g, w in zip(got, want, strict=True))
+    diff = max(_float(mx.abs(g - w).max()) for g, w in zip(got, want, strict=True))
     report.diffs[phase] = max(report.diffs.get(phase, 0.0), diff if math.isfinite(diff) else math.inf)
-    if [int(mx.argmax(g).item()) for g in got] != tokens and phase not in report.token_mismatches:
+    if [_greedy(g) for g in got] != tokens and phase not in report.token_mismatches:
         report.token_mismatches.append(phase)
 
 
@@ -155,7 +156,9 @@ def _batched(args: AdapterArgs, prompts: list[list[int]], ref: _Reference, repor
     lengths = [len(p) for p in prompts]
     T = max(lengths) + (1 if args.pads_prompts else 0)
     run_prefill, run_decode = (mx.compile(partial(f, args=args)) for f in (prefill, decode))
-    logits, staged = run_prefill(params, _padded(prompts, T), mx.array(lengths, mx.int32), args.allocate(B, T, mx.float32))
+    logits, staged = run_prefill(
+        params, _padded(prompts, T), mx.array(lengths, mx.int32), args.allocate(B, T, mx.float32)
+    )
     _compare(report, "prefill", [logits[b] for b in range(B)], ref.prefill, [_greedy(r) for r in ref.prefill])
     kv = args.allocate(B + 1, max(lengths) + 1, mx.float32, ring=True)  # slot B stays empty
     kv.insert_rows(list(range(B)), staged, list(range(B)), lengths)
@@ -176,7 +179,17 @@ def _batched(args: AdapterArgs, prompts: list[list[int]], ref: _Reference, repor
 
 def _greedy(logits: mx.array) -> int:
     """argmax of logits [V]."""
-    return int(mx.argmax(logits).item())
+    return _int(mx.argmax(logits))
+
+
+def _int(x: mx.array) -> int:
+    """A scalar array's value as an int."""
+    return int(cast(int, x.item()))
+
+
+def _float(x: mx.array) -> float:
+    """A scalar array's value as a float."""
+    return float(cast(float, x.item()))
 
 
 def _chunked(args: AdapterArgs, prompts: list[list[int]], ref: _Reference, report: ParityReport) -> None:
@@ -193,12 +206,18 @@ def _chunked(args: AdapterArgs, prompts: list[list[int]], ref: _Reference, repor
     run_chunk, run_decode = (mx.compile(partial(f, args=args)) for f in (prefill_chunk, decode))
     kv = args.allocate(B, capacity, mx.float32)
     _, kv = run_chunk(
-        params, _padded([p[:f] for p, f in zip(prompts, firsts, strict=True)], T1), mx.zeros((B,), mx.int32),
-        mx.array(firsts, mx.int32), kv,
+        params,
+        _padded([p[:f] for p, f in zip(prompts, firsts, strict=True)], T1),
+        mx.zeros((B,), mx.int32),
+        mx.array(firsts, mx.int32),
+        kv,
     )
     logits, kv = run_chunk(
-        params, _padded([p[f:] for p, f in zip(prompts, firsts, strict=True)], T2), mx.array(firsts, mx.int32),
-        mx.array(seconds, mx.int32), kv,
+        params,
+        _padded([p[f:] for p, f in zip(prompts, firsts, strict=True)], T2),
+        mx.array(firsts, mx.int32),
+        mx.array(seconds, mx.int32),
+        kv,
     )
     _compare(report, "chunk", [logits[b] for b in range(B)], ref.prefill, [_greedy(r) for r in ref.prefill])
     decode_kv = args.allocate(B, capacity, mx.float32, ring=True)

@@ -95,9 +95,10 @@ def layout_of(cache) -> Layout:
     if isinstance(cache, CacheList):
         return ListLayout(tuple(layout_of(c) for c in cache.caches))
     if isinstance(cache, ArraysCache):
-        if any(a is None for a in cache.cache):
+        arrays = [a for a in cache.cache if a is not None]
+        if len(arrays) < len(cache.cache):
             raise UnsupportedCache(f"a state entry of {type(cache).__name__} stayed unset after a token")
-        return StateLayout(tuple(tuple(a.shape[1:]) for a in cache.cache), tuple(a.dtype for a in cache.cache))
+        return StateLayout(tuple(tuple(a.shape[1:]) for a in arrays), tuple(a.dtype for a in arrays))
     window = None
     if type(cache) is RotatingKVCache:
         if cache.keep:
@@ -106,6 +107,8 @@ def layout_of(cache) -> Layout:
     elif type(cache) not in (KVCache, ConcatenateKVCache):
         raise UnsupportedCache(f"mlx-lm's {type(cache).__name__}")
     keys, values = cache.keys, cache.values
+    if keys is None or values is None:
+        raise UnsupportedCache(f"{type(cache).__name__} held no keys after a token")
     return KVLayout(keys.shape[1], keys.shape[3], values.shape[3], window)
 
 

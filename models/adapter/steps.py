@@ -129,7 +129,11 @@ class AdapterArgs:
         return KVCache(
             [mx.zeros((batch, k.heads, s, k.key_dim), dtype) for k, s in zip(kv, sizes, strict=True)],
             [mx.zeros((batch, k.heads, s, k.value_dim), dtype) for k, s in zip(kv, sizes, strict=True)],
-            [mx.zeros((batch, *shape), d) for st in self.state_layouts for shape, d in zip(st.shapes, st.dtypes)],
+            [
+                mx.zeros((batch, *shape), d)
+                for st in self.state_layouts
+                for shape, d in zip(st.shapes, st.dtypes, strict=True)
+            ],
         )
 
 
