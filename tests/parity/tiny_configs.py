@@ -1,0 +1,190 @@
+"""Tiny random configs for every mlx-lm text architecture module (issue #27's parity matrix).
+
+`TINY_CONFIGS[name]` is a config dict such that
+`mlx_lm.models.<name>.Model(mlx_lm.models.<name>.ModelArgs.from_dict(cfg))` builds a model of a
+few thousand to a few hundred thousand parameters: hidden width 32-64, 2-4 layers, vocab 256, at
+most 4 experts. The layer counts and per-layer patterns are chosen so that every layer kind of the
+architecture appears at least once (a sliding and a full attention layer, a recurrent/linear and an
+attention layer, a dense and an MoE layer, ...). Many configs start from `_BASE`: mlx-lm's
+`BaseModelArgs.from_dict` keeps only the keys its dataclass declares, so keys a module does not use
+are ignored (the convention mlx-lm's own configs rely on).
+
+`SKIPPED[name]` says why a module in `mlx_lm/models` has no tiny config, and `HELPERS` lists the
+modules that are not architectures at all. `QUIRKS[name]` records architectures that build but whose
+eager incremental decode (mlx-lm's own cache) differs from a full-sequence forward, or that need
+special handling by a cache adapter. `CACHE_KIND[name]` classifies each architecture's cache (see
+its comment). `HOST_SYNCS[name]` lists host synchronisations found in the module's forward path.
+
+Versions: mlx-lm 0.32.2 (the module list and field names are read from that release).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Keys shared by most Llama-like configs; modules ignore the keys they do not declare.
+_BASE: dict[str, Any] = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    norm_eps=1e-5,
+    layer_norm_eps=1e-5,
+    layer_norm_epsilon=1e-5,
+    vocab_size=256,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    mlp_bias=False,
+)
+
+# Mixture-of-experts fields under their common names: 4 routed experts, top-2, one shared expert,
+# the first layer dense (so a 2-layer model has one dense and one MoE layer).
+_MOE: dict[str, Any] = dict(
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    num_shared_experts=1,
+    shared_expert_intermediate_size=32,
+    first_k_dense_replace=1,
+    decoder_sparse_step=1,
+    mlp_only_layers=[0],
+    norm_topk_prob=True,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=1.0,
+)
+
+# Multi-head latent attention (DeepSeek-V2 style) widths.
+_MLA: dict[str, Any] = dict(
+    kv_lora_rank=32,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+)
+
+# YaRN rope scaling with factor 1 (DeepSeek-V2 reads these keys unconditionally).
+_YARN: dict[str, Any] = dict(
+    type="yarn",
+    rope_type="yarn",
+    factor=1.0,
+    original_max_position_embeddings=512,
+    beta_fast=32,
+    beta_slow=1,
+    mscale=1.0,
+    mscale_all_dim=1.0,
+)
+
+
+def _base(model_type: str, **overrides: Any) -> dict[str, Any]:
+    """A dense config: `_BASE` with `model_type` and `overrides` (a fresh dict each call)."""
+    return {**_BASE, "model_type": model_type, **overrides}
+
+
+def _moe(model_type: str, **overrides: Any) -> dict[str, Any]:
+    """An MoE config: `_BASE` and `_MOE` with `model_type` and `overrides`."""
+    return {**_BASE, **_MOE, "model_type": model_type, **overrides}
+
+
+def _mla_moe(model_type: str, **overrides: Any) -> dict[str, Any]:
+    """An MLA + MoE config (DeepSeek family): `_BASE`, `_MOE`, `_MLA` and `overrides`."""
+    return {**_BASE, **_MOE, **_MLA, "model_type": model_type, **overrides}
+
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "Klear": _moe("Klear"),
+    "afm7": dict(
+        model_type="afm7",
+        vocab_size=256,
+        hidden_dim=64,
+        num_layers=3,
+        num_kv_reuse_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+    ),
+    "afmoe": _moe(
+        "afmoe",
+        num_hidden_layers=3,
+        num_dense_layers=1,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=4,
+    ),
+    "apertus": _base("apertus", post_norm=False, qk_norm=True),
+    "baichuan_m1": _base(
+        "baichuan_m1", sliding_window=4, sliding_window_layers=[0], conv_window=2
+    ),
+    "bailing_hybrid": _mla_moe(
+        "bailing_hybrid", layer_group_size=2, group_norm_size=2
+    ),
+    "bailing_moe": _moe("bailing_moe"),
+    "bailing_moe_linear": _moe(
+        "bailing_moe_linear", layer_group_size=2, group_norm_size=2
+    ),
+    "bailing_moe_v3": _mla_moe(
+        "bailing_moe_v3", num_hidden_layers=2, layer_group_size=2
+    ),
+    "cohere": _base("cohere"),
+    "cohere2": _base("cohere2", sliding_window=4, sliding_window_pattern=2),
+    "dbrx": dict(
+        model_type="dbrx",
+        vocab_size=256,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=10000.0),
+        ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
+    ),
+    "deepseek": _moe("deepseek"),
+    "deepseek_v2": _mla_moe("deepseek_v2", num_key_value_heads=4, rope_scaling=_YARN),
+    "deepseek_v3": _mla_moe("deepseek_v3", num_key_value_heads=4),
+    "deepseek_v32": _mla_moe(
+        "deepseek_v32",
+        num_key_value_heads=4,
+        index_head_dim=16,
+        index_n_heads=2,
+        index_topk=4,
+    ),
+    "deepseek_v41": _mla_moe("deepseek_v41", num_key_value_heads=4),
+    "dots1": _moe("dots1"),
+    "ernie4_5": _base("ernie4_5", use_bias=False),
+    "ernie4_5_moe": _moe(
+        "ernie4_5_moe",
+        use_bias=False,
+        moe_num_experts=4,
+        moe_k=2,
+        moe_layer_start_index=1,
+        moe_num_shared_experts=1,
+    ),
+    "exaone": dict(_BASE, model_type="exaone", num_layers=2, layer_norm_epsilon=1e-5),
+    "exaone4": _base(
+        "exaone4", rope_scaling=None, sliding_window=4, sliding_window_pattern="LG"
+    ),
+    "exaone_moe": _moe(
+        "exaone_moe",
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        is_moe_layer=[False, True],
+    ),
+    "falcon_h1": _base(
+        "falcon_h1",
+        mamba_d_ssm=64,
+        mamba_d_state=8,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_chunk_size=8,
+    ),
+    "gear": _base(
+        "gear",
+        num_hidden_layers=3,
+        sliding_window=4,
+        layer_types=["conv_mixer", "sliding_attention", "full_attention"],
+    ),
+}
