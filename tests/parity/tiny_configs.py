@@ -100,6 +100,7 @@ def _mla_moe(model_type: str, **overrides: Any) -> dict[str, Any]:
 
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "bitnet": _base("bitnet"),
     "Klear": _moe("Klear"),
     "afm7": dict(
         model_type="afm7",
@@ -857,4 +858,213 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "talkie": _base("talkie"),
     "telechat3": _base("telechat3"),
     "youtu_llm": {**_base("youtu_llm"), **_MLA, "num_key_value_heads": 4},
+}
+
+# Modules of mlx_lm/models that are not architectures (no `Model` class): shared layers, caches,
+# rope and activation helpers, pipeline parallelism.
+HELPERS: frozenset[str] = frozenset(
+    {
+        "__init__",
+        "activations",
+        "base",
+        "bitlinear_layers",
+        "cache",
+        "gated_delta",
+        "mla",
+        "pipeline",
+        "rope_utils",
+        "ssm",
+        "switch_layers",
+    }
+)
+
+# Architecture modules without a tiny config, and why.
+SKIPPED: dict[str, str] = {
+    "olmo": "imports the `hf_olmo` package (ai2-olmo) at module import and exits if it is "
+    "missing; it is not installed and the model is the retired OLMo-1 format",
+    "prism_hadamard_qwen35": "a 2-bit Hadamard-rotated quantized pack of qwen3_5: its ModelArgs "
+    "require a packed-module manifest, 2-bit affine quantization with group size 128 and "
+    "input widths divisible by 128, so it cannot be built as a random float32 model "
+    "(qwen3_5 itself is covered)",
+}
+
+# Architectures that build on any device but whose forward calls a Metal-only kernel
+# (`mx.fast.metal_kernel`), so they run only where `mx.metal.is_available()`.
+NEEDS_METAL: dict[str, str] = {
+    "bitnet": "BitLinear's matmul is a custom Metal kernel (bitlinear_layers.py)",
+    "muse_spark": "attention's fused qk-norm + rope is a custom Metal kernel (mlx_lm/kernels/qk_norm_rope.py)",
+}
+
+# Architectures whose eager incremental decode with mlx-lm's own cache differs from a
+# full-sequence forward (the smoke test expects these to fail, so a fix upstream shows up).
+QUIRKS: dict[str, str] = {
+    "phi3small": "the block-sparse attention layers add the boolean causal mask from "
+    "create_attention_mask(return_array=True) to the scores (`scores + mask`) instead of "
+    "masking with it, so a multi-token prefill attends to later tokens and decode logits "
+    "differ from a full forward (by about 2e-2 here)",
+    "plamo3": "prefill masks sliding layers with window_size + 1 keys while its "
+    "RotatingKVCache keeps window_size, so once decode passes the window its logits differ "
+    "from a full forward (by about 0.8 here)",
+}
+
+# Notes for a cache adapter: things a module does that an adapter must handle even though the
+# eager consistency check passes.
+ADAPTER_NOTES: dict[str, str] = {
+    "deepseek_v32": "CacheList of (MLA KVCache, indexer KVCache): a second key cache for the sparse-attention indexer",
+    "glm_moe_dsa": "deepseek_v32's model: CacheList of (MLA KVCache, indexer KVCache)",
+    "minimax_m3_vl": "CacheList per layer (attention keys plus block-sparse index keys)",
+    "deepseek_v41": "its own LayerCache class (window, compressed groups, index keys, pending "
+    "rows), not an mlx-lm cache",
+    "llama4": "ChunkedKVCache for the chunked-attention layers (attention_chunk_size)",
+    "mistral3": "no make_cache: make_prompt_cache gives plain KVCache to every layer, sliding "
+    "ones included (the wrapped ministral3 masks the window itself)",
+    "falcon_h1": "CacheList of (ArraysCache, KVCache) in every layer (parallel mamba + attention)",
+    "baichuan_m1": "CacheList of (conv ArraysCache, KVCache or RotatingKVCache) per layer",
+    "longcat_flash": "CacheList of two KVCaches per layer (two attention blocks per layer)",
+    "longcat_flash_ngram": "CacheList per layer plus an n-gram ArraysCache of recent tokens",
+    "mamba": "checks isinstance(cache, ArraysCache)",
+    "gemma3n": "the last num_kv_shared_layers layers reuse earlier layers' KV (no own cache)",
+    "gemma4_text": "the last num_kv_shared_layers layers reuse earlier layers' KV (no own cache)",
+    "hunyuan": "dynamic NTK-alpha rope; cross-layer attention (use_cla) shares KV between layers",
+}
+
+# Per architecture, the kinds of mlx-lm cache entry its make_prompt_cache holds after a forward,
+# sorted and '+'-joined: "kv" plain KVCache, "mla" KVCache whose keys and values have different
+# head dims, "sliding" RotatingKVCache, "state" ArraysCache (conv / recurrent state), "list"
+# CacheList, "quirk:<class>" any other class. Derived by `build.cache_kind` (mlx-lm 0.32.2);
+# the smoke test re-derives it, so a change in mlx-lm shows up.
+CACHE_KIND: dict[str, str] = {
+    "bitnet": "kv",
+    "Klear": "kv",
+    "afm7": "kv",
+    "afmoe": "kv+sliding",
+    "apertus": "kv",
+    "baichuan_m1": "list",
+    "bailing_hybrid": "mla+state",
+    "bailing_moe": "kv",
+    "bailing_moe_linear": "kv+state",
+    "bailing_moe_v3": "mla+state",
+    "cohere": "kv",
+    "cohere2": "kv+sliding",
+    "dbrx": "kv",
+    "deepseek": "kv",
+    "deepseek_v2": "mla",
+    "deepseek_v3": "mla",
+    "deepseek_v32": "list",
+    "deepseek_v41": "quirk:LayerCache",
+    "dots1": "kv",
+    "ernie4_5": "kv",
+    "ernie4_5_moe": "kv",
+    "exaone": "kv",
+    "exaone4": "kv+sliding",
+    "exaone_moe": "kv+sliding",
+    "falcon_h1": "list",
+    "gear": "kv+sliding+state",
+    "gemma": "kv",
+    "gemma2": "kv",
+    "gemma3": "kv+sliding",
+    "gemma3_text": "kv+sliding",
+    "gemma3n": "kv+sliding",
+    "gemma4": "kv+sliding",
+    "gemma4_text": "kv+sliding",
+    "glm": "kv",
+    "glm4": "kv",
+    "glm4_moe": "kv",
+    "glm4_moe_lite": "mla",
+    "glm_moe_dsa": "list",
+    "gpt2": "kv",
+    "gpt_bigcode": "kv",
+    "gpt_neox": "kv",
+    "gpt_oss": "kv+sliding",
+    "gptj": "kv",
+    "granite": "kv",
+    "granitemoe": "kv",
+    "granitemoehybrid": "kv+state",
+    "helium": "kv",
+    "hunyuan": "kv",
+    "hunyuan_v1_dense": "kv",
+    "internlm2": "kv",
+    "internlm3": "kv",
+    "iquestloopcoder": "kv+sliding",
+    "jamba": "kv+state",
+    "kimi_k25": "mla",
+    "kimi_k3": "mla+state",
+    "kimi_linear": "mla+state",
+    "kimi_vl": "mla",
+    "laguna": "kv+sliding",
+    "lfm2": "kv+state",
+    "lfm2-vl": "kv+state",
+    "lfm2_moe": "kv+state",
+    "lille-130m": "kv",
+    "llama": "kv",
+    "llama4": "kv+quirk:ChunkedKVCache",
+    "llama4_text": "kv",
+    "longcat_flash": "list",
+    "longcat_flash_ngram": "list+state",
+    "mamba": "state",
+    "mamba2": "state",
+    "mellum": "kv+sliding",
+    "mimo": "kv",
+    "mimo_v2_flash": "mla+sliding",
+    "minicpm": "kv",
+    "minicpm3": "mla",
+    "minimax": "kv",
+    "minimax_m3_vl": "list",
+    "ministral3": "kv+sliding",
+    "mistral3": "kv",
+    "mistral4": "mla",
+    "mixtral": "kv",
+    "muse_glimmer": "kv+sliding",
+    "muse_spark": "kv+sliding",
+    "nanbeige": "kv",
+    "nanochat": "kv",
+    "nemotron": "kv",
+    "nemotron-nas": "kv",
+    "nemotron_h": "kv+state",
+    "olmo2": "kv",
+    "olmo3": "kv+sliding",
+    "olmo_hybrid": "kv+state",
+    "olmoe": "kv",
+    "openelm": "kv",
+    "phi": "kv",
+    "phi3": "kv",
+    "phi3small": "kv",
+    "phimoe": "kv",
+    "phixtral": "kv",
+    "pixtral": "kv",
+    "plamo": "kv",
+    "plamo2": "kv+state",
+    "plamo3": "kv+sliding",
+    "qwen": "kv",
+    "qwen2": "kv",
+    "qwen2_moe": "kv",
+    "qwen2_vl": "kv",
+    "qwen3": "kv",
+    "qwen3_5": "kv+state",
+    "qwen3_5_moe": "kv+state",
+    "qwen3_moe": "kv",
+    "qwen3_next": "kv+state",
+    "qwen3_vl": "kv",
+    "qwen3_vl_moe": "kv",
+    "recurrent_gemma": "sliding+state",
+    "rwkv7": "state",
+    "seed_oss": "kv",
+    "smollm3": "kv",
+    "solar_open": "kv",
+    "spark2_5": "kv+sliding",
+    "stablelm": "kv",
+    "starcoder2": "kv",
+    "step3p5": "kv+sliding",
+    "talkie": "kv",
+    "telechat3": "kv",
+    "youtu_llm": "mla",
+}
+
+# Host synchronisations in a module's forward path, found by grepping the sources for
+# `.item()`, `.tolist()` and `np.`; a compiled step cannot contain them.
+HOST_SYNCS: dict[str, str] = {
+    "dbrx": "MoE routing pulls the expert indices to the host (np.array(inds), np.where, "
+    ".tolist()) and loops over tokens in Python",
+    "gpt_bigcode": "position ids from np.arange(cache[0].offset, cache[0].offset + L)",
+    "prism_hadamard_qwen35": "mx.any(...).item() on a check in the forward path",
 }
