@@ -70,7 +70,7 @@ def _max_decode_error(name: str) -> float:
         assert mx.isfinite(step).all().item(), f"{name}: decode step {i} not finite"
         errors.append(mx.abs(step[:, -1] - full[:, i]).max())
     assert mx.isfinite(full).all().item(), f"{name}: full forward not finite"
-    return max(e.item() for e in errors)
+    return float(mx.stack(errors).max().item())
 
 
 @pytest.mark.parametrize("name", _params(sorted(TINY_CONFIGS), quirks_fail=True))
