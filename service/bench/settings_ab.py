@@ -5,17 +5,31 @@ fresh ``stepserve serve`` started here, the same load against each, and B / A.
     stepserve bench settings-ab --preset speculative --serve-args="--model DIR --compile on"
     stepserve bench settings-ab --a off="--prefix-cache-bytes 0" --b on="" --workload chat
     stepserve bench settings-ab --a old="" --a-dir CHECKOUT --b new="" --serve-args="--model DIR"
+    stepserve bench settings-ab --preset prefix --together --rounds 12 --serve-args="--model DIR"
 
 A and B are ``NAME=FLAGS``: extra ``stepserve serve`` flags (quoted, possibly empty) after the
 ``--serve-args`` both get. Write ``--serve-args=...`` with ``=`` (a value that starts with ``-``
 is read as an option otherwise).
 
-Each round serves A and B one after the other, never both at once, alternating the order (round
-0: A then B; round 1: B then A; ...) so that a drift of the machine falls on both. A server starts
-on a free loopback port as ``CMD serve SERVE_ARGS FLAGS --port PORT``; once ``/readyz`` answers
+By default each round serves A and B one after the other, never both at once, alternating the
+order (round 0: A then B; round 1: B then A; ...) so that a drift of the machine falls on both.
+A server starts on a free loopback port as ``CMD serve SERVE_ARGS FLAGS --port PORT``; once ``/readyz`` answers
 200 it gets every workload at every ``--concurrency`` level (:func:`service.bench.load.run`: per
 level one untimed warm-up request per stream, then ``--requests`` timed ones per stream, greedy
 and streamed), then SIGTERM, and it has exited before the next server starts.
+
+``--together``: a GPU host's single-stream tok/s can swing by a fifth or more from one server
+lifetime to the next, which sequential rounds cannot tell from a difference between A and B.
+With it A starts, then B beside it on its own port (the device must hold both: a B that runs
+out of memory says so; run without ``--together`` then), and both stay up for ``--rounds``
+paired rounds (default 12) per workload and level, after each side's warm-up: a round is one
+burst of ``level`` streams of ``--requests`` requests each (default 1) to A and one to B, one
+server at a time (never both loaded at once), in an order shuffled per round (``--seed``).
+Per round, B / A of the burst's aggregate tok/s (one stream, one request: that request's
+tok/s); reported: the geometric mean of those paired ratios, their min and max, each side's
+median tok/s over rounds, each round's ratio and order, and each side's TTFT and ITL p50 pooled
+over rounds; the target, when there is one, applies to the geometric mean. Both servers get
+SIGTERM and have exited when the tool returns, also after an error.
 
 Workloads (``--workload``):
 
@@ -60,13 +74,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,21 +210,28 @@ Records = dict[str, dict[str, dict[int, list[Stream]]]]  # side key -> workload 
 
 def measure(side: Side, round_: int, args: argparse.Namespace, records: Records) -> dict:
     """Start ``side``'s server, wait for ready, run every workload at every level on it and
-    stop it. The timed requests are added to ``records[side.key]``. Returns the server's record:
-    round, side, command, URL and process id (both gone now), seconds to ready, warm-up seconds,
-    ``/readyz`` (less the per-bucket list), BLAS, log path and {workload: load.run() result}.
-    Raises SystemExit when the server does not get ready (with its log's tail)."""
+    stop it. The timed requests are added to ``records[side.key]``. Returns the server's record
+    (:func:`_server_record`) with {workload: load.run() result} as ``results``. Raises
+    SystemExit when the server does not get ready (with its log's tail)."""
     log = args.log_dir / f"round{round_}-{side.key}-{side.name}.log"
     command = side.serve_command(args.serve_args)
     start = time.perf_counter()
     with serving(side.name, command, "/readyz", log, args.ready_timeout_s, side.env()) as (url, pid):
-        ready_s = time.perf_counter() - start
-        readyz = httpx.get(f"{url}/readyz", timeout=60).json()
-        blas = process_blas(pid)
-        results = {
+        record = _server_record(side, round_, command, url, pid, time.perf_counter() - start, log)
+        record["results"] = {
             name: run(url, args.concurrency, args.requests, make(), args.warmup_requests, records[side.key][name])
             for name, make in workloads(args).items()
         }
+    return record
+
+
+def _server_record(
+    side: Side, round_: int | None, command: list[str], url: str, pid: int, ready_s: float, log: Path
+) -> dict:
+    """A ready server's record: round (None: up for every round), side, command, URL and
+    process id, seconds to ready, warm-up seconds, ``/readyz`` (less the per-bucket list), BLAS
+    and log path. Asks the server (``/readyz``, ``/proc/PID/maps``): call it while it is up."""
+    readyz = httpx.get(f"{url}/readyz", timeout=60).json()
     for model in (readyz.get("models") or {}).values():
         model.pop("buckets", None)
     return {
@@ -220,9 +244,8 @@ def measure(side: Side, round_: int, args: argparse.Namespace, records: Records)
         "ready_s": ready_s,
         "warmup_s": warmup_seconds(readyz, log.read_text(errors="replace")),
         "readyz": readyz,
-        "blas": blas,
+        "blas": process_blas(pid),
         "log": str(log),
-        "results": results,
     }
 
 
@@ -301,14 +324,162 @@ def _workload_table(name: str, rows: list[dict], a: Side, b: Side, title: str) -
 
 
 def _server_table(servers: list[dict], sides: dict[str, dict]) -> Table:
-    table = Table(title="servers, in the order they ran")
+    table = Table(title="servers, in the order they started")
     for col in ("round", "side", "server", "ready s", "warm-up s", "BLAS", "source"):
         table.add_column(col, justify="right")
     for s in servers:
         side = sides[s["side"]]
         source = side["commit"] or side["source"] or side["command"]
         row = (s["side"].upper(), s["name"], fmt(s["ready_s"], digits=1), fmt(s["warmup_s"], digits=1), s["blas"])
-        table.add_row(str(s["round"]), *row, source)
+        table.add_row("all" if s["round"] is None else str(s["round"]), *row, source)
+    return table
+
+
+# --together: both servers up at once, paired rounds.
+
+OUT_OF_MEMORY = re.compile(  # MLX's "[malloc] Unable to allocate", CUDA's "out of memory", stepserve's budget check
+    r"out of memory|unable to allocate|insufficient memory|not enough memory|MemoryError|MemoryBudgetError|bad_alloc"
+    r"|exited with -9\b",  # SIGKILL: on Linux, most likely the kernel's OOM killer
+    re.IGNORECASE,
+)
+
+
+def paired_statistics(a: Sequence[float | None], b: Sequence[float | None]) -> dict:
+    """Paired B / A over rounds: ``a[i]`` and ``b[i]`` are round i's tok/s of A and of B (None
+    or 0: no tokens that round).
+
+    Returns ``rounds`` (the rounds where both sides have tok/s), ``paired_ratio_geomean`` (the
+    geometric mean of ``b[i] / a[i]`` over those rounds: the exponential of the mean log ratio,
+    so A / B's is its inverse, ``statistics.geometric_mean``), ``paired_ratio_min`` and
+    ``paired_ratio_max``, ``a_tok_s_median`` and ``b_tok_s_median`` (each side's median over its
+    rounds with tok/s) and ``ratio_by_round`` (None where a side had none); None where no round
+    counts. Raises ValueError when ``a`` and ``b`` differ in length."""
+    by_round = [y / x if x and y else None for x, y in zip(a, b, strict=True)]
+    ratios = [r for r in by_round if r is not None]
+    a_ok, b_ok = [x for x in a if x], [y for y in b if y]
+    return {
+        "rounds": len(ratios),
+        "paired_ratio_geomean": statistics.geometric_mean(ratios) if ratios else None,
+        "paired_ratio_min": min(ratios, default=None),
+        "paired_ratio_max": max(ratios, default=None),
+        "a_tok_s_median": statistics.median(a_ok) if a_ok else None,
+        "b_tok_s_median": statistics.median(b_ok) if b_ok else None,
+        "ratio_by_round": by_round,
+    }
+
+
+def measure_together(sides: dict[str, Side], args: argparse.Namespace) -> tuple[list[dict], dict[str, list[dict]]]:
+    """Start A, then B beside it (each until ``/readyz`` answers 200), run ``args.rounds``
+    paired rounds of every workload at every level (:func:`paired_level`), then stop both
+    (SIGTERM, waited: :func:`~service.bench.servers.serving`), also on an error.
+
+    Returns (the two servers' records, :func:`_server_record` with round None; {workload: one
+    :func:`paired_level` row per level}). Raises SystemExit when a server does not get ready;
+    for B, saying when its log points to memory (the two do not fit together)."""
+    rng = random.Random(args.seed)
+    servers: dict[str, dict] = {}
+    with ExitStack() as stack:
+        for key in ("a", "b"):
+            servers[key] = _start_beside(stack, sides[key], args, servers.get("a"))
+        urls = {key: s["url"] for key, s in servers.items()}
+        paired = {}
+        for name, make in workloads(args).items():
+            loads = {key: make() for key in sides}  # one per side: the same requests in the same order
+            paired[name] = [paired_level(urls, loads, level, args, rng) for level in args.concurrency]
+    return list(servers.values()), paired
+
+
+def _start_beside(stack: ExitStack, side: Side, args: argparse.Namespace, other: dict | None) -> dict:
+    """Start ``side``'s server in ``stack`` (stopped when it closes) and return its record;
+    ``other``: the server already up, if any (named when this one fails to start)."""
+    log = args.log_dir / f"together-{side.key}-{side.name}.log"
+    command = side.serve_command(args.serve_args)
+    start = time.perf_counter()
+    try:
+        url, pid = stack.enter_context(serving(side.name, command, "/readyz", log, args.ready_timeout_s, side.env()))
+    except SystemExit as error:
+        if other is None:
+            raise
+        why = str(error.code)
+        if OUT_OF_MEMORY.search(why):
+            why = (
+                f"{side.key.upper()} ({side.name}) ran out of memory while starting beside {other['name']} "
+                f"(pid {other['pid']}): the two servers do not fit the device together; run without --together "
+                f"(one server at a time).\n{why}"
+            )
+        else:
+            why = f"{side.key.upper()} ({side.name}) did not start beside {other['name']} (pid {other['pid']}).\n{why}"
+        raise SystemExit(why) from None
+    return _server_record(side, None, command, url, pid, time.perf_counter() - start, log)
+
+
+def paired_level(
+    urls: dict[str, str], loads: dict[str, Workload], level: int, args: argparse.Namespace, rng: random.Random
+) -> dict:
+    """One workload at one level on both servers (``urls``, ``loads``: by side key): each side's
+    untimed warm-up (``args.warmup_requests`` per stream), then ``args.rounds`` rounds, each a
+    burst of ``level`` streams of ``args.requests`` requests (:func:`service.bench.load.run`)
+    to A and to B, one server at a time, in an order ``rng`` shuffles per round.
+
+    Returns the level's :func:`paired_statistics` of aggregate tok/s (all completion tokens of
+    a burst over its wall time: at one stream and one request, that request's tok/s), each
+    round's order ("ab" or "ba") and figures per side, each side's figures pooled over rounds
+    (:func:`~service.bench.common.level_figures`) and whether the geometric mean meets
+    ``args.target`` (None without one)."""
+    for key, url in urls.items():
+        if args.warmup_requests:
+            run(url, [level], args.warmup_requests, loads[key])
+    records: dict[str, dict[int, list[Stream]]] = {key: {} for key in urls}
+    by_round: dict[str, list[dict]] = {key: [] for key in urls}
+    orders = []
+    for _ in range(args.rounds):
+        order = ["a", "b"]
+        rng.shuffle(order)
+        orders.append("".join(order))
+        for key in order:
+            (figures,) = run(urls[key], [level], args.requests, loads[key], 0, records[key])["levels"]
+            by_round[key].append(figures)
+    pooled = {
+        key: level_figures(
+            records[key].get(level, []), sum(f["errors"] for f in rounds), sum(f["elapsed_s"] for f in rounds)
+        )
+        for key, rounds in by_round.items()
+    }
+    stats = paired_statistics(*([f["aggregate_tok_s"] for f in by_round[key]] for key in ("a", "b")))
+    geomean = stats["paired_ratio_geomean"]
+    met = None if args.target is None or geomean is None else geomean >= args.target
+    return {
+        "concurrency": level,
+        **stats,
+        "order_by_round": orders,
+        "a_by_round": by_round["a"],
+        "b_by_round": by_round["b"],
+        **pooled,
+        "target_met": met,
+    }
+
+
+def _paired_table(name: str, rows: list[dict], a: Side, b: Side, title: str) -> Table:
+    table = Table(title=f"{title}: {name} (both up, paired rounds; B = {b.name}, A = {a.name})")
+    columns = ("streams", "rounds", "tok/s median A/B", "B/A geomean", "B/A min-max", "B/A by round (order)")
+    for col in (*columns, "TTFT p50 ms A/B", "ITL p50 ms A/B", "tokens A/B", "errors A/B", "target met"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        fa, fb = r["a"], r["b"]
+        by_round = zip(r["ratio_by_round"], r["order_by_round"], strict=True)
+        table.add_row(
+            str(r["concurrency"]),
+            str(r["rounds"]),
+            f"{fmt(r['a_tok_s_median'], digits=1)}/{fmt(r['b_tok_s_median'], digits=1)}",
+            fmt(r["paired_ratio_geomean"]),
+            f"{fmt(r['paired_ratio_min'])}-{fmt(r['paired_ratio_max'])}",
+            " ".join(f"{fmt(q)}({order})" for q, order in by_round),
+            f"{fmt(fa['ttft_s_p50'], 1e3, 1)}/{fmt(fb['ttft_s_p50'], 1e3, 1)}",
+            f"{fmt(fa['itl_s_p50'], 1e3, 2)}/{fmt(fb['itl_s_p50'], 1e3, 2)}",
+            f"{fa['completion_tokens']}/{fb['completion_tokens']}",
+            f"{fa['errors']}/{fb['errors']}",
+            {True: "yes", False: "no", None: "-"}[r["target_met"]],
+        )
     return table
 
 
@@ -332,8 +503,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--workload", nargs="+", choices=["chat", "long"], default=["chat", "long"])
     parser.add_argument("--concurrency", type=int, nargs="+", metavar="N", help="client streams per level (default: 1)")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds, each serving A and B once")
-    parser.add_argument("--requests", type=int, default=3, help="timed requests per stream, level and round")
+    parser.add_argument(
+        "--together",
+        action="store_true",
+        help="both servers up at once (the device must hold both), paired rounds: one burst to each per round",
+    )
+    parser.add_argument(
+        "--rounds", type=int, help="rounds, each serving A and B once (default 2; with --together, paired rounds: 12)"
+    )
+    parser.add_argument(
+        "--requests", type=int, help="timed requests per stream, level and round (default 3; with --together 1)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="--together: the seed of each round's A/B order")
     parser.add_argument("--warmup-requests", type=int, default=1, help="untimed requests per stream before each level")
     parser.add_argument("--system-tokens", type=int, default=450, help="chat: the shared system prompt's tokens, about")
     parser.add_argument("--chat-max-tokens", type=int, default=128)
@@ -345,13 +526,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str]) -> int:
-    """``stepserve bench settings-ab [options]`` (``argv``: the options): serve
-    A and B in alternating order for every round, measure, print the tables to stderr and the
-    JSON to stdout (and ``--out``). Returns 0. Raises SystemExit on bad arguments or a server
-    that does not get ready."""
-    parser = _parser()
-    args = parser.parse_args(argv)
+def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Preset | None, dict[str, Side]]:
+    """The preset and the two sides of parsed ``args``; fills in the defaults that depend on
+    the preset and the mode (concurrency, target, rounds, requests, log directory). Exits
+    through ``parser.error`` on missing or clashing sides."""
     preset = PRESETS[args.preset] if args.preset else None
     specs = {"a": args.a or (preset.a if preset else ""), "b": args.b or (preset.b if preset else "")}
     if not specs["a"] or not specs["b"]:
@@ -363,17 +541,39 @@ def main(argv: list[str]) -> int:
     if sides["a"].name == sides["b"].name:
         parser.error(f"A and B are both named '{sides['a'].name}'")
     args.concurrency = list(dict.fromkeys(args.concurrency or (preset.concurrency if preset else (1,))))
-    target = args.target if args.target is not None else (preset.target if preset else None)
+    args.target = args.target if args.target is not None else (preset.target if preset else None)
+    args.rounds = args.rounds or (12 if args.together else 2)
+    args.requests = args.requests or (1 if args.together else 3)
     args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="stepserve-settings-ab-"))
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    records: Records = {key: {name: {} for name in args.workload} for key in sides}
-    servers = [measure(sides[key], round_, args, records) for round_, key in schedule(args.rounds)]
+    return preset, sides
+
+
+def main(argv: list[str]) -> int:
+    """``stepserve bench settings-ab [options]`` (``argv``: the options): serve A and B in
+    alternating order for every round (with ``--together``: both at once, paired rounds),
+    measure, print the tables to stderr and the JSON to stdout (and ``--out``). Returns 0.
+    Raises SystemExit on bad arguments or a server that does not get ready."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    preset, sides = _resolve(parser, args)
     title = f"{preset.label if preset else ''}{sides['b'].name}/{sides['a'].name}"
+    if args.together:
+        servers, paired = measure_together(sides, args)
+        figures = {"paired": paired}
+        tables = [_paired_table(name, rows, sides["a"], sides["b"], title) for name, rows in paired.items()]
+    else:
+        records: Records = {key: {name: {} for name in args.workload} for key in sides}
+        servers = [measure(sides[key], round_, args, records) for round_, key in schedule(args.rounds)]
+        figures = {"pooled": pool(servers, records, args.target)}
+        tables = [
+            _workload_table(name, rows, sides["a"], sides["b"], title) for name, rows in figures["pooled"].items()
+        ]
     described = {key: side.describe(args.serve_args) for key, side in sides.items()}
-    pooled = pool(servers, records, target)
     result = {
         "title": title,
         "preset": args.preset,
+        "mode": "together" if args.together else "sequential",
         **described,
         "serve_args": shlex.join(args.serve_args),
         "workloads": {name: make().describe() for name, make in workloads(args).items()},
@@ -381,10 +581,10 @@ def main(argv: list[str]) -> int:
         "rounds": args.rounds,
         "requests_per_stream": args.requests,
         "warmup_requests_per_stream": args.warmup_requests,
-        "target": target,
-        "pooled": pooled,
+        "seed": args.seed if args.together else None,
+        "target": args.target,
+        **figures,
         "servers": servers,
         "log_dir": str(args.log_dir),
     }
-    tables = [_workload_table(name, rows, sides["a"], sides["b"], title) for name, rows in pooled.items()]
     return report(result, ["settings-ab", *argv], [*tables, _server_table(servers, described)], args.out)
