@@ -13,10 +13,11 @@ is read as an option otherwise).
 
 By default each round serves A and B one after the other, never both at once, alternating the
 order (round 0: A then B; round 1: B then A; ...) so that a drift of the machine falls on both.
-A server starts on a free loopback port as ``CMD serve SERVE_ARGS FLAGS --port PORT``; once ``/readyz`` answers
-200 it gets every workload at every ``--concurrency`` level (:func:`service.bench.load.run`: per
-level one untimed warm-up request per stream, then ``--requests`` timed ones per stream, greedy
-and streamed), then SIGTERM, and it has exited before the next server starts.
+A server starts on a free loopback port as ``CMD serve SERVE_ARGS FLAGS --port PORT``; once
+``/readyz`` answers 200 it gets every workload at every ``--concurrency`` level
+(:func:`service.bench.load.run`: per level one untimed warm-up request per stream, then
+``--requests`` timed ones per stream, greedy and streamed), then SIGTERM, and it has exited
+before the next server starts.
 
 ``--together``: a GPU host's single-stream tok/s can swing by a fifth or more from one server
 lifetime to the next, which sequential rounds cannot tell from a difference between A and B.
