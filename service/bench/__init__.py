@@ -19,7 +19,8 @@ def main(argv: list[str]) -> int:
     * ``profile …``: where a decode step's time goes (:mod:`service.bench.profile`);
     * ``ab …``: two running servers, the same requests alternating (:mod:`service.bench.ab`);
     * ``settings-ab …``: two serve configurations (or source trees) of one model, fresh servers
-      started in alternating order, the same load on each, B / A (:mod:`service.bench.settings_ab`);
+      started in alternating order (``--together``: both up, paired rounds), the same load on
+      each, B / A (:mod:`service.bench.settings_ab`);
     * ``pipeline …``: one process against pipeline ranks per decode step (:mod:`service.bench.pipeline`);
     * ``group …``: one ``stepserve serve`` against a ``stepserve launch`` group, through HTTP
       (:mod:`service.bench.group`);
