@@ -14,7 +14,8 @@ the same protocol over fixed buffers with per-row positions as arrays:
   layer in decode);
 - :class:`SlotStateCache`: mlx-lm's ``ArraysCache`` (so the modules' ``isinstance`` checks
   pass) whose arrays [B, ...] come in and go out of the step;
-- mlx-lm's ``CacheList`` holding these, for layers with several caches.
+- mlx-lm's ``CacheList`` holding these, for layers with several caches;
+- :class:`UnusedCache` for a cache entry a layer never writes (it raises on any use).
 
 Shapes: B rows, L new tokens per row, S a layer's buffer positions, Hkv key-value heads, Dk and
 Dv the key and value head dims (they differ in multi-head latent attention).
@@ -25,6 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
+from models.adapter.layout import UnsupportedCache
 from models.attention import cache_layout, write_prefix
 
 
@@ -41,14 +43,22 @@ class SlotKVCache:
             ``RotatingKVCache``), or None for full attention.
         prefix: the step writes every row from position 0 over the whole buffer (prefill:
             L == S, offsets all 0), so a write is a copy rather than a scatter.
+        grouped: masks get a query-group axis, [B, 1, 1, N, S], for a module whose attention
+            scores are [B, Hkv, repeats, N, S] (mlx-lm's gemma2 with grouped queries).
     """
 
     def __init__(
-        self, keys: mx.array, values: mx.array, offset: mx.array, window: int | None = None, prefix: bool = False
+        self,
+        keys: mx.array,
+        values: mx.array,
+        offset: mx.array,
+        window: int | None = None,
+        prefix: bool = False,
+        grouped: bool = False,
     ):
         self.keys, self.values = keys, values
         self.offset = offset.astype(mx.int32)  # an array of its own: a module may add to it in place
-        self.window, self.prefix = window, prefix
+        self.window, self.prefix, self.grouped = window, prefix, grouped
 
     def _positions(self, n: int) -> mx.array:
         """int32 [B, n]: the positions of each row's next n tokens."""
@@ -69,13 +79,14 @@ class SlotKVCache:
         return self.keys, self.values
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
-        """bool [B, 1, N, S]: which buffer indices each of the next N queries of each row sees
-        (:func:`models.attention.cache_layout`; ``window_size`` overrides the layer's window).
-        Always an array, whatever ``return_array`` says: mlx-lm's ``None`` and ``"causal"`` hold
-        only when the keys are exactly the filled positions, never in a fixed buffer."""
+        """bool [B, 1, N, S] ([B, 1, 1, N, S] when ``grouped``): which buffer indices each of
+        the next N queries of each row sees (:func:`models.attention.cache_layout`;
+        ``window_size`` overrides the layer's window). Always an array, whatever
+        ``return_array`` says: mlx-lm's ``None`` and ``"causal"`` hold only when the keys are
+        exactly the filled positions, never in a fixed buffer."""
         window = window_size if window_size is not None else self.window
         _, mask = cache_layout(self._positions(N), window, self.keys.shape[2])
-        return mask
+        return mask[:, :, None] if self.grouped else mask
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         """The whole buffers [B, Hkv, S, Dk] and [B, Hkv, S, Dv]."""
@@ -102,6 +113,15 @@ class SlotKVCache:
     def is_trimmable(self) -> bool:
         """No: a step rolls back by position alone (the caller passes earlier positions)."""
         return False
+
+
+class UnusedCache:
+    """The cache object of a layer whose mlx-lm cache stayed empty in the layout probe
+    (:class:`models.adapter.layout.UnusedLayout`): the module may hold and pass it, and any
+    use of it raises, so a layer that does write a cache after all fails loudly."""
+
+    def __getattr__(self, name: str):
+        raise UnsupportedCache(f"a layer used the cache ({name!r}) it left empty in the layout probe")
 
 
 class SlotStateCache(ArraysCache):

@@ -10,7 +10,8 @@ state shapes. The same eager call lets a module memoize weights it derives on it
 
 A :class:`KVLayout` is one buffer pair of :class:`models.kv_cache.KVCache`; a
 :class:`StateLayout` is ``len(shapes)`` of its ``states``; a :class:`ListLayout` (mlx-lm's
-``CacheList``) is its parts in order.
+``CacheList``) is its parts in order; an :class:`UnusedLayout` (a cache the module never
+writes) holds nothing.
 """
 
 from __future__ import annotations
@@ -70,7 +71,13 @@ class ListLayout:
     parts: tuple[Layout, ...]
 
 
-Layout = KVLayout | StateLayout | ListLayout
+@dataclass(frozen=True)
+class UnusedLayout:
+    """A cache entry the module gives a layer that never writes it (mlx-lm's nemotron-nas makes
+    a ``KVCache`` for layers whose attention is replaced by a linear map): no buffers."""
+
+
+Layout = KVLayout | StateLayout | ListLayout | UnusedLayout
 
 
 def learn_layouts(model: nn.Module) -> tuple[Layout, ...]:
@@ -107,6 +114,8 @@ def layout_of(cache) -> Layout:
     elif type(cache) not in (KVCache, ConcatenateKVCache):
         raise UnsupportedCache(f"mlx-lm's {type(cache).__name__}")
     keys, values = cache.keys, cache.values
+    if keys is None and values is None and window is None:
+        return UnusedLayout()
     if keys is None or values is None:
         raise UnsupportedCache(f"{type(cache).__name__} held no keys after a token")
     return KVLayout(keys.shape[1], keys.shape[3], values.shape[3], window)
@@ -124,7 +133,7 @@ def flatten(layouts: tuple[Layout, ...]) -> tuple[list[KVLayout], list[StateLayo
                 walk(part)
         elif isinstance(layout, KVLayout):
             kv.append(layout)
-        else:
+        elif isinstance(layout, StateLayout):
             states.append(layout)
 
     for layout in layouts:

@@ -22,8 +22,18 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import CacheList
 
-from models.adapter.cache import SlotKVCache, SlotStateCache
-from models.adapter.layout import KVLayout, Layout, ListLayout, StateLayout, flatten, learn_layouts
+from models.adapter.cache import SlotKVCache, SlotStateCache, UnusedCache
+from models.adapter.layout import (
+    KVLayout,
+    Layout,
+    ListLayout,
+    StateLayout,
+    UnsupportedCache,
+    UnusedLayout,
+    flatten,
+    learn_layouts,
+)
+from models.adapter.support import check_module
 from models.kv_cache import KVCache, layer_sizes
 
 Params = dict[str, Any]
@@ -43,6 +53,8 @@ class AdapterArgs:
         pads_prompts: whether a prompt row may be right-padded (every recurrent layer masks
             by ``ArraysCache.lengths``); where False, prefill and chunk rows must be exactly
             as long as their bucket (mamba's layers ignore ``lengths``).
+        grouped_mask: attention masks carry a query-group axis, [B, 1, 1, N, S] (the module
+            groups query heads per key-value head in its scores: mlx-lm's gemma2).
     """
 
     module: nn.Module
@@ -51,16 +63,23 @@ class AdapterArgs:
     vocab_size: int
     max_position_embeddings: int | None = None
     pads_prompts: bool = True
+    grouped_mask: bool = False
 
     @classmethod
     def from_module(cls, module: nn.Module, model_type: str | None = None) -> AdapterArgs:
-        """Learn ``module``'s layouts (:func:`models.adapter.layout.learn_layouts`, one eager
-        token) and whether padded prompts keep its states exact (two eager one-row prefills:
-        one token, and the same token padded by one). ``model_type`` defaults to the module's.
+        """Check that the adapter serves ``module`` (:func:`models.adapter.support.check_module`),
+        learn its layouts (:func:`models.adapter.layout.learn_layouts`, one eager token), then
+        whether padded prompts keep its states exact and which mask shape its attention takes
+        (:func:`_padding_probe`: eager prefills of one row and of a few rows, one padded).
+        ``model_type`` defaults to the module's.
 
         Raises:
-            models.adapter.layout.UnsupportedCache: a cache the adapter cannot hold.
+            models.errors.ModelLoadError: an architecture or configuration the adapter refuses
+                (:mod:`models.adapter.support`).
+            models.adapter.layout.UnsupportedCache: a cache the adapter cannot hold, or a
+                module that fails on a batch of rows with either mask shape.
         """
+        check_module(module)
         model_args = getattr(module, "args", None)
         layouts = learn_layouts(module)
         args = cls(
@@ -70,8 +89,7 @@ class AdapterArgs:
             0,
             getattr(model_args, "max_position_embeddings", None),
         )
-        vocab, same = _padding_probe(args)
-        return dataclasses.replace(args, vocab_size=vocab, pads_prompts=same)
+        return _padding_probe(args)
 
     @property
     def num_hidden_layers(self) -> int:
@@ -241,7 +259,7 @@ def _forward(
     real = module.parameters()
     module.update(params)
     try:
-        caches = _open(args.layouts, cache, offsets, lengths, prefill)
+        caches = _open(args.layouts, cache, offsets, lengths, prefill, args.grouped_mask)
         logits = module(tokens, cache=caches)
     finally:
         module.update(real)
@@ -249,10 +267,16 @@ def _forward(
 
 
 def _open(
-    layouts: tuple[Layout, ...], cache: KVCache, offsets: mx.array, lengths: mx.array | None, prefill: bool
+    layouts: tuple[Layout, ...],
+    cache: KVCache,
+    offsets: mx.array,
+    lengths: mx.array | None,
+    prefill: bool,
+    grouped: bool,
 ) -> list[Any]:
     """One mlx-lm cache object per layout over ``cache``'s buffers and states, in order
-    (a prefill's states start unset: the module's own initial state)."""
+    (a prefill's states start unset: the module's own initial state; ``grouped``: masks with
+    a query-group axis)."""
     pairs: Iterator[tuple[mx.array, mx.array]] = iter(zip(cache.keys, cache.values, strict=True))
     states = iter(cache.states)
 
@@ -261,7 +285,9 @@ def _open(
             return CacheList(*(make(part) for part in layout.parts))
         if isinstance(layout, KVLayout):
             keys, values = next(pairs)
-            return SlotKVCache(keys, values, offsets, layout.window, prefix=prefill)
+            return SlotKVCache(keys, values, offsets, layout.window, prefix=prefill, grouped=grouped)
+        if isinstance(layout, UnusedLayout):
+            return UnusedCache()
         arrays = [next(states, None) for _ in layout.shapes]
         return SlotStateCache([None] * len(arrays) if prefill else arrays, lengths)
 
@@ -286,10 +312,10 @@ def _close(caches: list[Any], state_layouts: list[StateLayout]) -> KVCache:
         elif isinstance(c, SlotKVCache):
             keys.append(c.keys)
             values.append(c.values)
-        else:
+        elif isinstance(c, SlotStateCache):
             if any(a is None for a in c.cache):
                 raise ValueError("a recurrent layer left its state unset")
-            states.extend(c.cache)
+            states.extend(a for a in c.cache if a is not None)
 
     for c in caches:
         walk(c)
@@ -303,16 +329,37 @@ def _last(logits: mx.array, lengths: mx.array) -> mx.array:
     return mx.take_along_axis(logits, at, axis=1)[:, 0, :]
 
 
-def _padding_probe(args: AdapterArgs) -> tuple[int, bool]:
-    """Eager one-row prefills of one token, alone and padded by one: (V, whether the padded
-    row's states equal the lone row's)."""
+def _padding_probe(args: AdapterArgs) -> AdapterArgs:
+    """``args`` with its vocabulary V, whether padded prompts keep its states exact and
+    whether its masks need a query-group axis, from eager prefills: one token alone, then
+    B = Hkv + 1 rows (the largest layer's key-value heads, so a mask's rows cannot broadcast
+    against the heads by accident): that token padded by one, and two-token rows. The first
+    row's states must equal the lone row's. A module that fails to broadcast [B, 1, N, S]
+    masks is tried with [B, 1, 1, N, S] (mlx-lm's gemma2 scores grouped queries as
+    [B, Hkv, repeats, N, S]).
+
+    Raises:
+        UnsupportedCache: the rows fail with both mask shapes.
+    """
     params = args.module.parameters()
 
-    def run(tokens: list[int]) -> tuple[mx.array, KVCache]:
-        cache = args.allocate(1, len(tokens), mx.float32)
-        return prefill(params, mx.array([tokens], mx.int32), mx.array([1], mx.int32), cache, args=args)
+    def run(a: AdapterArgs, tokens: list[list[int]], lengths: list[int]) -> tuple[mx.array, KVCache]:
+        cache = a.allocate(len(tokens), len(tokens[0]), mx.float32)
+        return prefill(params, mx.array(tokens, mx.int32), mx.array(lengths, mx.int32), cache, args=a)
 
-    logits, alone = run([1])
-    _, padded = run([1, 2])
-    same = all(mx.allclose(a, b, atol=1e-5).item() for a, b in zip(alone.states, padded.states, strict=True))
-    return logits.shape[-1], same
+    logits, alone = run(args, [[1]], [1])
+    args = dataclasses.replace(args, vocab_size=logits.shape[-1])
+    rows = max((kv.heads for kv in args.kv_layouts), default=1) + 1
+    tokens, lengths = [[1, 2]] * rows, [1] + [2] * (rows - 1)
+    try:
+        _, padded = run(args, tokens, lengths)
+    except ValueError as first:
+        if "broadcast" not in str(first):
+            raise UnsupportedCache(f"{args.model_type} fails on a batch of {rows} rows: {first}") from first
+        args = dataclasses.replace(args, grouped_mask=True)
+        try:
+            _, padded = run(args, tokens, lengths)
+        except ValueError:
+            raise UnsupportedCache(f"{args.model_type} fails on a batch of {rows} rows: {first}") from first
+    same = all(mx.allclose(a, b[:1], atol=1e-5).item() for a, b in zip(alone.states, padded.states, strict=True))
+    return dataclasses.replace(args, pads_prompts=same)

@@ -18,6 +18,8 @@ from models.adapter import (
     SlotStateCache,
     StateLayout,
     UnsupportedCache,
+    UnusedCache,
+    UnusedLayout,
     decode,
     learn_layouts,
     prefill,
@@ -25,6 +27,7 @@ from models.adapter import (
 )
 from models.attention import cache_layout
 from models.kv_cache import KVCache
+from tests.parity.build import build_tiny
 from tests.unit.test_adapter_parity import CONFIGS, tiny
 
 
@@ -184,6 +187,22 @@ def test_unsupported_caches_are_named():
     object.__setattr__(model, "make_cache", lambda: [RotatingKVCache(max_size=8, keep=4) for _ in range(2)])
     with pytest.raises(UnsupportedCache, match="keeps its first 4"):
         learn_layouts(model)
+
+
+def test_unused_cache_entries_hold_nothing_and_refuse_use():
+    """nemotron-nas gives a KVCache to a layer whose attention is a linear map: no buffers for
+    it, and the stand-in the layer gets raises if anything reads it."""
+    args = AdapterArgs.from_module(build_tiny("nemotron-nas"))
+    assert UnusedLayout() in args.layouts and len(args.kv_layouts) == len(args.layouts) - 1
+    with pytest.raises(UnsupportedCache, match="offset"):
+        _ = UnusedCache().offset
+
+
+def test_grouped_masks_only_where_the_scores_group_queries():
+    assert AdapterArgs.from_module(build_tiny("gemma2")).grouped_mask  # scores [B, Hkv, repeats, L, S]
+    assert not AdapterArgs.from_module(tiny(CONFIGS["llama"])).grouped_mask
+    cache = SlotKVCache(mx.zeros((2, 1, 6, 4)), mx.zeros((2, 1, 6, 4)), mx.array([1, 3]), grouped=True)
+    assert cache.make_mask(2).shape == (2, 1, 1, 2, 6)
 
 
 def test_verify_refuses_rings_and_states():
