@@ -23,9 +23,11 @@ heads, D head dim, N blocks, bt block_tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import mlx.core as mx
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
 from models.attention import Attend, cache_layout
 
@@ -162,14 +164,94 @@ class PagedAttention:
             keys = write(keys, self.block_table, self.positions, k)
             values = write(values, self.block_table, self.positions, v)
             view_k, view_v = gather(keys, self.block_table), gather(values, self.block_table)
-            mask = self._mask(window, view_k.shape[2])
+            mask = self.mask(window, view_k.shape[2])
             o = mx.fast.scaled_dot_product_attention(q, view_k, view_v, scale=self.scale, mask=mask)
             return o, keys, values
 
         return attend
 
-    def _mask(self, window: int | None, size: int) -> mx.array:
-        """bool [B, 1, L, size], computed once per (window, size) and shared by the layers."""
+    def mask(self, window: int | None, size: int) -> mx.array:
+        """Which view indices each query sees: bool [B, 1, L, size] for a view of ``size``
+        positions, computed once per (window, size) and shared by the layers."""
         if (window, size) not in self._masks:
             self._masks[(window, size)] = cache_layout(self.positions, window, size)[1]
         return self._masks[(window, size)]
+
+
+#: A quantized pool or view: (packed uint32 [..., D * bits / 32], scales [..., D / group_size],
+#: biases [..., D / group_size]), the triple ``mx.quantize`` returns and mlx-lm's
+#: ``QuantizedKVCache`` stores.
+Quantized = tuple[mx.array, mx.array, mx.array]
+
+
+def quantized_pool(
+    num_blocks: int, kv_heads: int, block_tokens: int, head_dim: int, bits: int, group_size: int, dtype: mx.Dtype
+) -> Quantized:
+    """A zero-filled quantized pool for ``kv_bits`` storage: packed uint32 [N, Hkv, bt, D * bits
+    / 32], scales and biases [N, Hkv, bt, D / group_size] in ``dtype`` (mlx-lm's
+    ``QuantizedKVCache`` layout, per block instead of per row).
+
+    Raises:
+        ValueError: ``head_dim`` is not a multiple of ``group_size`` or ``bits`` is not 4 or 8.
+    """
+    if bits not in (4, 8) or head_dim % group_size:
+        raise ValueError(f"quantized KV needs bits 4 or 8 and a head dim divisible by {group_size}: {bits}, {head_dim}")
+    shape = (num_blocks, kv_heads, block_tokens)
+    return (
+        mx.zeros((*shape, head_dim * bits // 32), mx.uint32),
+        mx.zeros((*shape, head_dim // group_size), dtype),
+        mx.zeros((*shape, head_dim // group_size), dtype),
+    )
+
+
+def write_quantized(
+    pool: Quantized, block_table: mx.array, positions: mx.array, new: mx.array, bits: int, group_size: int
+) -> Quantized:
+    """:func:`write` for a quantized pool: ``new`` [B, Hkv, L, D] quantized per ``group_size``
+    values of D (``mx.quantize``, affine), each part scattered as :func:`write` does."""
+    parts = mx.quantize(new.astype(pool[1].dtype), group_size=group_size, bits=bits)
+    packed, scales, biases = (write(p, block_table, positions, n) for p, n in zip(pool, parts, strict=True))
+    return packed, scales, biases
+
+
+def gather_quantized(pool: Quantized, block_table: mx.array) -> Quantized:
+    """:func:`gather` of each part of a quantized pool: views [B, Hkv, M * bt, *]."""
+    packed, scales, biases = (gather(p, block_table) for p in pool)
+    return packed, scales, biases
+
+
+#: :data:`models.attention.Attend` over quantized pools: (q, k, v, the layer's key and value
+#: pools) -> (output [B, Hq, L, D], new key pool, new value pool).
+QuantizedAttend = Callable[[mx.array, mx.array, mx.array, Quantized, Quantized], tuple[mx.array, Quantized, Quantized]]
+
+
+class QuantizedPagedAttention:
+    """:class:`PagedAttention` over quantized pools (``kv_bits``): new keys and values are
+    quantized as they are written, and the queries attend over the quantized view with
+    mlx-lm's ``quantized_scaled_dot_product_attention`` (``mx.quantized_matmul`` for the scores
+    and the weighted values), so nothing is dequantized to a full-precision view.
+
+    Args:
+        block_table, positions, scale: as :class:`PagedAttention`.
+        bits: 4 or 8. group_size: values of D per scale and bias (64 as mlx-lm's default).
+    """
+
+    def __init__(self, block_table: mx.array, positions: mx.array, scale: float, bits: int, group_size: int = 64):
+        self.paged = PagedAttention(block_table, positions, scale)
+        self.bits, self.group_size = bits, group_size
+
+    def __call__(self, window: int | None) -> QuantizedAttend:
+        """The :data:`QuantizedAttend` of a layer with sliding ``window`` (None: full attention)."""
+        table, positions, bits, group = self.paged.block_table, self.paged.positions, self.bits, self.group_size
+
+        def attend(q, k, v, keys: Quantized, values: Quantized) -> tuple[mx.array, Quantized, Quantized]:
+            keys = write_quantized(keys, table, positions, k, bits, group)
+            values = write_quantized(values, table, positions, v, bits, group)
+            view_k, view_v = gather_quantized(keys, table), gather_quantized(values, table)
+            mask = self.paged.mask(window, view_k[0].shape[2])
+            o = quantized_scaled_dot_product_attention(
+                q, view_k, view_v, scale=self.paged.scale, mask=mask, group_size=group, bits=bits
+            )
+            return o, keys, values
+
+        return attend

@@ -12,7 +12,18 @@ import mlx.core as mx
 import pytest
 
 from models.attention import CacheAttention
-from models.paged import PagedAttention, PagedKV, copy_blocks, gather, write
+from models.paged import (
+    PagedAttention,
+    PagedKV,
+    Quantized,
+    QuantizedPagedAttention,
+    copy_blocks,
+    gather,
+    gather_quantized,
+    quantized_pool,
+    write,
+    write_quantized,
+)
 
 BT, N, HQ, HKV, D = 4, 24, 4, 2, 8  # block tokens, pool blocks, query and key-value heads, head dim
 LENGTHS = [9, 13, 3]  # positions each row holds before the step
@@ -149,3 +160,57 @@ def test_allocate_shapes():
     kv = PagedKV.allocate(layers=3, num_blocks=N, kv_heads=HKV, block_tokens=BT, head_dim=D, dtype=mx.float16)
     assert len(kv.keys) == 3 and kv.keys[0].shape == (N, HKV, BT, D) and kv.block_tokens == BT
     assert kv.num_blocks == N and kv.nbytes == 2 * 3 * N * HKV * BT * D * 2
+
+
+def roundtrip(x: mx.array, bits: int) -> mx.array:
+    """``x`` quantized and dequantized as a kv_bits pool stores it (group size 64)."""
+    return mx.dequantize(*mx.quantize(x, group_size=64, bits=bits), group_size=64, bits=bits)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_attention_equals_the_static_cache_of_the_dequantized_values(bits):
+    """kv_bits storage: attention over the quantized pool equals attention over a static cache
+    holding what the quantization keeps (to float32 rounding), and 8 bits stays close to the
+    unquantized answer."""
+    Dq, lengths = 64, LENGTHS
+    mx.random.seed(8)
+    B = len(lengths)
+    keys, values = (mx.random.normal((B, HKV, M * BT, Dq)) for _ in range(2))
+    for a in (keys, values):
+        a[1, :, : SHARED * BT] = a[0, :, : SHARED * BT]
+    q = mx.random.normal((B, HQ, 1, Dq))
+    k, v = mx.random.normal((B, HKV, 1, Dq)), mx.random.normal((B, HKV, 1, Dq))
+    positions = mx.array(lengths, mx.int32)[:, None]
+    scale = Dq**-0.5
+    want, _, _ = CacheAttention(positions, scale)(None)(
+        q, roundtrip(k, bits), roundtrip(v, bits), roundtrip(keys, bits), roundtrip(values, bits)
+    )
+    exact, _, _ = CacheAttention(positions, scale)(None)(q, k, v, keys, values)
+    table = tables(random.Random(12), lengths, 1)
+    all_positions = mx.broadcast_to(mx.arange(M * BT, dtype=mx.int32)[None], (B, M * BT))
+    pools = []
+    for a in (keys, values):
+        empty = quantized_pool(N, HKV, BT, Dq, bits, 64, mx.float32)
+        pools.append(write_quantized(empty, table, all_positions, a, bits, 64))
+    attend = mx.compile(
+        lambda table, positions, q, k, v, pk, pv: QuantizedPagedAttention(table, positions, scale, bits)(None)(
+            q, k, v, pk, pv
+        )
+    )
+    got, pool_keys, _ = attend(table, positions, q, k, v, *pools)
+    assert pool_keys[0].dtype == mx.uint32 and pool_keys[0].shape == (N, HKV, BT, Dq * bits // 32)
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4), mx.abs(got - want).max()
+    error = float(mx.abs(got - exact).max())
+    assert 0 < error < (0.05 if bits == 8 else 0.5), error
+    view = gather_quantized(cast(Quantized, pool_keys), table)
+    for b, length in enumerate(lengths):
+        stored = mx.dequantize(*(part[b, :, : length + 1] for part in view), group_size=64, bits=bits)
+        expected = roundtrip(mx.concatenate([keys[b, :, :length], k[b]], axis=1), bits)
+        assert mx.allclose(stored, expected, atol=1e-6), b
+
+
+def test_quantized_pool_refuses_a_head_dim_off_the_group_size():
+    with pytest.raises(ValueError):
+        quantized_pool(N, HKV, BT, 48, 8, 64, mx.float32)
+    with pytest.raises(ValueError):
+        quantized_pool(N, HKV, BT, 64, 3, 64, mx.float32)
