@@ -1,0 +1,257 @@
+"""Paged KV: one layer's keys and values in a pool of fixed-size blocks, read and written
+through per-row block tables, in portable MLX ops (correct on the CPU, traceable by
+``mx.compile`` with the tables and positions as int32 array inputs).
+
+Layout: a layer's pool is keys and values of [num_blocks, Hkv, block_tokens, D] each. Block-major
+because a block is then one contiguous slab per layer: a copy-on-write is one slice copy per
+layer, a block's quantized storage is its own, and block n of the pool is laid out as one row
+of :class:`models.kv_cache.KVCache` ([B, Hkv, S, D] with B -> blocks, S -> block_tokens), so the
+prefix cache's per-layer blocks [Hkv, block_tokens, D] are exactly one pool entry. Heads before
+positions, as in the static cache, so a gathered view is already the [B, Hkv, S, D] that
+``mx.fast.scaled_dot_product_attention`` reads (vLLM puts positions before heads, for its
+kernels; a portable path would then transpose every view).
+
+A row's block table (int32 [B, M]) lists its blocks in position order: position p sits at offset
+``p % block_tokens`` of block ``table[b, p // block_tokens]``. Columns past a row's blocks, and
+padded rows, hold the null block (:data:`service.engine.block_pool.NULL_BLOCK`, 0): a padded
+token's write lands there and attention masks it by position. Every position written must be
+below ``M * block_tokens``: a column index past M is not checked (MLX gathers do not bound-check).
+
+Shapes: B rows, L new tokens per row (decode L = 1), M table columns, Hq/Hkv query/key-value
+heads, D head dim, N blocks, bt block_tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import mlx.core as mx
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+from models.attention import Attend, cache_layout
+
+
+class PagedKV(NamedTuple):
+    """Per-layer key and value pools, each [num_blocks, Hkv, block_tokens, D] (a pytree MLX
+    compilation accepts)."""
+
+    keys: list[mx.array]
+    values: list[mx.array]
+
+    @property
+    def block_tokens(self) -> int:
+        """Token positions per block."""
+        return self.keys[0].shape[2]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all pools."""
+        return sum(a.nbytes for a in (*self.keys, *self.values))
+
+    @staticmethod
+    def allocate(
+        layers: int, num_blocks: int, kv_heads: int, block_tokens: int, head_dim: int, dtype: mx.Dtype
+    ) -> PagedKV:
+        """Zero-filled pools of ``layers`` x [num_blocks, kv_heads, block_tokens, head_dim]."""
+        shape = (num_blocks, kv_heads, block_tokens, head_dim)
+        return PagedKV([mx.zeros(shape, dtype) for _ in range(layers)], [mx.zeros(shape, dtype) for _ in range(layers)])
+
+    def copied(self, src: mx.array, dst: mx.array) -> PagedKV:
+        """The pools with blocks ``dst`` overwritten by blocks ``src`` in every layer (the block
+        pool's copy-on-writes; int32 [n] each, ``dst`` distinct and disjoint from ``src``)."""
+        return PagedKV([copy_blocks(k, src, dst) for k in self.keys], [copy_blocks(v, src, dst) for v in self.values])
+
+
+def copy_blocks(pool: mx.array, src: mx.array, dst: mx.array) -> mx.array:
+    """``pool`` [N, Hkv, bt, D] with block ``dst[i]`` holding block ``src[i]``'s contents
+    (int32 [n] each; ``dst`` distinct, and no ``dst`` also a ``src``)."""
+    out = mx.array(pool)
+    out[dst] = pool[src]
+    return out
+
+
+def slot_rows(block_table: mx.array, positions: mx.array, kv_heads: int, block_tokens: int) -> mx.array:
+    """Each (row, head, token)'s row in a pool seen as [N * Hkv * bt, D].
+
+    Args:
+        block_table: int32 [B, M].
+        positions: int32 [B, L], each below M * bt.
+
+    Returns:
+        int32 [B, Hkv, L]: ``(block * Hkv + head) * bt + offset`` with block ``table[b, p // bt]``
+        and offset ``p % bt`` (the row-major index of [N, Hkv, bt] for a [N, Hkv, bt, D] pool).
+    """
+    p = positions.astype(mx.int32)
+    block = mx.take_along_axis(block_table.astype(mx.int32), p // block_tokens, axis=1)  # [B, L]
+    heads = mx.arange(kv_heads, dtype=mx.int32)[None, :, None]  # [1, Hkv, 1]
+    return (block[:, None, :] * kv_heads + heads) * block_tokens + (p % block_tokens)[:, None, :]
+
+
+def write(pool: mx.array, block_table: mx.array, positions: mx.array, new: mx.array) -> mx.array:
+    """Scatter new keys or values into a layer's pool.
+
+    Args:
+        pool: [N, Hkv, bt, D].
+        block_table: int32 [B, M].
+        positions: int32 [B, L], each token's position (below M * bt).
+        new: [B, Hkv, L, D], cast to the pool's dtype.
+
+    Returns:
+        The pool [N, Hkv, bt, D] with row b's token l at offset ``p % bt`` of block
+        ``block_table[b, p // bt]`` (p = positions[b, l]). Two tokens writing one slot (padding
+        into the null block) leave one of them there, unspecified which.
+    """
+    N, H, bt, D = pool.shape
+    rows = slot_rows(block_table, positions, H, bt).reshape(-1)  # [B * Hkv * L]
+    flat = pool.reshape(N * H * bt, D)
+    flat[rows] = new.astype(pool.dtype).reshape(-1, D)
+    return flat.reshape(N, H, bt, D)
+
+
+def gather(pool: mx.array, block_table: mx.array) -> mx.array:
+    """The rows' transient view of a layer's pool: their blocks in table order.
+
+    Args:
+        pool: [N, Hkv, bt, D].
+        block_table: int32 [B, M].
+
+    Returns:
+        [B, Hkv, M * bt, D]: index j of row b is position j (block ``table[b, j // bt]``, offset
+        ``j % bt``), laid out as a static cache row of capacity M * bt (one gather).
+    """
+    N, H, bt, D = pool.shape
+    B, M = block_table.shape
+    blocks = block_table.astype(mx.int32)[:, None, :, None]  # [B, 1, M, 1]
+    heads = mx.arange(H, dtype=mx.int32)[None, :, None, None]  # [1, Hkv, 1, 1]
+    offsets = mx.arange(bt, dtype=mx.int32)[None, None, None, :]  # [1, 1, 1, bt]
+    rows = (blocks * H + heads) * bt + offsets  # [B, Hkv, M, bt]
+    return mx.take(pool.reshape(N * H * bt, D), rows.reshape(-1), axis=0).reshape(B, H, M * bt, D)
+
+
+class PagedAttention:
+    """Attention over a paged KV pool, as :class:`models.attention.CacheAttention` over a static
+    cache: each row's new keys and values written at its positions through its block table, then
+    its queries attend over the gathered view, query l of row b seeing positions 0..its own
+    (full layers) or its last W (sliding layers, Beltagy et al. 2020).
+
+    Args:
+        block_table: int32 [B, M], each row's blocks (null-block padded).
+        positions: int32 [B, L], each new token's position (below M * bt; decode: L = 1, a
+            chunk: offset + 0..L-1).
+        scale: the attention scale.
+
+    The view is linear (index j holds position j), so the mask is
+    :func:`models.attention.cache_layout`'s for a buffer of M * bt positions: every position a
+    row has written is below that size, where a ring's mask and a linear one agree. Nothing
+    frees a sliding layer's blocks behind its window here; the mask alone keeps them unseen.
+    """
+
+    def __init__(self, block_table: mx.array, positions: mx.array, scale: float):
+        self.block_table, self.positions = block_table.astype(mx.int32), positions.astype(mx.int32)
+        self.scale = scale
+        self._masks: dict[tuple[int | None, int], mx.array] = {}
+
+    def __call__(self, window: int | None) -> Attend:
+        """The :data:`models.attention.Attend` of a layer with sliding ``window`` (None: full
+        attention), whose "keys" and "values" are the layer's pools [N, Hkv, bt, D]."""
+
+        def attend(q, k, v, keys, values):
+            keys = write(keys, self.block_table, self.positions, k)
+            values = write(values, self.block_table, self.positions, v)
+            view_k, view_v = gather(keys, self.block_table), gather(values, self.block_table)
+            mask = self.mask(window, view_k.shape[2])
+            o = mx.fast.scaled_dot_product_attention(q, view_k, view_v, scale=self.scale, mask=mask)
+            return o, keys, values
+
+        return attend
+
+    def mask(self, window: int | None, size: int) -> mx.array:
+        """Which view indices each query sees: bool [B, 1, L, size] for a view of ``size``
+        positions, computed once per (window, size) and shared by the layers."""
+        if (window, size) not in self._masks:
+            self._masks[(window, size)] = cache_layout(self.positions, window, size)[1]
+        return self._masks[(window, size)]
+
+
+#: A quantized pool or view: (packed uint32 [..., D * bits / 32], scales [..., D / group_size],
+#: biases [..., D / group_size]), the triple ``mx.quantize`` returns and mlx-lm's
+#: ``QuantizedKVCache`` stores.
+Quantized = tuple[mx.array, mx.array, mx.array]
+
+
+def quantized_pool(
+    num_blocks: int, kv_heads: int, block_tokens: int, head_dim: int, bits: int, group_size: int, dtype: mx.Dtype
+) -> Quantized:
+    """A zero-filled quantized pool for ``kv_bits`` storage: packed uint32 [N, Hkv, bt, D * bits
+    / 32], scales and biases [N, Hkv, bt, D / group_size] in ``dtype`` (mlx-lm's
+    ``QuantizedKVCache`` layout, per block instead of per row).
+
+    Raises:
+        ValueError: ``head_dim`` is not a multiple of ``group_size`` or ``bits`` is not 4 or 8.
+    """
+    if bits not in (4, 8) or head_dim % group_size:
+        raise ValueError(f"quantized KV needs bits 4 or 8 and a head dim divisible by {group_size}: {bits}, {head_dim}")
+    shape = (num_blocks, kv_heads, block_tokens)
+    return (
+        mx.zeros((*shape, head_dim * bits // 32), mx.uint32),
+        mx.zeros((*shape, head_dim // group_size), dtype),
+        mx.zeros((*shape, head_dim // group_size), dtype),
+    )
+
+
+def write_quantized(
+    pool: Quantized, block_table: mx.array, positions: mx.array, new: mx.array, bits: int, group_size: int
+) -> Quantized:
+    """:func:`write` for a quantized pool: ``new`` [B, Hkv, L, D] quantized per ``group_size``
+    values of D (``mx.quantize``, affine), each part scattered as :func:`write` does."""
+    parts = mx.quantize(new.astype(pool[1].dtype), group_size=group_size, bits=bits)
+    packed, scales, biases = (write(p, block_table, positions, n) for p, n in zip(pool, parts, strict=True))
+    return packed, scales, biases
+
+
+def gather_quantized(pool: Quantized, block_table: mx.array) -> Quantized:
+    """:func:`gather` of each part of a quantized pool: views [B, Hkv, M * bt, *]."""
+    packed, scales, biases = (gather(p, block_table) for p in pool)
+    return packed, scales, biases
+
+
+#: :data:`models.attention.Attend` over quantized pools: (q, k, v, the layer's key and value
+#: pools) -> (output [B, Hq, L, D], new key pool, new value pool).
+QuantizedAttend = Callable[[mx.array, mx.array, mx.array, Quantized, Quantized], tuple[mx.array, Quantized, Quantized]]
+
+
+class QuantizedPagedAttention:
+    """:class:`PagedAttention` over quantized pools (``kv_bits``): new keys and values are
+    quantized as they are written, and the queries attend over the quantized view with
+    mlx-lm's ``quantized_scaled_dot_product_attention`` (``mx.quantized_matmul`` for the scores
+    and the weighted values), so nothing is dequantized to a full-precision view.
+
+    Args:
+        block_table, positions, scale: as :class:`PagedAttention`.
+        bits: 4 or 8. group_size: values of D per scale and bias (64 as mlx-lm's default).
+    """
+
+    def __init__(self, block_table: mx.array, positions: mx.array, scale: float, bits: int, group_size: int = 64):
+        self.paged = PagedAttention(block_table, positions, scale)
+        self.bits, self.group_size = bits, group_size
+
+    def __call__(self, window: int | None) -> QuantizedAttend:
+        """The :data:`QuantizedAttend` of a layer with sliding ``window`` (None: full attention)."""
+        table, positions, bits, group = self.paged.block_table, self.paged.positions, self.bits, self.group_size
+
+        def attend(q, k, v, keys: Quantized, values: Quantized) -> tuple[mx.array, Quantized, Quantized]:
+            keys = write_quantized(keys, table, positions, k, bits, group)
+            values = write_quantized(values, table, positions, v, bits, group)
+            view_k, view_v = gather_quantized(keys, table), gather_quantized(values, table)
+            mask = self.paged.mask(window, view_k[0].shape[2])
+            o = quantized_scaled_dot_product_attention(
+                q, view_k, view_v, scale=self.paged.scale, mask=mask, group_size=group, bits=bits
+            )
+            return o, keys, values
+
+        return attend
