@@ -95,6 +95,26 @@ def serve(engine: Engine, requests: list[tuple[list[int], int]], one_at_a_time: 
     return [Served(list(seq.output_ids), finals[i]) for i, seq in enumerate(seqs)]
 
 
+def step_by_hand(engine: Engine, requests: list[tuple[list[int], int]]) -> list[Served]:
+    """Submit every ``(prompt, max_tokens)`` request (greedy) at once and step ``engine`` by hand
+    until all have ended (no thread, no warm-up: a deterministic schedule, its steps compiled
+    as they come)."""
+    engine.ready.set()  # record metrics (nothing else reads it when stepping by hand)
+    finals: dict[int, FinalEvent] = {}
+    seqs = []
+    for i, (prompt, max_tokens) in enumerate(requests):
+
+        def emit(event, i=i):
+            if isinstance(event, FinalEvent):
+                finals[i] = event
+
+        seqs.append(Sequence(prompt, SamplingParams(max_tokens=max_tokens), engine.model.tokenizer.detokenizer(), emit))
+        engine.submit(seqs[-1])
+    while not all(s.finish_reason for s in seqs) or engine.runner.busy:
+        engine.step()
+    return [Served(list(seq.output_ids), finals[i]) for i, seq in enumerate(seqs)]
+
+
 def chunking_engine(model: LoadedModel, metrics: Metrics | None = None, **settings) -> Engine:
     """``model``'s engine prefilling in chunks of 8 tokens, 16 tokens a step, the last chunks of
     several prompts in one call (as on a GPU: ``Executor.chunk_rows``, states included)."""
@@ -103,29 +123,39 @@ def chunking_engine(model: LoadedModel, metrics: Metrics | None = None, **settin
     return engine
 
 
-# Mixed lengths: whole prompts of one and two prompt buckets, and prompts of two and three
-# chunks of 8 (their last chunks batched together); generations long enough to move capacity
-# buckets (16 -> 32 -> 48) and, for gemma3_text (window 4), to wrap its rings many times.
+# Mixed lengths: prompts of three chunks of 8 (the first two arrive together, so their last
+# chunks run in one call), of two chunks, and whole prompts of one and two prompt buckets;
+# generations long enough to move capacity buckets (16 -> 32 -> 48) and, for gemma3_text
+# (window 4), to wrap its rings many times.
 MIXED = [
-    (list(range(3, 8)), 12),
-    (list(range(40, 51)), 9),
     (list(range(60, 80)), 14),
-    ([9, 200, 17], 20),
     (list(range(100, 119)), 7),
+    (list(range(40, 51)), 9),
+    (list(range(3, 8)), 12),
     (list(range(120, 138)), 16),
+    ([9, 200, 17], 20),
 ]
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_next"])
-def test_concurrent_mixed_requests_get_mlx_lms_greedy_tokens(name):
+def test_concurrent_mixed_requests_get_mlx_lms_greedy_tokens(name, monkeypatch):
     model = tiny_model(name)
     metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
-    served = serve(chunking_engine(model, metrics), MIXED)
+    batched: list[int] = []
+    chunk_rows = Executor.chunk_rows
+
+    def spy(self, kvs, *args):
+        batched.append(len(kvs))
+        return chunk_rows(self, kvs, *args)
+
+    monkeypatch.setattr(Executor, "chunk_rows", spy)
+    served = step_by_hand(chunking_engine(model, metrics), MIXED)
     for (prompt, max_tokens), got in zip(MIXED, served, strict=True):
         expected = mlx_lm_tokens(model, prompt, max_tokens)
         assert got.tokens == expected, f"{name}, prompt of {len(prompt)}: got {got.tokens}, mlx-lm {expected}"
     chunks = metrics.registry.get_sample_value("stepserve_batch_size_count", {"model": name, "phase": "chunk"})
     assert chunks, "no prompt was prefilled in chunks"
+    assert max(batched, default=0) >= 2, "no two prompts' last chunks ran in one call"
     shared = metrics.registry.get_sample_value(
         "stepserve_batch_size_bucket", {"model": name, "phase": "decode", "le": "1.0"}
     )
@@ -157,18 +187,20 @@ def test_the_prefix_cache_is_off_for_a_model_with_recurrent_state(caplog):
 
 
 def test_prompt_lookup_speculation_gives_the_plain_tokens():
+    """Verify steps on the adapter's ``verify``, stepped by hand as the speculation tests do
+    (``speculative_max_batch``: every batch bucket may speculate, no calibration)."""
     model = tiny_model("llama")
-    assert "verify" in Executor(model, engine_at(model, BUCKETS).executor.compiled)._specs
-    # Prompts that repeat themselves, so that lookup finds n-grams to propose.
-    requests = [([5, 6, 7, 8] * 4, 16), ([30, 31, 32] * 5, 12), (list(range(60, 66)) * 2, 10)]
     metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
-    engine = chunking_engine(model, metrics, speculative="lookup", speculative_max_batch=4)
-    assert engine.speculator is not None
-    served = serve(engine, requests)
+    engine = chunking_engine(model, metrics, speculative="lookup", speculative_max_batch=4, speculative_tokens=3)
+    assert engine.speculator is not None and "verify" in engine.executor._specs
+    requests = [(prompt, 24) for prompt, _ in MIXED[:4]]  # the tiny llama soon repeats itself: lookup copies it
+    served = step_by_hand(engine, requests)
     for (prompt, max_tokens), got in zip(requests, served, strict=True):
         assert got.tokens == mlx_lm_tokens(model, prompt, max_tokens)
-    verifies = metrics.registry.get_sample_value("stepserve_batch_size_count", {"model": "llama", "phase": "verify"})
-    assert verifies, "no verify step ran"
+    labels = {"model": "llama", "method": "lookup"}
+    proposed = metrics.registry.get_sample_value("stepserve_speculative_proposed_tokens_total", labels)
+    accepted = metrics.registry.get_sample_value("stepserve_speculative_accepted_tokens_total", labels)
+    assert proposed and accepted and accepted < proposed, (proposed, accepted)  # accepted and rolled back
 
 
 @pytest.mark.parametrize("name", ["gemma3_text", "qwen3_next"])
