@@ -16,7 +16,6 @@ _PARITY = "tiny random config, batched adapter steps against each row alone with
 SUPPORTED: dict[str, str] = {
     name: _PARITY
     for name in (
-        "baichuan_m1",
         "deepseek_v3",
         "falcon_h1",
         "gemma3_text",
@@ -24,7 +23,6 @@ SUPPORTED: dict[str, str] = {
         "gpt_oss",
         "lfm2",
         "llama",
-        "mamba",
         "mistral3",
         "olmo2",
         "phi3",
@@ -33,8 +31,15 @@ SUPPORTED: dict[str, str] = {
     )
 }
 
+_EXACT = (
+    "its recurrent layers ignore the padding of a prompt row (mlx-lm's ArraysCache.lengths), and stepserve "
+    "prefills prompts padded to buckets (exact-length prefill is not implemented)"
+)
+
 #: mlx-lm module name -> why the adapter cannot run it.
 REFUSED: dict[str, str] = {
+    "baichuan_m1": _EXACT,
+    "mamba": _EXACT,
     "gpt_bigcode": "its attention reads cache.offset on the host (np.arange), which a compiled step cannot",
     "dbrx": "its router calls .tolist() inside the forward pass, a host sync a compiled step cannot make",
     "deepseek_v32": "its second 'indexer' cache is not held by the adapter",

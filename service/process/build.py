@@ -81,7 +81,7 @@ def prefix_budget(model: LoadedModel, budget: int) -> int:
         why = (
             "its recurrent state cannot be cut at a block boundary"
             if model.args.has_states
-            else "its attention caches differ in shape"
+            else "its attention caches are not all of one shape with keys as wide as values"
         )
         log.info("model %s: prefix cache off (%s)", model.name, why)
         return 0
