@@ -21,7 +21,7 @@ from mlx_lm.utils import _get_classes, dequantize_model, load_config
 from mlx_lm.utils import load_model as lm_load_model
 
 from models.adapter import AdapterArgs
-from models.adapter.support import check_supported
+from models.adapter.support import REFUSED, check_supported
 from models.architectures import ARCHITECTURES
 from models.errors import ModelLoadError
 from models.hf import tokenizer_from_dir
@@ -65,7 +65,7 @@ def module_name(config: dict) -> str:
     """
     try:
         model_class, _ = _get_classes(config)
-    except (KeyError, ValueError) as exc:
+    except (KeyError, ValueError, ImportError, SystemExit) as exc:  # a module may exit at import (olmo)
         raise ModelLoadError(
             f"model_type '{config.get('model_type')}' is not supported: mlx-lm has no module for it; "
             "'stepserve models' lists the supported types"
@@ -102,6 +102,8 @@ def load_lm_dir(
         raise ModelLoadError(f"{config_file} could not be read ({exc})") from exc
     model_type = str(config.get("model_type"))
     try:
+        if model_type in REFUSED:  # before importing its module: some exit at import (olmo without its package)
+            check_supported(model_type)
         check_supported(module_name(config))
         module, config = lm_load_model(directory, lazy=True)
     except ModelLoadError as exc:
