@@ -93,8 +93,14 @@ def test_a_tiny_qwen3_next_directory_serves_mlx_lms_greedy_tokens(tmp_path, conv
                 "/v1/chat/completions",
                 json={"messages": CHATS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "n": 2, "logprobs": True},
             ).json()
+            structured = client.post(
+                "/v1/chat/completions",
+                json={"messages": CHATS[0], "max_tokens": 24, "response_format": {"type": "json_object"}},
+            )
     finally:
         server.stop()
+    assert structured.status_code == 200, structured.text
+    assert structured.json()["choices"][0]["message"]["content"].lstrip().startswith("{")
     assert "prefix cache off (its recurrent state cannot be cut at a block boundary)" in server.log()
     expected = [mlx_lm_text(directory, messages) for messages in CHATS]
     assert got == expected

@@ -11,6 +11,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 import pytest
@@ -21,7 +22,7 @@ from tokenizers.models import WordLevel
 
 from models.adapter import AdapterArgs
 from models.loader import LoadedModel
-from models.tokenizer import Detokenizer
+from models.tokenizer import ChatTokenizer, Detokenizer
 from service.engine.buckets import BucketTable
 from service.engine.core import Engine
 from service.engine.executor import Executor
@@ -49,7 +50,8 @@ def tiny_model(name: str) -> LoadedModel:
     """mlx-lm's tiny random ``name`` model (float32) as the loader serves an mlx-lm directory."""
     module = build_tiny(name)
     args = AdapterArgs.from_module(module)
-    return LoadedModel(name, Path("-"), args, module.parameters(), Vocabulary(), mx.float32, "dequantized", 0.0)
+    tokenizer = cast(ChatTokenizer, Vocabulary())  # what the engine reads of one
+    return LoadedModel(name, Path("-"), args, module.parameters(), tokenizer, mx.float32, "dequantized", 0.0)
 
 
 def mlx_lm_tokens(model: LoadedModel, prompt: list[int], max_tokens: int) -> list[int]:
