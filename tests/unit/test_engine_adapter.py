@@ -21,7 +21,8 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
 from models.adapter import AdapterArgs
-from models.loader import LoadedModel
+from models.loader import LoadedModel, load_model
+from models.model_args import ModelArgs
 from models.tokenizer import ChatTokenizer, Detokenizer
 from service.engine.buckets import BucketTable
 from service.engine.core import Engine
@@ -30,7 +31,7 @@ from service.engine.sequence import FinalEvent, SamplingParams, Sequence
 from service.engine.warmup import WarmupSpec
 from service.metrics import Metrics
 from tests.parity.build import build_tiny
-from tests.support import engine_at, start_engine
+from tests.support import engine_at, start_engine, tiny_config, write_lm_dir
 
 BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(8, 16), capacity=(16, 32, 48))
 VOCAB = 256  # the tiny configs' (tests/parity/tiny_configs.py)
@@ -212,3 +213,16 @@ def test_a_model_without_a_verify_step_decodes_plain(name):
     engine = engine_at(model, BUCKETS, speculative="lookup")
     assert engine.speculator is None
     assert "verify" not in engine.executor._specs
+
+
+def test_a_staging_cache_growing_past_a_sliding_window_stays_linear(tmp_path):
+    """The hand-written Gemma 3 too: a prompt of three chunks grows its staging cache from 16 to
+    32 positions past its window of 8; resized as a decode ring, the sliding layers shrank to 8
+    under the next chunk's writes (out of bounds: the process crashed)."""
+    reference = write_lm_dir(tmp_path / "g", tiny_config("gemma3_text"))
+    model = load_model(tmp_path / "g", "g", mx.float32, "dequantized")
+    assert isinstance(model.args, ModelArgs) and model.args.windows
+    prompt = list(range(60, 80))
+    served = step_by_hand(engine_at(model, BUCKETS, prefill_chunk_tokens=8, max_batched_tokens=16), [(prompt, 6)])
+    expected = [int(t) for t, _ in generate_step(mx.array(prompt, mx.int32), reference, max_tokens=6)]
+    assert served[0].tokens == expected
