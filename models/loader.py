@@ -11,16 +11,23 @@ from typing import Literal, cast
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
+from models.adapter import AdapterArgs
 from models.errors import ModelLoadError
 from models.fuse import fuse_projections
 from models.gguf.reader import load_gguf
 from models.hf import load_dir
 from models.layers import Params, quantized_bits
+from models.lm_loader import ModelImpl, load_lm_dir, uses_mlx_lm
 from models.model_args import ModelArgs
 from models.pipeline import Stage
 from models.tokenizer import ChatTokenizer
 
 WeightsMode = Literal["quantized", "dequantized"]
+
+#: A served model's hyper-parameters: a hand-written architecture's, or an mlx-lm module's
+#: run through :mod:`models.adapter` (both answer what the engine asks: layers, vocabulary,
+#: ``windows``, ``kv_bytes``, ``can_verify``, ``has_states``, ``prefix_blocks``, widths).
+ServedArgs = ModelArgs | AdapterArgs
 
 
 def device_name() -> str:
@@ -35,8 +42,11 @@ class LoadedModel:
     Attributes:
         name: the name clients send as ``model``.
         path: the file it came from.
-        args: hyper-parameters.
-        params: parameter tree in the compute dtype (quantized weights stay uint32).
+        args: hyper-parameters: a hand-written architecture's :class:`ModelArgs`, or
+            :class:`models.adapter.AdapterArgs` for an mlx-lm module (whose step functions
+            are :mod:`models.adapter`'s).
+        params: parameter tree in the compute dtype (quantized weights stay uint32); an
+            mlx-lm module's ``parameters()``.
         tokenizer: tokenizer, chat template and stop ids.
         dtype: compute dtype (activations, KV cache, scales).
         weights: "quantized" (quantized matmuls) or "dequantized" (dense matmuls).
@@ -48,7 +58,7 @@ class LoadedModel:
 
     name: str
     path: Path
-    args: ModelArgs
+    args: ServedArgs
     params: Params
     tokenizer: ChatTokenizer
     dtype: mx.Dtype
@@ -103,7 +113,12 @@ def prepare_params(params: Params, dtype: mx.Dtype, weights: WeightsMode, group_
 
 
 def load_model(
-    path: str | Path, name: str, dtype: mx.Dtype, weights: WeightsMode = "quantized", fuse: bool = False
+    path: str | Path,
+    name: str,
+    dtype: mx.Dtype,
+    weights: WeightsMode = "quantized",
+    fuse: bool = False,
+    impl: ModelImpl = "auto",
 ) -> LoadedModel:
     """Read a GGUF file or a model directory and prepare it for serving.
 
@@ -112,13 +127,21 @@ def load_model(
         name: the model's public name.
         dtype: compute dtype (``mx.float32`` on the CPU, ``mx.float16`` on a GPU).
         weights: keep quantized weights ("quantized") or expand them ("dequantized").
-        fuse: concatenate Q/K/V and gate/up projections (:func:`models.llama.fuse_projections`).
+        fuse: concatenate Q/K/V and gate/up projections (:func:`models.llama.fuse_projections`;
+            hand-written architectures only).
+        impl: which implementation serves a directory (:data:`models.lm_loader.ModelImpl`):
+            through mlx-lm's class (:func:`models.lm_loader.load_lm_dir`), the model's args are
+            :class:`models.adapter.AdapterArgs` and its params the module's ``parameters()``.
 
     Raises:
         ModelLoadError: the file is missing, unreadable or unsupported (the message names it).
     """
     start = time.perf_counter()
     path = Path(path)
+    if uses_mlx_lm(path, impl):
+        adapter, module, tok = load_lm_dir(path, dtype, weights)
+        params = cast(Params, module.parameters())
+        return LoadedModel(name, path, adapter, params, tok, dtype, weights, time.perf_counter() - start)
     args, params, tokenizer = load_dir(path) if path.is_dir() else load_gguf(path)
     params = served_params(params, path, args.quant_group_size, dtype, weights, fuse)
     read_params(params, path)

@@ -130,6 +130,23 @@ class ModelArgs:
         windows = tuple(self.window(i) for i in range(self.num_hidden_layers))
         return windows if any(w is not None for w in windows) else None
 
+    # What the engine asks of any model's args (the same names as models.adapter.AdapterArgs).
+
+    @property
+    def can_verify(self) -> bool:
+        """Whether the architecture's ``verify`` step serves it: no sliding-window rings."""
+        return self.windows is None
+
+    @property
+    def has_states(self) -> bool:
+        """Never: a hand-written architecture keeps no recurrent state."""
+        return False
+
+    @property
+    def prefix_blocks(self) -> bool:
+        """Always: the prefix cache can keep this model's prompt blocks."""
+        return True
+
     def rope(self, layer: int) -> RoPE:
         """Layer ``layer``'s rotary embedding (the same for every layer here)."""
         return cached_rope(self.dim_per_head, self.rope_theta, self.rope_traditional, self.rope_scaling)

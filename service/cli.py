@@ -1,4 +1,4 @@
-"""The ``stepserve`` command line: ``stepserve serve|launch|convert|bench|soak ...``."""
+"""The ``stepserve`` command line: ``stepserve serve|launch|convert|models|bench|soak ...``."""
 
 from __future__ import annotations
 
@@ -54,7 +54,35 @@ def _parser() -> tuple[argparse.ArgumentParser, CliSettingsSource[argparse.Argum
         choices=["float16", "bfloat16", "float32"],
         help="cast norms, scales and biases (default: as in the GGUF; float32 suits a CPU)",
     )
+    sub.add_parser(
+        "models",
+        help="list the model_types stepserve serves (and how each was tested) and those it refuses",
+        description="Every model_type a model directory may have: the hand-written architectures (native), "
+        "the mlx-lm classes run through stepserve's cache adapter (with how each was tested), and the "
+        "mlx-lm types refused at start-up, with the reason.",
+    )
     return parser, flags
+
+
+def models() -> int:
+    """Print every supported ``model_type`` (hand-written ones marked ``native``; mlx-lm's with
+    how they were tested, :data:`models.adapter.support.SUPPORTED`) and the refused ones with
+    their reasons (:data:`models.adapter.support.REFUSED`). Returns 0."""
+    from models.adapter.support import REFUSED, SUPPORTED
+    from models.architectures import ARCHITECTURES
+
+    print("supported model_types (model_impl = 'auto' serves a native one natively, any other through mlx-lm):")
+    for model_type in sorted(ARCHITECTURES.keys() | SUPPORTED.keys()):
+        how = []
+        if model_type in ARCHITECTURES:
+            how.append(f"native ({ARCHITECTURES[model_type].__name__})")
+        if model_type in SUPPORTED:
+            how.append(f"mlx-lm: {SUPPORTED[model_type]}")
+        print(f"  {model_type}: {'; '.join(how)}")
+    print("refused model_types:")
+    for model_type, reason in sorted(REFUSED.items()):
+        print(f"  {model_type}: {reason}")
+    return 0
 
 
 def serve_settings(argv: list[str]) -> Settings:
@@ -202,7 +230,7 @@ def _exit_now(code: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``stepserve serve|launch|convert|bench|soak ...``; returns the exit status."""
+    """``stepserve serve|launch|convert|models|bench|soak ...``; returns the exit status."""
     load_cpu_blas()  # before anything imports MLX
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
@@ -223,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve(_settings(args, flags))
     if args.command == "convert":
         return convert(args)
+    if args.command == "models":
+        return models()
     return 2
 
 

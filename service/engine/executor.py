@@ -26,7 +26,8 @@ from functools import partial
 
 import mlx.core as mx
 
-from models import pipeline, sampling
+from models import adapter, pipeline, sampling
+from models.adapter import AdapterArgs
 from models.architectures import architecture
 from models.kv_cache import KVCache, Windows
 from models.loader import LoadedModel
@@ -58,7 +59,12 @@ class Executor:
         self.batches_chunks = batches_last_chunks()  # prompts' last chunks together (:meth:`chunk_rows`)
         a = model.args
         self._dtype_name = str(model.dtype).rsplit(".", 1)[-1]
-        if model.stage is None:
+        if isinstance(a, AdapterArgs):  # an mlx-lm module (a pipeline group refuses these at start)
+            steps = {"prefill": adapter.prefill, "chunk": adapter.prefill_chunk, "decode": adapter.decode}
+            if a.can_verify:
+                steps["verify"] = adapter.verify
+            bound = {phase: partial(fn, args=a) for phase, fn in steps.items()}
+        elif model.stage is None:
             arch = architecture(a.model_type)
             steps = {"prefill": arch.prefill, "chunk": arch.prefill_chunk, "decode": arch.decode}
             if hasattr(arch, "verify"):
@@ -98,8 +104,12 @@ class Executor:
     def new_kv(self, batch: int, capacity: int, ring: bool = False) -> KVCache:
         """A zeroed KV cache [batch, Hkv, capacity, D] per layer of this process, in the compute
         dtype, on this process only (for dummy inputs; :meth:`alloc` is the operation). With
-        ``ring`` (a decode cache) a sliding-window layer holds min(window, capacity) positions."""
+        ``ring`` (a decode cache) a sliding-window layer holds min(window, capacity) positions.
+        An mlx-lm module's cache has its own layouts and recurrent states
+        (:meth:`models.adapter.AdapterArgs.allocate`)."""
         a = self.model.args
+        if isinstance(a, AdapterArgs):
+            return a.allocate(batch, capacity, self.model.dtype, ring)
         return KVCache.allocate(
             self.model.layers,
             batch,
@@ -145,6 +155,8 @@ class Executor:
         bucket >= n; rows n.. repeat row 0 and prefill a dummy token at offset 0), one
         concatenation per layer for keys and values, and ``chunk`` runs at (batch, T, C): one
         compiled call instead of n (on a GPU each call is hundreds of kernel launches).
+        Recurrent states [1, ...] are stacked the same way (a padding row's state is row 0's:
+        its output is never read).
 
         Returns (float32 logits [batch, V] at each row's last real token, lazy; the batched
         cache [batch, Hkv, C, D] per layer, row i holding prompt i). Raises ValueError when
@@ -157,9 +169,12 @@ class Executor:
         if not 0 < n <= batch or len({kv.capacity for kv in kvs}) != 1:
             raise ValueError(f"{n} staging caches of capacities {[kv.capacity for kv in kvs]} for {batch} rows")
         rows = kvs + [kvs[0]] * (batch - n)
+
+        def stack(parts) -> list[mx.array]:
+            return [mx.concatenate(list(layer), axis=0) for layer in zip(*parts, strict=True)]
+
         stacked = KVCache(
-            [mx.concatenate(list(layer), axis=0) for layer in zip(*(kv.keys for kv in rows), strict=True)],
-            [mx.concatenate(list(layer), axis=0) for layer in zip(*(kv.values for kv in rows), strict=True)],
+            stack(kv.keys for kv in rows), stack(kv.values for kv in rows), stack(kv.states for kv in rows)
         )
         T = len(tokens[0])
         fn = self.step_fn("chunk", batch, T, stacked.capacity)
@@ -175,10 +190,11 @@ class Executor:
         fn = self.step_fn("decode", kv.batch, kv.capacity)
         return fn(self.model.params, tokens, mx.array(positions, mx.int32), kv)
 
-    def resize(self, kv: KVCache, capacity: int) -> KVCache:
-        """The decode cache ``kv`` at another capacity (one copy; its rings stay rings: see
-        :meth:`models.kv_cache.KVCache.resized`)."""
-        return kv.resized(capacity, self.windows)
+    def resize(self, kv: KVCache, capacity: int, ring: bool = True) -> KVCache:
+        """``kv`` at another capacity (one copy): a decode cache (``ring``: its rings stay rings,
+        see :meth:`models.kv_cache.KVCache.resized`), or a linear staging cache (``ring`` False:
+        every layer grows to ``capacity``, as a chunk writes each position at its own index)."""
+        return kv.resized(capacity, self.windows if ring else None)
 
     def reorder(self, kv: KVCache, rows: list[int]) -> KVCache:
         """A cache whose row i is row ``rows[i]`` of ``kv`` (:meth:`KVCache.reordered`)."""

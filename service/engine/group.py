@@ -238,9 +238,10 @@ class GroupLeader(Executor):
         return logits, self._rebind(kv, new)
 
     @_guarded
-    def resize(self, kv: KVCache, capacity: int) -> KVCache:
+    def resize(self, kv: KVCache, capacity: int, ring: bool = True) -> KVCache:
+        # (a group's models have no sliding-window layers: ``ring`` changes nothing on its ranks)
         self._send(Op.RESIZE, [self._handle(kv), capacity])
-        return self._rebind(kv, super().resize(kv, capacity))
+        return self._rebind(kv, super().resize(kv, capacity, ring))
 
     @_guarded
     def reorder(self, kv: KVCache, rows: list[int]) -> KVCache:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from models.kv_cache import KVCache
-from service.engine.buckets import BucketTable
+from service.engine.buckets import BucketLimitError, BucketTable
 from service.engine.executor import Executor
 from service.engine.outputs import RunnerOutput
 from service.engine.selector import TokenSelector, observe
@@ -128,7 +128,8 @@ class Prefiller:
     def chunk_plan(self, length: int, start: int) -> list[tuple[int, int, int]]:
         """(offset, real tokens, bucket T) of each chunk that prefills positions start..length-1
         (:func:`chunk_plan`)."""
-        return chunk_plan(self.buckets, self.chunk_tokens, length, start)
+        exact = self.executor.model.args.has_states  # a recurrent state cannot take a position twice
+        return chunk_plan(self.buckets, self.chunk_tokens, length, start, exact)
 
     def prefill(self, prompts: list[list[int]]) -> tuple[mx.array, KVCache]:
         """Prefill prompts together at bucket (batch_for(n), prompt_for(longest)) (:func:`pad_prompts`).
@@ -154,7 +155,7 @@ class Prefiller:
         executor = self.executor
         kv: KVCache = executor.alloc(1, capacity) if seq.staging is None else seq.staging
         if kv.capacity < capacity:
-            kv = executor.resize(kv, capacity)
+            kv = executor.resize(kv, capacity, ring=False)  # linear: a chunk writes position p at index p
         return kv, seq.prompt_ids[offset : offset + n] + [0] * (T - n), offset, n
 
     def _chunk(self, seq: Sequence) -> None:
@@ -166,7 +167,7 @@ class Prefiller:
         if seq.prompt_done:
             self._queue_first_tokens([seq], logits, kv, stat)
         else:
-            mx.async_eval(kv.keys, kv.values)
+            mx.async_eval(kv.keys, kv.values, kv.states)
             self._pending.append(_Pending([], None, [], kv, stat))
 
     def _chunks(self, group: list[Sequence]) -> None:
@@ -244,18 +245,31 @@ class Prefiller:
 LAST_CHUNK_ROWS = 8  # prompts whose last chunks one call runs at most
 
 
-def chunk_plan(buckets: BucketTable, chunk_tokens: int, length: int, start: int) -> list[tuple[int, int, int]]:
+def chunk_plan(
+    buckets: BucketTable, chunk_tokens: int, length: int, start: int, exact: bool = False
+) -> list[tuple[int, int, int]]:
     """(offset, real tokens, bucket T) of each chunk of at most ``chunk_tokens`` tokens that
     prefills positions start..length-1.
 
     A chunk padded to its bucket never ends past the largest capacity bucket: when it
     would, it starts earlier, recomputing a few positions it already holds (the same
-    tokens at the same positions give the same keys and values).
+    tokens at the same positions give the same keys and values). With ``exact`` (a model
+    with recurrent state, which a position run twice would advance twice) it starts where
+    it should and takes the largest prompt bucket that still fits, fewer tokens if need be.
+
+    Raises:
+        BucketLimitError: with ``exact``, no prompt bucket fits before the largest capacity bucket.
     """
     plan, pos, limit = [], start, buckets.capacity[-1]
     while pos < length:
         n = min(chunk_tokens, length - pos)
         T = buckets.prompt_for(n)
+        if exact and pos + T > limit:
+            fitting = [b for b in buckets.prompt if pos + b <= limit]
+            if not fitting:
+                raise BucketLimitError("KV capacity", pos + T, limit)
+            T = fitting[-1]
+            n = min(n, T)
         offset = min(pos, limit - T)
         plan.append((offset, pos + n - offset, T))
         pos += n

@@ -39,10 +39,10 @@ def build_engine(
     (``draft``: the draft model, with ``speculative = 'draft'``)."""
     cache = CompileCache(served.compile, metrics.record_lookup, metrics.record_compile)
     buckets = buckets_of(served)
-    prefix = PrefixCache(settings.prefix_block_tokens, settings.prefix_cache_bytes)
+    prefix = PrefixCache(settings.prefix_block_tokens, prefix_budget(model, settings.prefix_cache_bytes))
     chunk_tokens = min(settings.prefill_chunk_tokens, buckets.prompt[-1])  # as the engine clamps it
     proposer: PromptLookup | DraftProposer | None = None
-    if served.speculative != "off" and model.args.windows is None:  # (sliding-window rings decode plain: load_models)
+    if served.speculative != "off" and model.args.can_verify:  # (rings and states decode plain: load_models)
         proposer = PromptLookup() if draft is None else DraftProposer(draft, buckets, cache, chunk_tokens)
     engine = Engine(
         model,
@@ -70,6 +70,22 @@ def build_engine(
         served.compile,
     )
     return engine
+
+
+def prefix_budget(model: LoadedModel, budget: int) -> int:
+    """The prefix cache's bytes for ``model``: ``budget``, or 0 (logged with the reason) where
+    its blocks cannot be kept (:attr:`models.adapter.AdapterArgs.prefix_blocks`): a recurrent
+    state cannot be cut at a block boundary, and the blocks stack every layer's keys and values
+    in one shape."""
+    if budget and not model.args.prefix_blocks:
+        why = (
+            "its recurrent state cannot be cut at a block boundary"
+            if model.args.has_states
+            else "its attention caches are not all of one shape with keys as wide as values"
+        )
+        log.info("model %s: prefix cache off (%s)", model.name, why)
+        return 0
+    return budget
 
 
 def warmup_spec(settings: Settings, served: ServedModel, engine: Engine) -> tuple[WarmupSpec, Coverage]:

@@ -27,11 +27,13 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import cast
 
 import mlx.core as mx
 
 from models.default import default_model_path
+from models.lm_loader import uses_mlx_lm
 from models.loader import LoadedModel
 from models.pipeline import Stage, plan_stages
 from models.stage_loader import ModelLayout, load_stage, model_layout
@@ -111,8 +113,11 @@ def start_group(settings: Settings, group: mx.distributed.Group) -> GroupStart:
     budget = startup.memory_budget(settings)
     layout, error = None, None
     try:
-        layout = model_layout(path, dtype, weights)
-        error = unsupported(layout.args.model_type, spec.speculative)
+        if uses_mlx_lm(Path(path), spec.model_impl):
+            error = through_mlx_lm(spec.model_impl)
+        else:
+            layout = model_layout(path, dtype, weights)
+            error = unsupported(layout.args.model_type, spec.speculative)
     except Exception as exc:  # reported by every rank below
         error = str(exc)
     reports = _exchange(group, [budget // KIB], error, settings, "the model's layout")
@@ -164,6 +169,15 @@ def unsupported(model_type: str | None, speculative: str) -> str | None:
             "set speculative = 'off'"
         )
     return None
+
+
+def through_mlx_lm(model_impl: str) -> str:
+    """Why a group cannot serve a model that runs through mlx-lm's class (``model_impl``)."""
+    return (
+        f"--distributed: the model runs through mlx-lm's class (model_impl = '{model_impl}'), whose layers a "
+        "pipeline group does not split into stages yet; serve it in one process, or set model_impl = 'native' "
+        f"for one of the hand-written types ({', '.join(PIPELINE_TYPES)})"
+    )
 
 
 def split(layout: ModelLayout, settings: Settings, budgets: list[int], size: int, dtype_size: int) -> list[Stage]:

@@ -50,29 +50,39 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
     """Load every configured model (the default GGUF where no path is set), in order, and the
     draft model of each that speculates with one, as ``"NAME/draft"`` (:func:`draft_name`).
 
+    Each model is loaded as its ``model_impl`` says (:func:`models.loader.load_model`); a
+    draft model as ``auto`` does.
+
     Raises:
         ModelLoadError: a file is missing, unreadable or unsupported (the message names it),
-            a draft's vocabulary differs from its model's, or a model with sliding-window layers
-            is given a draft (with ``speculative = "lookup"`` it decodes plain).
+            a draft's vocabulary differs from its model's, a draft keeps a recurrent state, or
+            a model with sliding-window layers or recurrent state is given a draft (with
+            ``speculative = "lookup"`` it decodes plain).
     """
     log_cpu_blas()
     models = {}
     for spec in settings.served_models():
         dtype, weights = compute_dtype(spec.dtype), weights_mode(spec.weights)
-        models[spec.name] = load_model(spec.path or default_model_path(), spec.name, dtype, weights)
+        model = load_model(spec.path or default_model_path(), spec.name, dtype, weights, impl=spec.model_impl)
+        models[spec.name] = model
         if device_name() == "cpu" and None in (spec.warmup_prompt_tokens, spec.warmup_batch):
-            args = models[spec.name].args  # the host's matmul rate (warmup_extent), before any engine runs
+            args = model.args  # the host's matmul rate (warmup_extent), before any engine runs
             warm_sizing.measure_gflops(args.hidden_size, args.intermediate_size, dtype)
-        if spec.speculative == "lookup" and models[spec.name].args.windows is not None:
-            log.info("model '%s' has sliding-window layers: it decodes without speculation", spec.name)
-        if spec.speculative == "draft" and models[spec.name].args.windows is not None:
+        if spec.speculative == "lookup" and not model.args.can_verify:
+            log.info("model '%s' has %s: it decodes without speculation", spec.name, _no_verify(model))
+        if spec.speculative == "draft" and not model.args.can_verify:
             raise ModelLoadError(
                 f"model '{spec.name}': speculative = '{spec.speculative}' is not implemented for models with "
-                f"sliding-window layers (their decode cache is a ring a verify step cannot write); set "
+                f"{_no_verify(model)} (a verify step cannot write a ring nor take back a state); set "
                 f"speculative = 'off' for it"
             )
         if spec.speculative == "draft" and spec.draft_model is not None:
             draft = load_model(spec.draft_model, draft_name(spec.name), dtype, weights)
+            if draft.args.has_states:
+                raise ModelLoadError(
+                    f"draft_model {spec.draft_model}: its model_type '{draft.args.model_type}' keeps a recurrent "
+                    "state, which a draft cannot take back when its proposals are rejected; choose another draft"
+                )
             if draft.args.vocab_size != models[spec.name].args.vocab_size:
                 raise ModelLoadError(
                     f"draft_model {spec.draft_model}: a vocabulary of {draft.args.vocab_size} tokens, but model "
@@ -80,6 +90,11 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
                 )
             models[draft.name] = draft
     return models
+
+
+def _no_verify(model: LoadedModel) -> str:
+    """Why ``model`` has no verify step, as a noun phrase."""
+    return "recurrent state" if model.args.has_states else "sliding-window layers"
 
 
 def draft_name(model: str) -> str:
@@ -120,7 +135,7 @@ def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> Settings
                 resolved[s.name],
                 settings.prefill_chunk_tokens,
                 settings.max_batched_tokens,
-                settings.prefix_cache_bytes,
+                settings.prefix_cache_bytes if models[s.name].args.prefix_blocks else 0,  # build.prefix_budget
             )
             for s in specs
         ]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from models.model_args import ModelArgs
+from models.loader import ServedArgs
 from service.engine.buckets import BucketTable
 from service.engine.warmup import Step, WarmupSpec, plan
 
@@ -87,7 +87,7 @@ def measure_gflops(hidden: int, intermediate: int, dtype: mx.Dtype) -> float:
     return 2 * PROBE_TOKENS * hidden * intermediate / max(best, 1e-9) / 1e9
 
 
-def layer_params(args: ModelArgs) -> int:
+def layer_params(args: ServedArgs) -> int:
     """Matmul weights one token passes through in the decoder layers (all of them): the
     attention projections (Q and O of heads x head_dim, K and V of KV heads x head_dim) and the
     gated MLP's three (an MoE layer's active experts: ``num_experts_per_tok`` of
@@ -99,7 +99,7 @@ def layer_params(args: ModelArgs) -> int:
     return args.num_hidden_layers * (attention + mlp)
 
 
-def step_flops(args: ModelArgs, step: Step, verify_tokens: int = 0) -> float:
+def step_flops(args: ServedArgs, step: Step, verify_tokens: int = 0) -> float:
     """Floating-point operations of one run of a warm-up step (:data:`service.engine.warmup.Step`).
 
     A token costs 2 x :func:`layer_params` (a multiply and an add per weight, Kaplan et al. 2020,
@@ -124,7 +124,7 @@ def step_flops(args: ModelArgs, step: Step, verify_tokens: int = 0) -> float:
     return 0.0
 
 
-def rehearsal_flops(args: ModelArgs, buckets: BucketTable, spec: WarmupSpec) -> float:
+def rehearsal_flops(args: ServedArgs, buckets: BucketTable, spec: WarmupSpec) -> float:
     """Floating-point operations of the warm-up rehearsals at ``spec`` (estimated: their
     prompts padded to prompt buckets at :func:`step_flops`' rate, attending over the long
     prompt, and their decode rows at the smallest capacity); 0 when ``spec`` warms nothing or
@@ -145,7 +145,7 @@ def rehearsal_flops(args: ModelArgs, buckets: BucketTable, spec: WarmupSpec) -> 
     return prefill + step_flops(args, ("decode", requests * REHEARSAL_TOKENS_OUT, buckets.capacity[0], 0))
 
 
-def warmup_flops(args: ModelArgs, buckets: BucketTable, spec: WarmupSpec, verify_tokens: int = 0) -> float:
+def warmup_flops(args: ServedArgs, buckets: BucketTable, spec: WarmupSpec, verify_tokens: int = 0) -> float:
     """Estimated floating-point operations of warming ``spec``: each planned step run once, the
     verify step of each planned decode bucket when speculation is on (``verify_tokens``: its
     width) with its calibration (3 verify and 12 decode steps per batch bucket), and the
@@ -164,7 +164,7 @@ def warmup_flops(args: ModelArgs, buckets: BucketTable, spec: WarmupSpec, verify
 
 
 def size_extent(
-    args: ModelArgs,
+    args: ServedArgs,
     buckets: BucketTable,
     ceiling: WarmupSpec,
     gflops: float,

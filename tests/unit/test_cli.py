@@ -19,6 +19,7 @@ SAMPLES = {
     "port": ("0", 0),
     "model": ("/models/SmolLM2-mlx", Path("/models/SmolLM2-mlx")),
     "model_name": ("tiny", "tiny"),
+    "model_impl": ("mlx_lm", "mlx_lm"),
     "compile": ("auto", "auto"),
     "dtype": ("bfloat16", "bfloat16"),
     "weights": ("dequantized", "dequantized"),

@@ -151,6 +151,8 @@ def test_unimplemented_keys_are_refused_at_load(tmp_path, model_type, keys, key,
 
 @pytest.mark.parametrize("model_type", ["gpt2", "gemma2", "qwen2_moe"])
 def test_an_unknown_model_type_is_refused_naming_the_supported_ones(tmp_path, model_type):
+    """As ``model_impl = "native"`` (``auto`` serves such a type through mlx-lm's class, or
+    refuses it naming ``stepserve models``: tests/unit/test_lm_loader.py)."""
     write_lm_dir(tmp_path / "model", tiny_config("llama"))
     config = (
         (tmp_path / "model/config.json").read_text().replace('"model_type": "llama"', f'"model_type": "{model_type}"')
@@ -158,7 +160,7 @@ def test_an_unknown_model_type_is_refused_naming_the_supported_ones(tmp_path, mo
     (tmp_path / "model/config.json").write_text(config)
     supported = "gemma3_text, llama, mistral, qwen2, qwen3, qwen3_moe"
     with pytest.raises(ModelLoadError, match=f"model_type '{model_type}' is not supported; supported: {supported}"):
-        load_model(tmp_path / "model", "tiny", mx.float32)
+        load_model(tmp_path / "model", "tiny", mx.float32, impl="native")
 
 
 def test_every_architecture_is_covered():

@@ -1,0 +1,132 @@
+"""Load a model directory through mlx-lm's own construction, for the adapter's steps.
+
+mlx-lm builds the module: ``load_config`` reads ``config.json`` (and the generation config's
+stop ids), ``_get_classes`` picks the architecture module (with mlx-lm's remapping of aliases,
+e.g. ``mistral`` -> ``llama``), ``load_model`` runs the module's ``sanitize`` on every shard's
+tensors and quantizes the layers the quantization config names. stepserve then casts it to the
+compute dtype (expanding quantized layers first with ``weights = "dequantized"``), learns its
+cache layouts (:meth:`models.adapter.AdapterArgs.from_module`) and reads the tokenizer itself
+(:func:`models.hf.tokenizer_from_dir`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.utils import _get_classes, dequantize_model, load_config
+from mlx_lm.utils import load_model as lm_load_model
+
+from models.adapter import AdapterArgs
+from models.adapter.support import REFUSED, check_supported
+from models.architectures import ARCHITECTURES
+from models.errors import ModelLoadError
+from models.hf import tokenizer_from_dir
+from models.tokenizer import ChatTokenizer
+
+#: Which implementation serves a model: ``auto`` (the hand-written module where one exists for
+#: the directory's ``model_type``, else mlx-lm's class), ``native`` or ``mlx_lm``.
+ModelImpl = Literal["auto", "native", "mlx_lm"]
+
+
+def uses_mlx_lm(path: Path, impl: ModelImpl) -> bool:
+    """Whether ``path`` is served through mlx-lm's class (see :data:`ModelImpl`). A GGUF file
+    is always served natively.
+
+    Raises:
+        ModelLoadError: ``impl`` is ``mlx_lm`` but ``path`` is not a directory.
+    """
+    if impl == "native":
+        return False
+    if not path.is_dir():
+        if impl == "mlx_lm":
+            raise ModelLoadError(
+                f"{path}: model_impl = 'mlx_lm' needs a model directory (a GGUF file is served natively); "
+                "convert it with 'stepserve convert', or set model_impl = 'auto'"
+            )
+        return False
+    if impl == "mlx_lm":
+        return True
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False  # the native loader names the problem
+    return model_type not in ARCHITECTURES
+
+
+def module_name(config: dict) -> str:
+    """The mlx-lm architecture module ``config`` is built with (after mlx-lm's remapping).
+
+    Raises:
+        ModelLoadError: mlx-lm has no module for its ``model_type``.
+    """
+    try:
+        model_class, _ = _get_classes(config)
+    except (KeyError, ValueError, ImportError, SystemExit) as exc:  # a module may exit at import (olmo)
+        raise ModelLoadError(
+            f"model_type '{config.get('model_type')}' is not supported: mlx-lm has no module for it; "
+            "'stepserve models' lists the supported types"
+        ) from exc
+    return model_class.__module__.rsplit(".", 1)[-1]
+
+
+def load_lm_dir(
+    directory: Path, dtype: mx.Dtype, weights: Literal["quantized", "dequantized"]
+) -> tuple[AdapterArgs, nn.Module, ChatTokenizer]:
+    """Build ``directory``'s mlx-lm module in ``dtype`` and learn its caches.
+
+    Args:
+        directory: an mlx-community / Hugging Face directory (``config.json``,
+            ``model*.safetensors``, ``tokenizer.json``).
+        dtype: compute dtype: every floating parameter is cast to it (quantized weights stay
+            uint32; their scales and biases take it).
+        weights: ``dequantized`` expands quantized layers to dense ones (mlx-lm's
+            ``dequantize_model``) before the cast.
+
+    Returns:
+        (the adapter's args, the module with its parameters evaluated, the tokenizer).
+
+    Raises:
+        ModelLoadError: naming ``directory``: a missing or unreadable file, a ``model_type``
+            the adapter does not serve (:func:`models.adapter.support.check_supported`), a cache
+            it cannot hold, or recurrent layers that ignore padding (``pads_prompts`` False:
+            stepserve's padded prefill buckets would give such a model wrong states).
+    """
+    config_file = directory / "config.json"
+    try:
+        config = load_config(directory)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{config_file} could not be read ({exc})") from exc
+    model_type = str(config.get("model_type"))
+    try:
+        if model_type in REFUSED:  # before importing its module: some exit at import (olmo without its package)
+            check_supported(model_type)
+        check_supported(module_name(config))
+        module, config = lm_load_model(directory, lazy=True)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{config_file}: {exc}") from exc
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{directory}: mlx-lm could not build model_type '{model_type}' ({exc})") from exc
+    if weights == "dequantized":
+        module = dequantize_model(module)
+    module.set_dtype(dtype)
+    try:
+        mx.eval(module.parameters())
+    except Exception as exc:  # a truncated file fails here, when the bytes are read
+        raise ModelLoadError(
+            f"{directory}: the weights could not be read ({exc}); a file is truncated or corrupt"
+        ) from exc
+    try:
+        args = AdapterArgs.from_module(module, model_type)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{config_file}: model_type '{model_type}': {exc}") from exc
+    if not args.pads_prompts:
+        raise ModelLoadError(
+            f"{config_file}: model_type '{model_type}' is not supported yet: its recurrent layers ignore the "
+            "padding of a prompt row, and stepserve prefills prompts padded to buckets; "
+            "'stepserve models' lists the supported types"
+        )
+    return args, module, tokenizer_from_dir(directory, json.loads(config_file.read_text()))

@@ -1,0 +1,128 @@
+"""mlx-lm's model classes served by a real `stepserve serve` (real uvicorn, real HTTP) through
+the cache adapter: a tiny random Qwen3-Next (recurrent and attention layers, no hand-written
+module: ``model_impl = auto`` takes mlx-lm's class) and the default model SmolLM2 converted to a
+directory and served with ``model_impl = mlx_lm`` answer /v1/chat/completions with mlx-lm's own
+greedy tokens (``mlx_lm.generate.generate_step`` on the same directory), and SmolLM2's answers
+are the native path's; a refused ``model_type`` stops start-up naming it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import dequantize_model
+from mlx_lm.utils import load_model as lm_load_model
+
+from models.adapter.support import REFUSED
+from models.hf import tokenizer_from_dir
+from service.api.tools import render_messages
+from tests.parity.tiny_configs import TINY_CONFIGS
+from tests.support import STEPSERVE, ServerProcess, write_mlx_lm_dir
+
+#: Small buckets and a small warm-up: the compiled steps are what is served, quickly built.
+SMALL = [
+    "--batch-buckets", "[1,2,4]", "--prompt-buckets", "[32,64]", "--capacity-buckets", "[128,256]",
+    "--warmup-prompt-tokens", "64", "--warmup-batch", "2", "--prefill-chunk-tokens", "32",
+]  # fmt: skip
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Name three colours of the rainbow, please, and say why the sky is blue."}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2 + 2?"}],
+]
+MAX_TOKENS = 16
+
+
+def mlx_lm_text(directory: Path, messages: list[dict], max_tokens: int = MAX_TOKENS) -> str:
+    """The text of mlx-lm's greedy tokens for ``messages`` on ``directory`` (mlx-lm's load, its
+    layers expanded and float32 as the CPU serves them; the prompt rendered and tokenized as the
+    server does), up to the first stop token."""
+    model, _ = lm_load_model(directory)
+    model = dequantize_model(model)
+    model.set_dtype(mx.float32)
+    tokenizer = tokenizer_from_dir(directory, json.loads((directory / "config.json").read_text()))
+    ids = tokenizer.encode(render_messages(tokenizer, messages, None))
+    tokens = []
+    for token, _ in generate_step(mx.array(ids, mx.int32), model, max_tokens=max_tokens):
+        if int(token) in tokenizer.stop_token_ids:
+            break
+        tokens.append(int(token))
+    return tokenizer.decode(tokens)
+
+
+def chats(server: ServerProcess, max_tokens: int = MAX_TOKENS) -> list[str]:
+    """Every chat of CHATS sent at once (greedy); each reply's text."""
+
+    def ask(messages: list[dict]) -> str:
+        with server.client() as client:
+            reply = client.post(
+                "/v1/chat/completions", json={"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+            )
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["message"]["content"]
+
+    with ThreadPoolExecutor(len(CHATS)) as pool:
+        return list(pool.map(ask, CHATS))
+
+
+def served(directory: Path, *flags: str) -> list[str]:
+    """CHATS answered by a real server of ``directory`` started with ``flags``."""
+    server = ServerProcess.start(["--model", str(directory), *SMALL, *flags])
+    try:
+        server.wait_ready()
+        return chats(server)
+    finally:
+        server.stop()
+
+
+def test_a_tiny_qwen3_next_directory_serves_mlx_lms_greedy_tokens(tmp_path, converted):
+    """No hand-written module: ``auto`` serves it through mlx-lm's class. The vocabulary is
+    SmolLM2's (its tokenizer and chat template are copied in)."""
+    directory = tmp_path / "qwen3-next"
+    write_mlx_lm_dir(directory, {**TINY_CONFIGS["qwen3_next"], "vocab_size": 49152}, tokenizer_from=converted)
+    server = ServerProcess.start(["--model", str(directory), *SMALL, "--prefix-cache-bytes", "1000000"])
+    try:
+        server.wait_ready()
+        got = chats(server)
+        with server.client() as client:
+            n2 = client.post(
+                "/v1/chat/completions",
+                json={"messages": CHATS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "n": 2, "logprobs": True},
+            ).json()
+            structured = client.post(
+                "/v1/chat/completions",
+                json={"messages": CHATS[0], "max_tokens": 24, "response_format": {"type": "json_object"}},
+            )
+    finally:
+        server.stop()
+    assert structured.status_code == 200, structured.text
+    assert structured.json()["choices"][0]["message"]["content"].lstrip().startswith("{")
+    assert "prefix cache off (its recurrent state cannot be cut at a block boundary)" in server.log()
+    expected = [mlx_lm_text(directory, messages) for messages in CHATS]
+    assert got == expected
+    assert [c["message"]["content"] for c in n2["choices"]] == [expected[0]] * 2
+    assert all(c["logprobs"]["content"] for c in n2["choices"])
+
+
+def test_smollm2_served_through_mlx_lm_gives_mlx_lms_and_the_native_tokens(converted):
+    native = served(converted, "--model-impl", "native")
+    through_mlx_lm = served(converted, "--model-impl", "mlx_lm")
+    expected = [mlx_lm_text(converted, messages) for messages in CHATS]
+    assert through_mlx_lm == expected
+    assert through_mlx_lm == native
+    assert "Paris" in through_mlx_lm[0]
+
+
+@pytest.mark.parametrize("model_type", ["dbrx", "olmo"])
+def test_a_refused_model_type_stops_start_up_naming_it(tmp_path, model_type):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    result = subprocess.run(
+        [STEPSERVE, "serve", "--model", str(tmp_path), "--port", "0"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"model_type '{model_type}'" in result.stderr and REFUSED[model_type] in result.stderr
+    assert "'stepserve models'" in result.stderr

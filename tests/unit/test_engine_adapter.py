@@ -1,0 +1,228 @@
+"""The engine over unmodified mlx-lm model classes (:mod:`models.adapter`): tiny random models of
+a plain attention (llama), a sliding-window (gemma3_text) and a recurrent-state (qwen3_next)
+architecture, served by the real engine thread with continuous batching and chunked prefill,
+give each request exactly mlx-lm's own greedy tokens (``mlx_lm.generate.generate_step``); so do
+a prefix-cache hit and prompt-lookup speculation on llama. The features a model cannot have
+(the prefix cache and speculation with a recurrent state) are off for it, with the reason."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from prometheus_client import CollectorRegistry
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+
+from models.adapter import AdapterArgs
+from models.loader import LoadedModel, load_model
+from models.model_args import ModelArgs
+from models.tokenizer import ChatTokenizer, Detokenizer
+from service.engine.buckets import BucketTable
+from service.engine.core import Engine
+from service.engine.executor import Executor
+from service.engine.sequence import FinalEvent, SamplingParams, Sequence
+from service.engine.warmup import WarmupSpec
+from service.metrics import Metrics
+from tests.parity.build import build_tiny
+from tests.support import engine_at, start_engine, tiny_config, write_lm_dir
+
+BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(8, 16), capacity=(16, 32, 48))
+VOCAB = 256  # the tiny configs' (tests/parity/tiny_configs.py)
+
+
+@dataclass
+class Vocabulary:
+    """What the engine needs of a tokenizer: stop ids and a word-level detokenizer t0..t255."""
+
+    stop_token_ids: frozenset[int] = frozenset()
+
+    def detokenizer(self) -> Detokenizer:
+        return Detokenizer(Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")))
+
+
+def tiny_model(name: str) -> LoadedModel:
+    """mlx-lm's tiny random ``name`` model (float32) as the loader serves an mlx-lm directory."""
+    module = build_tiny(name)
+    args = AdapterArgs.from_module(module)
+    tokenizer = cast(ChatTokenizer, Vocabulary())  # what the engine reads of one
+    return LoadedModel(name, Path("-"), args, module.parameters(), tokenizer, mx.float32, "dequantized", 0.0)
+
+
+def mlx_lm_tokens(model: LoadedModel, prompt: list[int], max_tokens: int) -> list[int]:
+    """mlx-lm's own greedy generation (its caches, its argmax sampler) of ``max_tokens`` tokens."""
+    assert isinstance(model.args, AdapterArgs)
+    steps = generate_step(mx.array(prompt, mx.int32), model.args.module, max_tokens=max_tokens)
+    return [int(token) for token, _ in steps]
+
+
+@dataclass
+class Served:
+    """One request's outcome: its tokens and its final event."""
+
+    tokens: list[int]
+    final: FinalEvent
+
+
+def serve(engine: Engine, requests: list[tuple[list[int], int]], one_at_a_time: bool = False) -> list[Served]:
+    """Run ``(prompt, max_tokens)`` requests (greedy) through ``engine``'s thread, warmed for
+    prompts of 8 tokens and 2 requests, all at once or each after the previous ended."""
+    start_engine(engine, WarmupSpec(prompt_tokens=8, batch=2))
+    assert engine.ready.wait(120), engine.not_ready_reason
+    finals: dict[int, FinalEvent] = {}
+    done = threading.Semaphore(0)
+    seqs = []
+    try:
+        for i, (prompt, max_tokens) in enumerate(requests):
+
+            def emit(event, i=i):
+                if isinstance(event, FinalEvent):
+                    finals[i] = event
+                    done.release()
+
+            seq = Sequence(prompt, SamplingParams(max_tokens=max_tokens), engine.model.tokenizer.detokenizer(), emit)
+            seqs.append(seq)
+            engine.submit(seq)
+            if one_at_a_time:
+                assert done.acquire(timeout=120), "a request never finished"
+        for _ in range(0 if one_at_a_time else len(requests)):
+            assert done.acquire(timeout=120), "a request never finished"
+    finally:
+        engine.stop()
+    return [Served(list(seq.output_ids), finals[i]) for i, seq in enumerate(seqs)]
+
+
+def step_by_hand(engine: Engine, requests: list[tuple[list[int], int]]) -> list[Served]:
+    """Submit every ``(prompt, max_tokens)`` request (greedy) at once and step ``engine`` by hand
+    until all have ended (no thread, no warm-up: a deterministic schedule, its steps compiled
+    as they come)."""
+    engine.ready.set()  # record metrics (nothing else reads it when stepping by hand)
+    finals: dict[int, FinalEvent] = {}
+    seqs = []
+    for i, (prompt, max_tokens) in enumerate(requests):
+
+        def emit(event, i=i):
+            if isinstance(event, FinalEvent):
+                finals[i] = event
+
+        seqs.append(Sequence(prompt, SamplingParams(max_tokens=max_tokens), engine.model.tokenizer.detokenizer(), emit))
+        engine.submit(seqs[-1])
+    while not all(s.finish_reason for s in seqs) or engine.runner.busy:
+        engine.step()
+    return [Served(list(seq.output_ids), finals[i]) for i, seq in enumerate(seqs)]
+
+
+def chunking_engine(model: LoadedModel, metrics: Metrics | None = None, **settings) -> Engine:
+    """``model``'s engine prefilling in chunks of 8 tokens, 16 tokens a step, the last chunks of
+    several prompts in one call (as on a GPU: ``Executor.chunk_rows``, states included)."""
+    engine = engine_at(model, BUCKETS, metrics, prefill_chunk_tokens=8, max_batched_tokens=16, **settings)
+    engine.executor.batches_chunks = True
+    return engine
+
+
+# Mixed lengths: prompts of three chunks of 8 (the first two arrive together, so their last
+# chunks run in one call), of two chunks, and whole prompts of one and two prompt buckets;
+# generations long enough to move capacity buckets (16 -> 32 -> 48) and, for gemma3_text
+# (window 4), to wrap its rings many times.
+MIXED = [
+    (list(range(60, 80)), 14),
+    (list(range(100, 119)), 7),
+    (list(range(40, 51)), 9),
+    (list(range(3, 8)), 12),
+    (list(range(120, 138)), 16),
+    ([9, 200, 17], 20),
+]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_next"])
+def test_concurrent_mixed_requests_get_mlx_lms_greedy_tokens(name, monkeypatch):
+    model = tiny_model(name)
+    metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
+    batched: list[int] = []
+    chunk_rows = Executor.chunk_rows
+
+    def spy(self, kvs, *args):
+        batched.append(len(kvs))
+        return chunk_rows(self, kvs, *args)
+
+    monkeypatch.setattr(Executor, "chunk_rows", spy)
+    served = step_by_hand(chunking_engine(model, metrics), MIXED)
+    for (prompt, max_tokens), got in zip(MIXED, served, strict=True):
+        expected = mlx_lm_tokens(model, prompt, max_tokens)
+        assert got.tokens == expected, f"{name}, prompt of {len(prompt)}: got {got.tokens}, mlx-lm {expected}"
+    chunks = metrics.registry.get_sample_value("stepserve_batch_size_count", {"model": name, "phase": "chunk"})
+    assert chunks, "no prompt was prefilled in chunks"
+    assert max(batched, default=0) >= 2, "no two prompts' last chunks ran in one call"
+    shared = metrics.registry.get_sample_value(
+        "stepserve_batch_size_bucket", {"model": name, "phase": "decode", "le": "1.0"}
+    )
+    decodes = metrics.registry.get_sample_value("stepserve_batch_size_count", {"model": name, "phase": "decode"})
+    assert decodes and shared is not None and decodes > shared, "no decode step ran more than one row"
+
+
+def test_a_prefix_cache_hit_gives_mlx_lms_tokens():
+    model = tiny_model("llama")
+    system = list(range(40, 58))  # 18 tokens: 4 blocks of 4 are reusable
+    requests = [(system + [3, 4], 6), (system + [5], 6), (system + [3, 4], 6)]
+    engine = chunking_engine(model, prefix_cache_bytes=10**7, prefix_block_tokens=4)
+    served = serve(engine, requests, one_at_a_time=True)
+    for (prompt, max_tokens), got in zip(requests, served, strict=True):
+        assert got.tokens == mlx_lm_tokens(model, prompt, max_tokens), f"prompt {prompt} changed by a cache hit"
+    assert [s.final.cached_tokens for s in served] == [0, 16, 16]
+
+
+def test_the_prefix_cache_is_off_for_a_model_with_recurrent_state(caplog):
+    model = tiny_model("qwen3_next")
+    with caplog.at_level(logging.INFO, logger="stepserve"):
+        engine = chunking_engine(model, prefix_cache_bytes=10**7, prefix_block_tokens=4)
+    assert engine.prefix.budget_bytes == 0
+    assert "prefix cache off (its recurrent state cannot be cut at a block boundary)" in caplog.text
+    system = list(range(40, 58))
+    served = serve(engine, [(system + [3], 5), (system + [4], 5)], one_at_a_time=True)
+    assert [s.final.cached_tokens for s in served] == [0, 0]
+    assert served[1].tokens == mlx_lm_tokens(model, system + [4], 5)
+
+
+def test_prompt_lookup_speculation_gives_the_plain_tokens():
+    """Verify steps on the adapter's ``verify``, stepped by hand as the speculation tests do
+    (``speculative_max_batch``: every batch bucket may speculate, no calibration)."""
+    model = tiny_model("llama")
+    metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
+    engine = chunking_engine(model, metrics, speculative="lookup", speculative_max_batch=4, speculative_tokens=3)
+    assert engine.speculator is not None and "verify" in engine.executor._specs
+    requests = [(prompt, 24) for prompt, _ in MIXED[:4]]  # the tiny llama soon repeats itself: lookup copies it
+    served = step_by_hand(engine, requests)
+    for (prompt, max_tokens), got in zip(requests, served, strict=True):
+        assert got.tokens == mlx_lm_tokens(model, prompt, max_tokens)
+    labels = {"model": "llama", "method": "lookup"}
+    proposed = metrics.registry.get_sample_value("stepserve_speculative_proposed_tokens_total", labels)
+    accepted = metrics.registry.get_sample_value("stepserve_speculative_accepted_tokens_total", labels)
+    assert proposed and accepted and accepted < proposed, (proposed, accepted)  # accepted and rolled back
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "qwen3_next"])
+def test_a_model_without_a_verify_step_decodes_plain(name):
+    model = tiny_model(name)
+    assert not model.args.can_verify
+    engine = engine_at(model, BUCKETS, speculative="lookup")
+    assert engine.speculator is None
+    assert "verify" not in engine.executor._specs
+
+
+def test_a_staging_cache_growing_past_a_sliding_window_stays_linear(tmp_path):
+    """The hand-written Gemma 3 too: a prompt of three chunks grows its staging cache from 16 to
+    32 positions past its window of 8; resized as a decode ring, the sliding layers shrank to 8
+    under the next chunk's writes (out of bounds: the process crashed)."""
+    reference = write_lm_dir(tmp_path / "g", tiny_config("gemma3_text"))
+    model = load_model(tmp_path / "g", "g", mx.float32, "dequantized")
+    assert isinstance(model.args, ModelArgs) and model.args.windows
+    prompt = list(range(60, 80))
+    served = step_by_hand(engine_at(model, BUCKETS, prefill_chunk_tokens=8, max_batched_tokens=16), [(prompt, 6)])
+    expected = [int(t) for t, _ in generate_step(mx.array(prompt, mx.int32), reference, max_tokens=6)]
+    assert served[0].tokens == expected

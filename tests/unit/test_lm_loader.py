@@ -1,0 +1,140 @@
+"""Model directories through mlx-lm's own construction (:mod:`models.lm_loader`): which
+implementation ``model_impl`` picks, the loaded module against mlx-lm's own load of the same
+directory (float and 4-bit weights, kept or expanded), the refusals at start-up (a refused or
+unknown ``model_type``, recurrent layers that ignore padding, a GGUF file as ``mlx_lm``, a draft
+for a model without a verify step), the per-model setting and ``stepserve models``."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.utils import load_model as lm_load_model
+
+from models import lm_loader
+from models.adapter import AdapterArgs, prefill
+from models.adapter.support import REFUSED, SUPPORTED
+from models.default import default_model_path
+from models.errors import ModelLoadError
+from models.loader import load_model
+from models.model_args import ModelArgs
+from service.cli import main
+from service.config import load_settings
+from service.process.startup import load_models
+from tests.parity.tiny_configs import TINY_CONFIGS
+from tests.support import write_mlx_lm_dir
+
+PROMPT = [5, 17, 3, 99, 42, 7, 1]
+
+
+def logits_of(model, directory) -> tuple[mx.array, mx.array]:
+    """(the served model's prefill logits of PROMPT [V], mlx-lm's own load of ``directory``'s
+    last logits [V]), both float32."""
+    reference, _ = lm_load_model(directory)
+    reference.set_dtype(mx.float32)
+    expected = reference(mx.array([PROMPT]))[0, -1]
+    args = model.args
+    tokens, lengths = mx.array([PROMPT + [0]], mx.int32), mx.array([len(PROMPT)], mx.int32)
+    got, _ = prefill(model.params, tokens, lengths, args.allocate(1, len(PROMPT) + 1, mx.float32), args=args)
+    return got[0], expected.astype(mx.float32)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "phi3", "gpt_oss"])
+def test_auto_serves_a_type_without_a_hand_written_module_through_mlx_lm(tmp_path, name):
+    write_mlx_lm_dir(tmp_path / name, TINY_CONFIGS[name])
+    model = load_model(tmp_path / name, name, mx.float32, "dequantized")
+    assert isinstance(model.args, AdapterArgs) and model.args.model_type == name
+    assert model.args.vocab_size == TINY_CONFIGS[name]["vocab_size"]
+    got, expected = logits_of(model, tmp_path / name)
+    assert mx.allclose(got, expected, atol=1e-4).item(), mx.abs(got - expected).max().item()
+    assert model.tokenizer.stop_token_ids == frozenset({0})
+
+
+def test_model_impl_picks_the_implementation_of_a_hand_written_type(tmp_path):
+    write_mlx_lm_dir(tmp_path / "llama", TINY_CONFIGS["llama"])
+    assert isinstance(load_model(tmp_path / "llama", "m", mx.float32).args, ModelArgs)
+    assert isinstance(load_model(tmp_path / "llama", "m", mx.float32, impl="native").args, ModelArgs)
+    model = load_model(tmp_path / "llama", "m", mx.float32, impl="mlx_lm")
+    assert isinstance(model.args, AdapterArgs)
+    got, expected = logits_of(model, tmp_path / "llama")
+    assert mx.allclose(got, expected, atol=1e-4).item()
+
+
+@pytest.mark.parametrize("weights", ["quantized", "dequantized"])
+def test_a_4_bit_directory_loads_as_mlx_lm_loads_it(tmp_path, weights):
+    write_mlx_lm_dir(tmp_path / "q", TINY_CONFIGS["phi3"], quantize=(32, 4))
+    model = load_model(tmp_path / "q", "m", mx.float32, weights)
+    assert isinstance(model.args, AdapterArgs)
+    quantized = [m for _, m in model.args.module.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    assert bool(quantized) == (weights == "quantized")
+    got, expected = logits_of(model, tmp_path / "q")
+    assert mx.allclose(got, expected, atol=1e-4).item(), mx.abs(got - expected).max().item()
+
+
+def test_native_refuses_a_type_without_a_hand_written_module(tmp_path):
+    write_mlx_lm_dir(tmp_path / "m", TINY_CONFIGS["qwen3_next"])
+    with pytest.raises(ModelLoadError, match="model_type 'qwen3_next' is not supported; supported: "):
+        load_model(tmp_path / "m", "m", mx.float32, impl="native")
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_a_refused_model_type_is_named_with_its_reason_before_any_weight_is_read(tmp_path, model_type):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    with pytest.raises(ModelLoadError) as error:
+        load_model(tmp_path, "m", mx.float32)
+    message = str(error.value)
+    assert f"model_type '{model_type}'" in message and REFUSED[model_type] in message
+    assert "'stepserve models'" in message and "config.json" in message
+
+
+def test_a_model_type_mlx_lm_does_not_know_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_model"}))
+    with pytest.raises(ModelLoadError, match="model_type 'no_such_model' is not supported: mlx-lm has no module"):
+        load_model(tmp_path, "m", mx.float32)
+
+
+def test_recurrent_layers_that_ignore_padding_are_refused(tmp_path, monkeypatch):
+    """mamba's layers do not read ``ArraysCache.lengths``: a padded prompt row would leave a
+    wrong state, so the model is refused even where the support table lets it through."""
+    monkeypatch.setattr(lm_loader, "check_supported", lambda model_type: None)
+    write_mlx_lm_dir(tmp_path / "m", TINY_CONFIGS["mamba"])
+    with pytest.raises(ModelLoadError, match="model_type 'mamba' is not supported yet: its recurrent layers ignore"):
+        load_model(tmp_path / "m", "m", mx.float32)
+
+
+def test_a_gguf_file_is_native_and_refused_as_mlx_lm():
+    assert not lm_loader.uses_mlx_lm(default_model_path(), "auto")
+    with pytest.raises(ModelLoadError, match="model_impl = 'mlx_lm' needs a model directory"):
+        load_model(default_model_path(), "m", mx.float32, impl="mlx_lm")
+
+
+def test_model_impl_is_a_per_model_setting(tmp_path):
+    settings = load_settings(
+        model_impl="mlx_lm",
+        models=[{"name": "a"}, {"name": "b", "model_impl": "native"}],
+    )
+    assert [m.model_impl for m in settings.served_models()] == ["mlx_lm", "native"]
+    assert load_settings().served_models()[0].model_impl == "auto"
+
+
+def test_a_draft_for_a_model_with_recurrent_state_is_refused_naming_the_setting(tmp_path):
+    write_mlx_lm_dir(tmp_path / "m", TINY_CONFIGS["qwen3_next"])
+    settings = load_settings(
+        model=tmp_path / "m", speculative="draft", draft_model=tmp_path / "m", warmup_prompt_tokens=0, warmup_batch=1
+    )
+    with pytest.raises(ModelLoadError, match="speculative = 'draft' is not implemented for models with recurrent"):
+        load_models(settings)
+
+
+def test_stepserve_models_lists_the_supported_and_refused_types(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    supported, refused = out.split("refused model_types:")
+    for model_type, how in SUPPORTED.items():
+        assert f"  {model_type}: " in supported and how in supported
+    for model_type, reason in REFUSED.items():
+        assert f"  {model_type}: {reason}" in refused
+    assert "  llama: native (models.llama); mlx-lm: " in supported
+    assert "  qwen2: native (models.qwen2)\n" in supported
