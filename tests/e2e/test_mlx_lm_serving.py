@@ -125,4 +125,4 @@ def test_a_refused_model_type_stops_start_up_naming_it(tmp_path, model_type):
     )
     assert result.returncode == 2, result.stderr
     assert f"model_type '{model_type}'" in result.stderr and REFUSED[model_type] in result.stderr
-    assert "'stepserve models'" in result.stderr
+    assert "stepserve models" in result.stderr
