@@ -23,3 +23,15 @@ def test_the_options_table_names_every_setting_and_nothing_else():
     section = text[text.index("## Options") : text.index("## Several models")]
     listed = re.findall(r"^\| `(\w+)` \|", section, re.M)
     assert listed == list(Settings.model_fields), "docs/CONFIGURATION.md's options table and Settings differ"
+
+
+def test_the_readme_lists_the_model_types_the_support_table_serves_and_refuses():
+    from models.adapter.support import REFUSED, SUPPORTED
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Models") : text.index("## How fast")]
+    supported_part, refused_part = section.split("Refused at start-up")
+    listed = set(re.findall(r"`([\w.-]+)`", supported_part.split("token-identical")[-1]))
+    assert listed == set(SUPPORTED), "README's supported list and models/adapter/support.py differ"
+    assert set(re.findall(r"`([\w.-]+)`", refused_part)) - {"stepserve"} >= set(REFUSED)
+    assert f"{len(SUPPORTED)} of mlx-lm's {len(SUPPORTED) + len(REFUSED)}" in " ".join(section.split())
