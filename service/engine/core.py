@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from functools import cached_property
 
+import mlx.core as mx
+
 from models.loader import LoadedModel
 from service.engine.batch import DecodeBatch
 from service.engine.buckets import BucketTable
@@ -242,6 +244,10 @@ class Engine:
             return
         self.not_ready_reason = ""
         self.executor.seal()
+        # Warm-up ran every bucket's step once, the largest caches included: MLX's buffer cache
+        # now holds their buffers (tens of GB on a GPU host) that serving may never need again.
+        # Give them back before serving (mx.clear_cache; a step reallocates what it uses).
+        mx.clear_cache()
         self.ready.set()
         while not self._stop.is_set():
             try:

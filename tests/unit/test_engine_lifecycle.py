@@ -111,3 +111,16 @@ def test_an_explicit_max_sequences_over_the_budget_is_refused(tmp_path, model):
     need_1 = worst_case(model, buckets_of(spec), 1, 16, 32).total
     with pytest.raises(MemoryBudgetError, match="lower max_sequences"):
         check_memory(settings_for(tmp_path, memory_budget_bytes=need_1, max_sequences=4), {"tiny": model})
+
+
+def test_warm_up_gives_mlx_buffer_cache_back_before_serving(model):
+    """Warm-up runs the largest steps once; what MLX's buffer cache kept of them is freed before
+    the engine reports ready (``mx.clear_cache``), so a server does not sit on that memory."""
+    engine = engine_at(model, BUCKETS)
+    mx.eval(mx.zeros((1 << 22,)) + 1)  # something in the buffer cache before warm-up, too
+    start_engine(engine, WarmupSpec(prompt_tokens=8, batch=4))
+    try:
+        assert engine.ready.wait(60)
+        assert mx.get_cache_memory() == 0
+    finally:
+        engine.stop()
