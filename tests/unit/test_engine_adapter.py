@@ -236,6 +236,17 @@ def test_a_model_whose_recurrent_layers_ignore_padding_prefills_exact_rows(name,
     assert max(spy.batched, default=0) >= 2, "no two prompts' last chunks ran in one call"
 
 
+def test_a_state_models_prompt_up_to_the_largest_capacity_is_prefilled():
+    """qwen3_next (its states mask padding): chunks of 6 tokens padded to 8 reach position 42 of a
+    48-token prompt, where no prompt bucket fits before the largest capacity (48); the rest
+    runs a token at a time (once a BucketLimitError that failed the request mid-prefill)."""
+    model = tiny_model("qwen3_next")
+    prompt = [7 + (5 * i) % 240 for i in range(BUCKETS.capacity[-1])]
+    served = step_by_hand(engine_at(model, BUCKETS, prefill_chunk_tokens=6, max_batched_tokens=16), [(prompt, 1)])
+    assert served[0].final.error is None, served[0].final.error
+    assert served[0].tokens == mlx_lm_tokens(model, prompt, 1)
+
+
 def test_a_prefix_cache_hit_gives_mlx_lms_tokens():
     model = tiny_model("llama")
     system = list(range(40, 58))  # 18 tokens: 4 blocks of 4 are reusable
