@@ -93,7 +93,9 @@ def plan(buckets: BucketTable, spec: WarmupSpec) -> list[Step]:
         one_token = [c for c in stagings if c == buckets.staging_for(limit)]
     else:
         one_token = stagings
-    chunks = [("chunk", 1, t, c) for c in stagings for t in chunk_ts if t <= c] + [("chunk", 1, 1, c) for c in one_token]
+    chunks = [("chunk", 1, t, c) for c in stagings for t in chunk_ts if t <= c] + [
+        ("chunk", 1, 1, c) for c in one_token
+    ]
     if spec.batched_chunks:
         last = {t: last_chunk_rows(buckets, t, whole_tokens, rows) for t in {*chunk_ts, 1}}
         chunks += [("chunk", last[t], t, c) for c in stagings for t in chunk_ts if t <= c and last[t] > 1]
