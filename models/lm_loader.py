@@ -91,9 +91,10 @@ def load_lm_dir(
 
     Raises:
         ModelLoadError: naming ``directory``: a missing or unreadable file, a ``model_type``
-            the adapter does not serve (:func:`models.adapter.support.check_supported`), a cache
-            it cannot hold, or recurrent layers that ignore padding (``pads_prompts`` False:
-            stepserve's padded prefill buckets would give such a model wrong states).
+            the adapter does not serve (:func:`models.adapter.support.check_supported`), or a
+            cache it cannot hold. (Recurrent layers that ignore padding, ``pads_prompts`` False,
+            are served: the engine prefills their prompts in exact rows,
+            :func:`service.engine.prefill.chunk_plan`.)
     """
     config_file = directory / "config.json"
     try:
@@ -123,10 +124,4 @@ def load_lm_dir(
         args = AdapterArgs.from_module(module, model_type)
     except ModelLoadError as exc:
         raise ModelLoadError(f"{config_file}: model_type '{model_type}': {exc}") from exc
-    if not args.pads_prompts:
-        raise ModelLoadError(
-            f"{config_file}: model_type '{model_type}' is not supported yet: its recurrent layers ignore the "
-            "padding of a prompt row, and stepserve prefills prompts padded to buckets; "
-            "'stepserve models' lists the supported types"
-        )
     return args, module, tokenizer_from_dir(directory, json.loads(config_file.read_text()))

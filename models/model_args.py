@@ -143,6 +143,11 @@ class ModelArgs:
         return False
 
     @property
+    def pads_prompts(self) -> bool:
+        """Always: a prompt row may be right-padded (attention masks the padding)."""
+        return True
+
+    @property
     def prefix_blocks(self) -> bool:
         """Always: the prefix cache can keep this model's prompt blocks."""
         return True

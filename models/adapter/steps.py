@@ -112,10 +112,20 @@ class AdapterArgs:
         return bool(self.state_layouts)
 
     @property
+    def capacity_pair(self) -> bool:
+        """Whether a :class:`KVCache` of this model ends with an empty pair of keys and values
+        [B, 0, C, 0] that no layer reads (:meth:`allocate`): where no attention cache holds
+        the full capacity (no attention layer, as mamba's, or only sliding ones, as
+        recurrent_gemma's), it carries the capacity C that the engine reads of every cache
+        (:attr:`models.kv_cache.KVCache.capacity`, the bucket of its compiled steps)."""
+        return all(kv.window is not None for kv in self.kv_layouts)
+
+    @property
     def windows(self) -> tuple[int | None, ...] | None:
         """The sliding window of each buffer pair of a :class:`KVCache` (one per layer for a
-        plain attention model), or None when none slides: what :meth:`KVCache.resized` takes."""
-        windows = tuple(kv.window for kv in self.kv_layouts)
+        plain attention model; None for the :attr:`capacity_pair`), or None when none slides:
+        what :meth:`KVCache.resized` takes."""
+        windows = tuple(kv.window for kv in self.kv_layouts) + ((None,) if self.capacity_pair else ())
         return windows if any(w is not None for w in windows) else None
 
     @property
@@ -197,13 +207,15 @@ class AdapterArgs:
 
     def allocate(self, batch: int, capacity: int, dtype: mx.Dtype, ring: bool = False) -> KVCache:
         """A zeroed cache of ``batch`` rows: keys and values [batch, Hkv, S, D] in ``dtype``, S
-        = ``capacity`` (sliding layers min(W, C) when ``ring``: a decode cache), and each
-        recurrent state [batch, ...] in its own dtype."""
-        kv = self.kv_layouts
-        sizes = layer_sizes(len(kv), capacity, self.windows if ring else None)
+        = ``capacity`` (sliding layers min(W, C) when ``ring``: a decode cache), then the
+        :attr:`capacity_pair` where there is one, and each recurrent state [batch, ...] in its
+        own dtype."""
+        widths = [(k.heads, k.key_dim, k.value_dim) for k in self.kv_layouts]
+        widths += [(0, 0, 0)] if self.capacity_pair else []
+        sizes = layer_sizes(len(widths), capacity, self.windows if ring else None)
         return KVCache(
-            [mx.zeros((batch, k.heads, s, k.key_dim), dtype) for k, s in zip(kv, sizes, strict=True)],
-            [mx.zeros((batch, k.heads, s, k.value_dim), dtype) for k, s in zip(kv, sizes, strict=True)],
+            [mx.zeros((batch, h, s, dk), dtype) for (h, dk, _), s in zip(widths, sizes, strict=True)],
+            [mx.zeros((batch, h, s, dv), dtype) for (h, _, dv), s in zip(widths, sizes, strict=True)],
             [
                 mx.zeros((batch, *shape), d)
                 for st in self.state_layouts
@@ -320,7 +332,10 @@ def _forward(
         logits = module(tokens, cache=caches)
     finally:
         module.update(real)
-    return logits.astype(mx.float32), _close(caches, args.state_layouts)
+    closed = _close(caches, args.state_layouts)
+    if args.capacity_pair:  # no layer reads it: it passes through
+        closed = KVCache([*closed.keys, cache.keys[-1]], [*closed.values, cache.values[-1]], closed.states)
+    return logits.astype(mx.float32), closed
 
 
 def _open(

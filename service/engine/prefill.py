@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from models.kv_cache import KVCache
-from service.engine.buckets import BucketLimitError, BucketTable
+from service.engine.buckets import BucketTable
 from service.engine.executor import Executor
 from service.engine.outputs import RunnerOutput
 from service.engine.selector import TokenSelector, observe
@@ -92,7 +92,7 @@ class Prefiller:
         finals: dict[tuple[int, int], list[Sequence]] = {}  # last chunks, by (chunk bucket T, staging C)
         for seq in seqs:
             try:
-                if seq.num_computed == 0 and len(seq.prompt_ids) <= self.chunk_tokens:
+                if seq.num_computed == 0 and self._goes_whole(len(seq.prompt_ids)):
                     whole.setdefault(self.buckets.prompt_for(len(seq.prompt_ids)), []).append(seq)
                 elif (last := self._last_chunk(seq)) is not None:
                     finals.setdefault(last, []).append(seq)
@@ -115,6 +115,12 @@ class Prefiller:
         self._read_back(out)
         return out
 
+    def _goes_whole(self, length: int) -> bool:
+        """Whether a prompt of ``length`` tokens (none cached) is prefilled whole: at most
+        ``chunk_tokens`` and, where the model's rows cannot be padded (``pads_prompts`` False),
+        exactly a prompt bucket long (any other length goes in exact chunks, :func:`chunk_plan`)."""
+        return length <= self.chunk_tokens and (self.executor.model.args.pads_prompts or length in self.buckets.prompt)
+
     def _last_chunk(self, seq: Sequence) -> tuple[int, int] | None:
         """(chunk bucket T, staging capacity C) when ``seq``'s next chunk is its prompt's last
         and the executor can run such chunks of several prompts in one call; else None."""
@@ -128,8 +134,8 @@ class Prefiller:
     def chunk_plan(self, length: int, start: int) -> list[tuple[int, int, int]]:
         """(offset, real tokens, bucket T) of each chunk that prefills positions start..length-1
         (:func:`chunk_plan`)."""
-        exact = self.executor.model.args.has_states  # a recurrent state cannot take a position twice
-        return chunk_plan(self.buckets, self.chunk_tokens, length, start, exact)
+        args = self.executor.model.args  # a recurrent state cannot take a position twice
+        return chunk_plan(self.buckets, self.chunk_tokens, length, start, args.has_states, args.pads_prompts)
 
     def prefill(self, prompts: list[list[int]]) -> tuple[mx.array, KVCache]:
         """Prefill prompts together at bucket (batch_for(n), prompt_for(longest)) (:func:`pad_prompts`).
@@ -159,10 +165,19 @@ class Prefiller:
         return kv, seq.prompt_ids[offset : offset + n] + [0] * (T - n), offset, n
 
     def _chunk(self, seq: Sequence) -> None:
+        """Prefill ``seq``'s next chunk (:meth:`next_chunk`) and, when it is a one-token chunk,
+        the one-token chunks after it (a prompt's remainder in exact chunks, :func:`chunk_plan`),
+        up to ``chunk_tokens`` tokens: one call each, all queued in this step. Samples the first
+        token once the prompt is in."""
         start = time.perf_counter()
-        kv, tokens, offset, n = self.next_chunk(seq)
-        logits, kv = self.executor.chunk(kv, tokens, offset, n)
-        seq.staging, seq.num_computed = kv, offset + n
+        done = 0
+        while True:
+            kv, tokens, offset, n = self.next_chunk(seq)
+            logits, kv = self.executor.chunk(kv, tokens, offset, n)
+            seq.staging, seq.num_computed = kv, offset + n
+            done += n
+            if seq.prompt_done or len(tokens) > 1 or done >= self.chunk_tokens:
+                break  # (after a one-token chunk, every chunk left is one)
         stat = ("chunk", f"b1x{len(tokens)}c{kv.capacity}", 1, 1, start)
         if seq.prompt_done:
             self._queue_first_tokens([seq], logits, kv, stat)
@@ -246,29 +261,41 @@ LAST_CHUNK_ROWS = 8  # prompts whose last chunks one call runs at most
 
 
 def chunk_plan(
-    buckets: BucketTable, chunk_tokens: int, length: int, start: int, exact: bool = False
+    buckets: BucketTable, chunk_tokens: int, length: int, start: int, exact: bool = False, padded: bool = True
 ) -> list[tuple[int, int, int]]:
     """(offset, real tokens, bucket T) of each chunk of at most ``chunk_tokens`` tokens that
-    prefills positions start..length-1.
+    prefills positions start..length-1 (``length`` at most the largest capacity bucket: the
+    routes refuse longer prompts).
 
-    A chunk padded to its bucket never ends past the largest capacity bucket: when it
-    would, it starts earlier, recomputing a few positions it already holds (the same
-    tokens at the same positions give the same keys and values). With ``exact`` (a model
-    with recurrent state, which a position run twice would advance twice) it starts where
-    it should and takes the largest prompt bucket that still fits, fewer tokens if need be.
+    Three ways, by what the model's rows allow:
+
+    * attention only (neither flag): a chunk takes min(chunk_tokens, tokens left) tokens padded
+      to their prompt bucket; one that would end past the largest capacity bucket starts
+      earlier, recomputing a few positions it already holds (the same tokens at the same
+      positions give the same keys and values);
+    * ``exact`` (a recurrent state, which a position run twice would advance twice): a chunk
+      starts where it should and takes the largest prompt bucket that still fits before the
+      largest capacity bucket, fewer tokens if need be, or one token (T = 1) where none fits;
+    * not ``padded`` (recurrent layers that ignore the padding of a row,
+      :attr:`models.adapter.AdapterArgs.pads_prompts` False; exact too): every chunk is full,
+      T = its real tokens: the largest prompt bucket within min(chunk_tokens, tokens left), and
+      once fewer tokens than the smallest bucket are left, one token per chunk (T = 1).
 
     Raises:
-        BucketLimitError: with ``exact``, no prompt bucket fits before the largest capacity bucket.
+        BucketLimitError: ``chunk_tokens`` exceeds the largest prompt bucket (a setting the
+            configuration refuses).
     """
     plan, pos, limit = [], start, buckets.capacity[-1]
     while pos < length:
         n = min(chunk_tokens, length - pos)
+        if not padded:
+            T = n = max((b for b in buckets.prompt if b <= n), default=1)
+            plan.append((pos, n, T))
+            pos += n
+            continue
         T = buckets.prompt_for(n)
         if exact and pos + T > limit:
-            fitting = [b for b in buckets.prompt if pos + b <= limit]
-            if not fitting:
-                raise BucketLimitError("KV capacity", pos + T, limit)
-            T = fitting[-1]
+            T = max((b for b in buckets.prompt if pos + b <= limit), default=1)
             n = min(n, T)
         offset = min(pos, limit - T)
         plan.append((offset, pos + n - offset, T))

@@ -235,6 +235,8 @@ class PrefixCache:
                 raise ValueError(f"row {row} is outside the cache's {kv.batch} rows")
             if len(tokens) > kv.capacity:
                 raise ValueError(f"{len(tokens)} tokens do not fit a cache of {kv.capacity} positions")
+        if self.budget_bytes <= 0:  # off (a model without attention layers has blocks of no bytes)
+            return [0] * len(prompts)
         layout = (len(kv.keys), kv.keys[0].shape[1], kv.keys[0].shape[3], kv.dtype)
         if self._layout is not None and layout != self._layout:
             raise ValueError(f"KV layout (layers, Hkv, D, dtype) {layout} differs from the cached {self._layout}")

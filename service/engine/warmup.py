@@ -26,6 +26,11 @@ class WarmupSpec:
             eager paths (slot inserts, bucket moves, prefix-cache copies) before ready.
         batched_chunks: prompts' last chunks of one (T, C) bucket run together, at (B, T, C)
             (:meth:`Executor.chunk_rows`; a pipeline group's leader runs them one by one).
+        recurrent: the model keeps a recurrent state (``has_states``): a chunk never recomputes
+            a position, so one that no prompt bucket fits before the largest capacity bucket
+            runs a token at a time (:func:`service.engine.prefill.chunk_plan`).
+        padded_prompts: prompt rows may be right-padded (``pads_prompts``); False: every
+            prompt's remainder below the smallest prompt bucket runs a token at a time.
     """
 
     prompt_tokens: int = 512
@@ -35,6 +40,8 @@ class WarmupSpec:
     max_batched_tokens: int = 2048
     rehearse: bool = True
     batched_chunks: bool = True
+    recurrent: bool = False
+    padded_prompts: bool = True
 
 
 Step = tuple[str, int, int, int]  # (phase, batch, size, capacity): a compile-cache key's buckets
@@ -56,7 +63,9 @@ def plan(buckets: BucketTable, spec: WarmupSpec) -> list[Step]:
       every chunk bucket T and every staging capacity C >= T the prompts reach
       (:meth:`BucketTable.staging_for`); with ``batched_chunks``, also (B, T, C) for the one
       batch bucket B per chunk bucket that the last chunks of several prompts run at together
-      (:func:`service.engine.prefill.last_chunk_rows`);
+      (:func:`service.engine.prefill.last_chunk_rows`); one-token chunks (T = 1) too at every
+      staging capacity where ``padded_prompts`` is off, at the largest where only ``recurrent``
+      is on (:func:`service.engine.prefill.chunk_plan`);
     * ``decode`` (B, C): batch 1 at every capacity bucket, larger batches up to ``batch`` at the
       capacities of ``batched_positions``;
     * the sampler, the logits processors and the logprobs of every batch bucket above, and the
@@ -78,10 +87,19 @@ def plan(buckets: BucketTable, spec: WarmupSpec) -> list[Step]:
         prefill += [("prefill", b, t, 0) for b in buckets.batch if b <= most]
     staging_top = buckets.staging_for(min(spec.prompt_tokens + 1, limit))
     stagings = sorted({buckets.staging_for(c) for c in buckets.capacity if c <= staging_top})
-    chunks = [("chunk", 1, t, c) for c in stagings for t in chunk_ts if t <= c]
+    if 1 in chunk_ts or (spec.padded_prompts and not spec.recurrent):
+        one_token = []  # stagings of one-token chunks (beyond chunk_ts)
+    elif spec.padded_prompts:  # a recurrent state: only where no prompt bucket fits before the limit
+        one_token = [c for c in stagings if c == buckets.staging_for(limit)]
+    else:
+        one_token = stagings
+    chunks = [("chunk", 1, t, c) for c in stagings for t in chunk_ts if t <= c] + [
+        ("chunk", 1, 1, c) for c in one_token
+    ]
     if spec.batched_chunks:
-        last = {t: last_chunk_rows(buckets, t, whole_tokens, rows) for t in chunk_ts}
+        last = {t: last_chunk_rows(buckets, t, whole_tokens, rows) for t in {*chunk_ts, 1}}
         chunks += [("chunk", last[t], t, c) for c in stagings for t in chunk_ts if t <= c and last[t] > 1]
+        chunks += [("chunk", last[1], 1, c) for c in one_token if last[1] > 1]
     batched_top = limit if spec.batched_positions is None else buckets.capacity_for(min(spec.batched_positions, limit))
     decode = [
         ("decode", b, c, 0) for b in buckets.batch if b <= rows for c in buckets.capacity if b == 1 or c <= batched_top

@@ -38,7 +38,10 @@ def warm_up(
     ``warmup_seconds``, ``warmup_buckets`` and ``rehearsed`` and the compiled-step metrics.
     ``progress(total, label)`` is called after each bucket of the plan."""
     start = time.perf_counter()
-    spec = dataclasses.replace(spec, batched_chunks=engine.executor.batches_chunks)
+    args = engine.model.args
+    spec = dataclasses.replace(
+        spec, batched_chunks=engine.executor.batches_chunks, recurrent=args.has_states, padded_prompts=args.pads_prompts
+    )
     engine.prefiller.rows_cap = warmup.warmed_batch(engine.buckets, spec)
     steps = warmup.plan(engine.buckets, spec)
     run(engine.executor, steps, progress)

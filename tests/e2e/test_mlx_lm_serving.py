@@ -1,6 +1,7 @@
 """mlx-lm's model classes served by a real `stepserve serve` (real uvicorn, real HTTP) through
 the cache adapter: a tiny random Qwen3-Next (recurrent and attention layers, no hand-written
-module: ``model_impl = auto`` takes mlx-lm's class) and the default model SmolLM2 converted to a
+module: ``model_impl = auto`` takes mlx-lm's class), a tiny Nemotron-H (mamba layers that ignore
+padding: prefilled in exact rows) and the default model SmolLM2 converted to a
 directory and served with ``model_impl = mlx_lm`` answer /v1/chat/completions with mlx-lm's own
 greedy tokens (``mlx_lm.generate.generate_step`` on the same directory), and SmolLM2's answers
 are the native path's; a refused ``model_type`` stops start-up naming it."""
@@ -8,6 +9,7 @@ are the native path's; a refused ``model_type`` stops start-up naming it."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -106,6 +108,28 @@ def test_a_tiny_qwen3_next_directory_serves_mlx_lms_greedy_tokens(tmp_path, conv
     assert got == expected
     assert [c["message"]["content"] for c in n2["choices"]] == [expected[0]] * 2
     assert all(c["logprobs"]["content"] for c in n2["choices"])
+
+
+def test_a_tiny_nemotron_h_whose_recurrent_layers_ignore_padding_serves_mlx_lms_greedy_tokens(tmp_path, converted):
+    """Its mamba layers ignore padding: the chats' prompts (none a prompt bucket long) are
+    prefilled in full chunks of 32 and one-token chunks, concurrently, never padded (the steps
+    that ran, from /metrics: no whole padded prefill, chunks of 32 or 1 token)."""
+    directory = tmp_path / "nemotron-h"
+    write_mlx_lm_dir(directory, {**TINY_CONFIGS["nemotron_h"], "vocab_size": 49152}, tokenizer_from=converted)
+    server = ServerProcess.start(["--model", str(directory), *SMALL])
+    try:
+        server.wait_ready()
+        got = chats(server)
+        with server.client() as client:
+            metrics = client.get("/metrics").text
+    finally:
+        server.stop()
+    assert got == [mlx_lm_text(directory, messages) for messages in CHATS]
+    steps = [
+        dict(re.findall(r'(\w+)="([^"]*)"', labels)) for labels in re.findall(r"step_seconds_count\{(.*)\}", metrics)
+    ]
+    prompt_steps = {(s["phase"], s["bucket"].split("x")[1].split("c")[0]) for s in steps if s["phase"] != "decode"}
+    assert prompt_steps == {("chunk", "32"), ("chunk", "1")}, prompt_steps
 
 
 def test_smollm2_served_through_mlx_lm_gives_mlx_lms_and_the_native_tokens(converted):

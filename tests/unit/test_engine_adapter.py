@@ -166,6 +166,87 @@ def test_concurrent_mixed_requests_get_mlx_lms_greedy_tokens(name, monkeypatch):
     assert decodes and shared is not None and decodes > shared, "no decode step ran more than one row"
 
 
+# Prompts for models whose recurrent layers ignore padding, with BUCKETS' prompt buckets 8 and 16
+# and chunks of 8: two of exactly 8 tokens (prefilled whole together, rows of equal length), one
+# of 16 (two full chunks), and lengths whose remainder below 8 runs one token per chunk call
+# (two of 17: one such token, the last chunks of both in one call; 20, 19, 11: several; 5 and 3:
+# only such tokens).
+EXACT_ROWS = [
+    (list(range(40, 48)), 9),
+    (list(range(70, 78)), 12),
+    (list(range(100, 117)), 7),
+    (list(range(140, 157)), 6),
+    (list(range(60, 80)), 10),
+    (list(range(3, 8)), 16),
+    (list(range(120, 136)), 8),
+    ([9, 200, 17], 20),
+    (list(range(180, 191)), 5),
+    (list(range(20, 39)), 6),
+]
+
+
+class RowSpy:
+    """Every prompt row the executor's prefill and chunk calls run, as (T, real tokens): a
+    padding row of a batch bucket (all zero tokens, one real) is left out."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.rows: list[tuple[int, int]] = []
+        self.batched: list[int] = []
+        prefill, chunk, chunk_rows = Executor.prefill, Executor.chunk, Executor.chunk_rows
+
+        def spy_prefill(executor, tokens, lengths):
+            self.note(tokens, lengths)
+            return prefill(executor, tokens, lengths)
+
+        def spy_chunk(executor, kv, tokens, offset, length):
+            self.note([tokens], [length])
+            return chunk(executor, kv, tokens, offset, length)
+
+        def spy_chunk_rows(executor, kvs, tokens, offsets, lengths, batch):
+            self.batched.append(len(kvs))
+            self.note(tokens, lengths)
+            return chunk_rows(executor, kvs, tokens, offsets, lengths, batch)
+
+        monkeypatch.setattr(Executor, "prefill", spy_prefill)
+        monkeypatch.setattr(Executor, "chunk", spy_chunk)
+        monkeypatch.setattr(Executor, "chunk_rows", spy_chunk_rows)
+
+    def note(self, tokens: list[list[int]], lengths: list[int]) -> None:
+        self.rows += [(len(row), n) for row, n in zip(tokens, lengths, strict=True) if any(row) or n > 1]
+
+
+@pytest.mark.parametrize("name", ["mamba", "nemotron_h", "recurrent_gemma"])
+def test_a_model_whose_recurrent_layers_ignore_padding_prefills_exact_rows(name, monkeypatch):
+    """Concurrent requests of mixed lengths, prefilled whole and in chunks: every row of every
+    prefill and chunk call is full (no padding reaches a recurrent state) and each request gets
+    mlx-lm's own greedy tokens."""
+    model = tiny_model(name)
+    assert isinstance(model.args, AdapterArgs) and not model.args.pads_prompts
+    spy = RowSpy(monkeypatch)
+    engine = engine_at(model, BUCKETS, prefill_chunk_tokens=8, max_batched_tokens=40)  # room for 4 prompts a step
+    engine.executor.batches_chunks = True  # the last chunks of several prompts in one call, as on a GPU
+    served = step_by_hand(engine, EXACT_ROWS)
+    for (prompt, max_tokens), got in zip(EXACT_ROWS, served, strict=True):
+        expected = mlx_lm_tokens(model, prompt, max_tokens)
+        assert got.tokens == expected, f"{name}, prompt of {len(prompt)}: got {got.tokens}, mlx-lm {expected}"
+    padded = [(T, n) for T, n in spy.rows if n != T]
+    assert not padded, f"padded rows (T, real tokens): {padded}"
+    sizes = {T for T, _ in spy.rows}
+    assert {1, 8} <= sizes, f"row lengths {sizes}: no whole bucket or no one-token chunk"
+    assert max(spy.batched, default=0) >= 2, "no two prompts' last chunks ran in one call"
+
+
+def test_a_state_models_prompt_up_to_the_largest_capacity_is_prefilled():
+    """qwen3_next (its states mask padding): chunks of 6 tokens padded to 8 reach position 42 of a
+    48-token prompt, where no prompt bucket fits before the largest capacity (48); the rest
+    runs a token at a time (once a BucketLimitError that failed the request mid-prefill)."""
+    model = tiny_model("qwen3_next")
+    prompt = [7 + (5 * i) % 240 for i in range(BUCKETS.capacity[-1])]
+    served = step_by_hand(engine_at(model, BUCKETS, prefill_chunk_tokens=6, max_batched_tokens=16), [(prompt, 1)])
+    assert served[0].final.error is None, served[0].final.error
+    assert served[0].tokens == mlx_lm_tokens(model, prompt, 1)
+
+
 def test_a_prefix_cache_hit_gives_mlx_lms_tokens():
     model = tiny_model("llama")
     system = list(range(40, 58))  # 18 tokens: 4 blocks of 4 are reusable

@@ -1,8 +1,9 @@
 """Model directories through mlx-lm's own construction (:mod:`models.lm_loader`): which
 implementation ``model_impl`` picks, the loaded module against mlx-lm's own load of the same
-directory (float and 4-bit weights, kept or expanded), the refusals at start-up (a refused or
-unknown ``model_type``, recurrent layers that ignore padding, a GGUF file as ``mlx_lm``, a draft
-for a model without a verify step), the per-model setting and ``stepserve models``."""
+directory (float and 4-bit weights, kept or expanded), models whose recurrent layers ignore
+padding (served, in exact rows), the refusals at start-up (a refused or unknown ``model_type``, a
+GGUF file as ``mlx_lm``, a draft for a model without a verify step), the per-model setting and
+``stepserve models``."""
 
 from __future__ import annotations
 
@@ -29,15 +30,16 @@ from tests.support import write_mlx_lm_dir
 PROMPT = [5, 17, 3, 99, 42, 7, 1]
 
 
-def logits_of(model, directory) -> tuple[mx.array, mx.array]:
-    """(the served model's prefill logits of PROMPT [V], mlx-lm's own load of ``directory``'s
-    last logits [V]), both float32."""
+def logits_of(model, directory, padded: bool = True) -> tuple[mx.array, mx.array]:
+    """(the served model's prefill logits of PROMPT [V] (its row padded by one token where
+    ``padded``), mlx-lm's own load of ``directory``'s last logits [V]), both float32."""
     reference, _ = lm_load_model(directory)
     reference.set_dtype(mx.float32)
     expected = reference(mx.array([PROMPT]))[0, -1]
     args = model.args
-    tokens, lengths = mx.array([PROMPT + [0]], mx.int32), mx.array([len(PROMPT)], mx.int32)
-    got, _ = prefill(model.params, tokens, lengths, args.allocate(1, len(PROMPT) + 1, mx.float32), args=args)
+    row = PROMPT + ([0] if padded else [])
+    tokens, lengths = mx.array([row], mx.int32), mx.array([len(PROMPT)], mx.int32)
+    got, _ = prefill(model.params, tokens, lengths, args.allocate(1, len(row), mx.float32), args=args)
     return got[0], expected.astype(mx.float32)
 
 
@@ -95,13 +97,15 @@ def test_a_model_type_mlx_lm_does_not_know_is_refused(tmp_path):
         load_model(tmp_path, "m", mx.float32)
 
 
-def test_recurrent_layers_that_ignore_padding_are_refused(tmp_path, monkeypatch):
-    """mamba's layers do not read ``ArraysCache.lengths``: a padded prompt row would leave a
-    wrong state, so the model is refused even where the support table lets it through."""
-    monkeypatch.setattr(lm_loader, "check_supported", lambda model_type: None)
-    write_mlx_lm_dir(tmp_path / "m", TINY_CONFIGS["mamba"])
-    with pytest.raises(ModelLoadError, match="model_type 'mamba' is not supported yet: its recurrent layers ignore"):
-        load_model(tmp_path / "m", "m", mx.float32)
+@pytest.mark.parametrize("name", ["mamba", "nemotron_h"])
+def test_recurrent_layers_that_ignore_padding_load_and_are_served_exactly(tmp_path, name):
+    """Their layers do not read ``ArraysCache.lengths`` (``pads_prompts`` False): they load,
+    and the engine prefills them in exact rows (tests/unit/test_engine_adapter.py)."""
+    write_mlx_lm_dir(tmp_path / name, TINY_CONFIGS[name])
+    model = load_model(tmp_path / name, name, mx.float32, "dequantized")
+    assert isinstance(model.args, AdapterArgs) and not model.args.pads_prompts and model.args.has_states
+    got, expected = logits_of(model, tmp_path / name, padded=False)
+    assert mx.allclose(got, expected, atol=1e-4).item(), mx.abs(got - expected).max().item()
 
 
 def test_a_gguf_file_is_native_and_refused_as_mlx_lm():

@@ -8,7 +8,7 @@ import pytest
 from service.config import ConfigError, load_settings
 from service.engine import warmup
 from service.engine.buckets import BucketLimitError, BucketTable
-from service.engine.prefill import last_chunk_rows
+from service.engine.prefill import chunk_plan, last_chunk_rows
 from service.engine.sequence import FinishReason, SamplingParams, Sequence, TokenEvent
 from service.engine.warmup import WarmupSpec
 
@@ -49,6 +49,54 @@ def test_warmup_covers_the_batched_last_chunks_of_concurrent_prompts():
     single = warmup.plan(TABLE, dataclasses.replace(spec, batched_chunks=False))
     assert [s for s in single if s[0] == "chunk"] == [s for s in chunks if s[1] == 1]
     assert last_chunk_rows(TABLE, 32, 128, rows_cap=1) == 1  # a warmed batch of 1: one by one
+
+
+def covered(plan: list[tuple[int, int, int]]) -> list[int]:
+    """The positions a chunk plan prefills, in order (each chunk's real tokens)."""
+    return [p for offset, n, _ in plan for p in range(offset, offset + n)]
+
+
+@pytest.mark.parametrize("length", [1, 31, 32, 33, 100, 200, 1000, 1024])
+def test_an_unpadded_chunk_plan_is_full_prompt_buckets_then_one_token_chunks(length):
+    """Recurrent layers that ignore padding: every chunk's bucket is its real tokens, the largest
+    prompt bucket within the chunk budget first, the remainder below the smallest one token each."""
+    plan = chunk_plan(TABLE, 100, length, 0, exact=True, padded=False)
+    assert covered(plan) == list(range(length))
+    assert all(n == T and T in (*TABLE.prompt, 1) and T <= 100 for _, n, T in plan)
+    sizes = [T for _, _, T in plan]
+    assert sizes == sorted(sizes, reverse=True)  # largest first
+    ones = sizes.count(1)
+    assert ones < TABLE.prompt[0] and ones == (length - sum(s for s in sizes if s > 1))
+
+
+def test_a_recurrent_chunk_plan_near_the_largest_capacity_ends_in_one_token_chunks():
+    """Chunks of 100 tokens of a 1,024-token prompt: at position 996 no prompt bucket fits
+    before 1,024 (once a BucketLimitError mid-prefill); it goes on a token at a time, each
+    position once and no chunk ending past the largest capacity bucket."""
+    limit = TABLE.capacity[-1]
+    plan = chunk_plan(TABLE, 100, limit, 0, exact=True)
+    assert covered(plan) == list(range(limit))
+    assert all(offset + T <= limit and n <= T for offset, n, T in plan)
+    ones = [offset for offset, _, T in plan if T == 1]
+    assert ones and ones == list(range(ones[0], limit)) and ones[0] > limit - TABLE.prompt[0]
+    padded = chunk_plan(TABLE, 100, limit, 0)  # attention only: recomputes a few positions instead
+    assert all(T > 1 for _, _, T in padded) and covered(padded)[-1] == limit - 1
+
+
+def test_warmup_covers_the_one_token_chunks_of_exact_prefill():
+    spec = WarmupSpec(prompt_tokens=1024, batch=2, chunk_tokens=64, max_batched_tokens=128)
+    stagings = sorted({TABLE.staging_for(c) for c in TABLE.capacity})
+
+    def one_token(**flags) -> list[tuple[str, int, int, int]]:
+        return [s for s in warmup.plan(TABLE, dataclasses.replace(spec, **flags)) if s[0] == "chunk" and s[2] == 1]
+
+    assert one_token() == []
+    assert one_token(padded_prompts=False, recurrent=True) == [("chunk", 1, 1, c) for c in stagings] + [
+        ("chunk", 2, 1, c) for c in stagings
+    ]
+    assert one_token(recurrent=True) == [("chunk", 1, 1, stagings[-1]), ("chunk", 2, 1, stagings[-1])]
+    short = dataclasses.replace(spec, prompt_tokens=40, recurrent=True)  # never near the largest capacity
+    assert [s for s in warmup.plan(TABLE, short) if s[0] == "chunk" and s[2] == 1] == []
 
 
 def test_settings_precedence_cli_over_env_over_toml(tmp_path, monkeypatch):
