@@ -519,14 +519,17 @@ class ThinkingConfig(BaseModel):
     budget_tokens: int | None = None
 
 
-# Fields of Anthropic's API that do not change the output: accepted and not used.
-ANTHROPIC_NO_OP_FIELDS = frozenset({"service_tier"})
+# Fields of Anthropic's API that do not change the output (billing, routing, caching hints):
+# accepted and not used.
+ANTHROPIC_NO_OP_FIELDS = frozenset(
+    {"service_tier", "cache_control", "speed", "inference_geo", "user_profile_id", "workspace_id"}
+)
 
 
 class MessagesInput(BaseModel):
     """What ``/v1/messages`` renders into the prompt, and all ``/v1/messages/count_tokens``
-    takes. Fields that do not change the output (``metadata``, ``service_tier``) are accepted;
-    any other unknown field answers 400 naming it."""
+    takes. Fields that do not change the output (``metadata``, :data:`ANTHROPIC_NO_OP_FIELDS`)
+    are accepted; any other unknown field answers 400 naming it."""
 
     model_config = ConfigDict(extra="allow")
     model: str = Field(..., description="a served model's name")
