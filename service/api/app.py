@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from models.loader import LoadedModel, device_name
 from service import __version__
+from service.api import anthropic as anthropic_api
 from service.api import openai as openai_api
 from service.api import rehearsal, security
 from service.api.docs import install_docs
@@ -73,6 +74,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(openai_api.router)
+    app.include_router(anthropic_api.router)
     install_docs(app)
     # The middleware added last runs first: CORS, request counting, API key, body bounds.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.read_timeout_s)

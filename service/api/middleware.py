@@ -10,11 +10,11 @@ import time
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from service.api.errors import send_error
+from service.api.errors import Shape, send_error, shape_of
 from service.api.rehearsal import REHEARSAL
 from service.metrics import Metrics
 
-COUNTED_PATHS = ("/infer", "/v1/completions", "/v1/chat/completions")
+COUNTED_PATHS = ("/infer", "/v1/completions", "/v1/chat/completions", "/v1/messages")
 _DISCONNECT = {"type": "http.disconnect"}
 _CLOSE = (b"connection", b"close")  # the body was not read to its end: the connection cannot be reused
 
@@ -35,31 +35,26 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
+        shape = shape_of(scope["path"])
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._too_large(send)
-        body = _BoundedBody(self, receive, send)
+            return await self._too_large(send, shape)
+        body = _BoundedBody(self, receive, send, shape)
         await self.app(scope, body.receive, body.send)
 
-    async def _too_large(self, send) -> None:
-        await send_error(
-            send, 413, f"request body exceeds {self.max_bytes} bytes (max_body_bytes)", param="body", headers=[_CLOSE]
-        )
+    async def _too_large(self, send, shape: Shape) -> None:
+        message = f"request body exceeds {self.max_bytes} bytes (max_body_bytes)"
+        await send_error(send, 413, message, param="body", headers=[_CLOSE], shape=shape)
 
-    async def _too_slow(self, send) -> None:
-        await send_error(
-            send,
-            408,
-            f"request body not received within {self.timeout_s:g} s (read_timeout_s)",
-            param="body",
-            headers=[_CLOSE],
-        )
+    async def _too_slow(self, send, shape: Shape) -> None:
+        message = f"request body not received within {self.timeout_s:g} s (read_timeout_s)"
+        await send_error(send, 408, message, param="body", headers=[_CLOSE], shape=shape)
 
 
 class _BoundedBody:
     """One request's receive/send pair under :class:`BodyLimitMiddleware`'s bounds."""
 
-    def __init__(self, limits: BodyLimitMiddleware, receive, send):
-        self.limits, self._receive, self._send = limits, receive, send
+    def __init__(self, limits: BodyLimitMiddleware, receive, send, shape: Shape = "openai"):
+        self.limits, self._receive, self._send, self.shape = limits, receive, send, shape
         self.deadline = time.monotonic() + limits.timeout_s
         self.seen = 0
         self.complete = False  # the whole body arrived: later receives wait for a disconnect
@@ -93,7 +88,7 @@ class _BoundedBody:
     async def _reject(self, answer) -> None:
         self.rejected = True
         if not self.started:
-            await answer(self._send)
+            await answer(self._send, self.shape)
 
 
 def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:

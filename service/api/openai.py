@@ -152,10 +152,8 @@ async def _generate(body: OpenAISampling, request: Request, state: AppState, cha
             choice = tools.validate_tool_choice(raw_choice, declared or [])
         except ValueError as exc:
             raise ApiError(400, str(exc), param=str(exc).split(":", 1)[0]) from exc
-        if choice.mode != "none":
-            rendered_tools = declared
-            tool_form = tools.tool_call_form(engine.model.tokenizer.chat_template)
-            lark = tools.tool_grammar(declared or [], choice, tool_form)
+        planned = tools.plan(declared or [], choice, engine.model.tokenizer.chat_template)
+        rendered_tools, tool_form, lark = planned.rendered, planned.form, planned.lark
         if lark is not None and body.response_format is not None and body.response_format.type != "text":
             raise ApiError(400, "response_format cannot be combined with a required tool call", param="tool_choice")
         top = (body.top_logprobs or 0) if body.logprobs else None

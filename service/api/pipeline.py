@@ -1,5 +1,5 @@
-"""The one request pipeline of ``/infer`` and the OpenAI-compatible routes, which differ only
-in their :class:`ResponseFormat`:
+"""The one request pipeline of ``/infer``, the OpenAI-compatible routes and the Anthropic
+Messages routes, which differ only in their :class:`ResponseFormat`:
 
 route → :func:`resolve_engine`, :func:`prompt_ids`, :func:`sampling_params` (checks, 4xx/503)
 → :func:`start` (memory admission, ``Engine.submit``) → :func:`respond` (the engine's events,
@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from models.tokenizer import TokenizerError
 from service.api import security
-from service.api.errors import ApiError, client_closed
+from service.api.errors import ApiError, Shape, client_closed
 from service.api.events import EventSink, Generation
 from service.api.rehearsal import REHEARSAL
 from service.api.state import AppState
@@ -37,6 +37,9 @@ class ResponseFormat(Protocol):
     """How one route shapes its answers (dicts, serialized as JSON)."""
 
     done_marker: bool  # end a stream with ``data: [DONE]`` (OpenAI)
+    # The API whose stream events and error bodies it speaks: "openai" (``data:`` lines only) or
+    # "anthropic" (each event's ``type`` also on an ``event:`` line; Anthropic's error shape).
+    shape: Shape
     # A request that produced tokens before its time limit or a shutdown ended it: True, it
     # answers normally with finish_reason timeout/cancelled (/infer); False, it answers as an
     # error, 504 or 503 (OpenAI, whose finish_reason is only stop or length).
@@ -245,8 +248,10 @@ async def _collect(request: Request, gen: Generation, fmt: ResponseFormat, first
     return fmt.body("".join(pieces), event)
 
 
-def _data(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
+def _data(payload: dict, shape: Shape = "openai") -> str:
+    """One server-sent event; Anthropic's name the event (its ``type``) on an ``event:`` line."""
+    head = f"event: {payload['type']}\n" if shape == "anthropic" else ""
+    return f"{head}data: {json.dumps(payload)}\n\n"
 
 
 async def _sse(gen: Generation, fmt: ResponseFormat, first: Event) -> AsyncIterator[str]:
@@ -258,12 +263,13 @@ async def _sse(gen: Generation, fmt: ResponseFormat, first: Event) -> AsyncItera
             # The events already queued go out in one write (a client or a loop behind the engine);
             # a disconnect ends this generator while it awaits (Starlette cancels it).
             batch = [event, *gen.ready()]
-            yield "".join(_data(c) for e in batch if isinstance(e, TokenEvent) for c in fmt.chunks(e.text, e.logprobs))
+            chunks = [c for e in batch if isinstance(e, TokenEvent) for c in fmt.chunks(e.text, e.logprobs)]
+            yield "".join(_data(c, fmt.shape) for c in chunks)
             event = batch[-1] if isinstance(batch[-1], FinalEvent) else await gen.next()
         finished = True
         error = failure(event, fmt.partial_ends)
-        for chunk in [error.body()] if error else fmt.final_chunks(event):
-            yield _data(chunk)
+        for chunk in [error.body(fmt.shape)] if error else fmt.final_chunks(event):
+            yield _data(chunk, fmt.shape)
         if fmt.done_marker:
             yield "data: [DONE]\n\n"
     finally:

@@ -60,6 +60,7 @@ def plan(model: str, chat: bool) -> list[tuple[str, str, dict[str, Any]]]:
                 "/v1/chat/completions",
                 {**messages, "tools": [_TOOL], "tool_choice": "required", "stream": True},
             ),
+            ("/v1/messages streamed", "/v1/messages", {**messages, "stream": True}),
         ]
     return steps
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from service.api import pipeline
-from service.api.errors import ERRORS, ApiError
+from service.api.errors import ERRORS, ApiError, Shape
 from service.api.schemas import ErrorBody, InferChunk, InferRequest, InferResponse, ModelCard, ModelList
 from service.api.state import State
 from service.engine.sequence import FinalEvent
@@ -42,6 +42,7 @@ class InferFormat:
 
     done_marker = False
     partial_ends = True
+    shape: Shape = "openai"
 
     def __init__(self, request_id: str, model: str, tokenizer=None, logprobs: bool = False):
         self.id, self.model, self._tokenizer, self._logprobs = request_id, model, tokenizer, logprobs

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 512
@@ -403,3 +403,181 @@ class ChatCompletionRequest(OpenAISampling):
             if self.tool_choice.function.name not in names:
                 raise ValueError(f"tool_choice names '{self.tool_choice.function.name}', not one of the tools {names}")
         return self
+
+
+# -- Anthropic Messages bodies (the fields of Anthropic's API that stepserve honours) -------
+# Content blocks are told apart by ``type``; a type stepserve does not serve (image, document,
+# thinking, server tools' blocks, ...) parses as :class:`UnsupportedBlock`, which the route
+# answers 400 naming it. ``cache_control`` (a caching hint) is accepted everywhere and not used.
+
+
+class TextBlock(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None
+    citations: list[dict[str, Any]] | None = Field(None, description="accepted; not shown to the model")
+
+
+class ToolUseBlock(BaseModel):
+    """A tool call of an earlier assistant turn."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["tool_use"]
+    id: str = Field(..., min_length=1)
+    name: str = Field(..., min_length=1)
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class UnsupportedBlock(BaseModel):
+    """A content block of a type stepserve does not serve (answered 400 naming it)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+def _block_tag(block: Any) -> str:
+    """The union member of a content block: ``block:<type>``, ``block:other`` for a type not
+    served (the ``block:`` tags are left out of error paths, :func:`service.api.errors._field_path`)."""
+    kind = block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
+    return f"block:{kind}" if kind in ("text", "tool_use", "tool_result") else "block:other"
+
+
+ResultPart = Annotated[
+    Annotated[TextBlock, Tag("block:text")] | Annotated[UnsupportedBlock, Tag("block:other")],
+    Discriminator(lambda b: "block:text" if _block_tag(b) == "block:text" else "block:other"),
+]
+
+
+class ToolResultBlock(BaseModel):
+    """A tool's answer, in a user turn; ``is_error`` marks it as a failure (the prompt shows
+    ``Error: `` before it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(..., min_length=1)
+    content: str | list[ResultPart] = ""
+    is_error: bool = False
+    cache_control: dict[str, Any] | None = None
+
+
+ContentBlock = Annotated[
+    Annotated[TextBlock, Tag("block:text")]
+    | Annotated[ToolUseBlock, Tag("block:tool_use")]
+    | Annotated[ToolResultBlock, Tag("block:tool_result")]
+    | Annotated[UnsupportedBlock, Tag("block:other")],
+    Discriminator(_block_tag),
+]
+
+
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock] = Field(..., description="text, or text, tool_use and tool_result blocks")
+
+    @field_validator("content")
+    @classmethod
+    def _not_empty(cls, content):
+        if isinstance(content, list) and not content:
+            raise ValueError("content must not be an empty list")
+        return content
+
+
+class AnthropicTool(BaseModel):
+    """A client tool: its arguments follow ``input_schema`` (a JSON schema of an object)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["custom"] | None = Field(None, description="client tools only; server tools answer 400")
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class AnthropicToolChoice(BaseModel):
+    """``auto`` (the model decides), ``any`` (one or more calls, forced by the grammar),
+    ``tool`` (exactly one call of ``name``, forced), ``none`` (no tools in the prompt)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = Field(
+        None, description="honoured by 'tool' (one call) and 'none'; true with 'auto' or 'any' answers 400"
+    )
+
+    @model_validator(mode="after")
+    def _name(self) -> AnthropicToolChoice:
+        if (self.type == "tool") != (self.name is not None):
+            raise ValueError("'name' is required with type 'tool', and only with it")
+        return self
+
+
+class ThinkingConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str = Field(..., description="'disabled' only: the served models do not think")
+    budget_tokens: int | None = None
+
+
+# Fields of Anthropic's API that do not change the output (billing, routing, caching hints):
+# accepted and not used.
+ANTHROPIC_NO_OP_FIELDS = frozenset(
+    {"service_tier", "cache_control", "speed", "inference_geo", "user_profile_id", "workspace_id"}
+)
+
+
+class MessagesInput(BaseModel):
+    """What ``/v1/messages`` renders into the prompt, and all ``/v1/messages/count_tokens``
+    takes. Fields that do not change the output (``metadata``, :data:`ANTHROPIC_NO_OP_FIELDS`)
+    are accepted; any other unknown field answers 400 naming it."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str = Field(..., description="a served model's name")
+    messages: list[AnthropicMessage] = Field(..., min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[AnthropicTool] | None = Field(None, max_length=64)
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+    metadata: dict[str, Any] | None = Field(None, description="accepted; does not change the output")
+
+    def unsupported(self) -> str | None:
+        """The first field of the body that stepserve does not implement, or None."""
+        return next((k for k in (self.model_extra or {}) if k not in ANTHROPIC_NO_OP_FIELDS), None)
+
+
+class MessagesRequest(MessagesInput):
+    """``POST /v1/messages``: Anthropic's Messages API."""
+
+    max_tokens: int = Field(..., ge=1, description="tokens to generate at most")
+    stop_sequences: list[str] | None = Field(
+        None, description=f"up to {MAX_STOP_STRINGS} strings of up to {MAX_STOP_CHARS} characters that end the text"
+    )
+    temperature: float = Field(1.0, ge=0.0, le=1.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass; 1 = off")
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="keep the k most likely tokens; 0 = off")
+    stream: bool = False
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stops(cls, stops):
+        if stops is not None and (len(stops) > MAX_STOP_STRINGS or any(not s for s in stops)):
+            raise ValueError(f"at most {MAX_STOP_STRINGS} non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops or ()):
+            raise ValueError(f"each at most {MAX_STOP_CHARS} characters")
+        return stops
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str = Field(description="Anthropic's error type, e.g. 'invalid_request_error', 'overloaded_error'")
+    message: str = Field(description="what went wrong, naming the field when one is at fault")
+
+
+class AnthropicErrorBody(BaseModel):
+    """Every error of the Messages routes, and the ``error`` event of a stream that fails."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
+
+
+class TokenCount(BaseModel):
+    input_tokens: int = Field(description="the prompt tokens /v1/messages would prefill for the same body")

@@ -14,21 +14,24 @@ from starlette.middleware.cors import CORSMiddleware
 
 from models.tokenizer import ChatTokenizer
 from service.api.docs import SWAGGER_ASSET_PATHS
-from service.api.errors import ApiError, send_error
+from service.api.errors import ApiError, send_error, shape_of
 from service.config import Settings
 
 log = logging.getLogger("stepserve.security")
 
 _BEARER = b"bearer "
+_HOW = "'Authorization: Bearer <key>'"
 
 
 class ApiKeyMiddleware:
-    """Answer 401 unless the request carries ``Authorization: Bearer <api_key>``.
+    """Answer 401 unless the request carries the API key, as ``Authorization: Bearer <key>``
+    (OpenAI's clients) or ``x-api-key: <key>`` (Anthropic's).
 
     The key is compared with ``hmac.compare_digest`` on SHA-256 digests, so the time taken
     reveals neither the key's bytes nor its length. Paths in ``exempt`` (exact matches)
     pass without a key; so do CORS preflights, which the CORS middleware outside this one
-    answers before they get here.
+    answers before they get here. The 401 is in the shape of the route's API
+    (:func:`service.api.errors.shape_of`).
     """
 
     def __init__(self, app, api_key: str, exempt: Iterable[str] = ()):
@@ -39,21 +42,30 @@ class ApiKeyMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in self.exempt or self._authorized(scope):
             return await self.app(scope, receive, send)
+        shape = shape_of(scope["path"])
+        how = "'x-api-key: <key>' or 'Authorization: Bearer <key>'" if shape == "anthropic" else _HOW
         await send_error(
             send,
             401,
-            "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+            f"missing or invalid API key: send the header {how}",
             type="authentication_error",
             param="Authorization",
             headers=[(b"www-authenticate", b"Bearer")],
+            shape=shape,
         )
 
     def _authorized(self, scope) -> bool:
+        """Whether the first key the request carries (Bearer, else x-api-key) is the key."""
+        given = None
         for name, value in scope.get("headers") or []:
             if name == b"authorization" and value[: len(_BEARER)].lower() == _BEARER:
-                given = hashlib.sha256(value[len(_BEARER) :].strip()).digest()
-                return hmac.compare_digest(given, self._digest)
-        return False
+                given = value[len(_BEARER) :]
+                break
+            if name == b"x-api-key" and given is None:
+                given = value
+        if given is None:
+            return False
+        return hmac.compare_digest(hashlib.sha256(given.strip()).digest(), self._digest)
 
 
 def add_auth(app: FastAPI, settings: Settings) -> None:
@@ -73,7 +85,7 @@ def add_cors(app: FastAPI, settings: Settings) -> None:
             CORSMiddleware,
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version", "anthropic-beta"],
             max_age=600,
         )
 

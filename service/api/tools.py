@@ -49,6 +49,17 @@ FALLBACK_FOOTER = (
 
 
 @dataclass(frozen=True)
+class ToolPlan:
+    """What a chat request's checked tools do to it (:func:`plan`): ``rendered`` goes to the
+    chat template (None: no tools in the prompt), answers are parsed for calls in ``form``
+    (None: not parsed), and ``lark`` forces calls (None: the model may answer freely)."""
+
+    rendered: list[dict[str, Any]] | None = None
+    form: Form | None = None
+    lark: str | None = None
+
+
+@dataclass(frozen=True)
 class ToolChoice:
     """A checked ``tool_choice``: ``function`` names the one tool (``name``) the model must call."""
 
@@ -121,6 +132,17 @@ def validate_tool_choice(tool_choice: str | Mapping[str, Any] | None, tools: Seq
     if name not in names:
         raise ValueError(f"tool_choice.function.name: no tool named '{name}'")
     return ToolChoice("function", name)
+
+
+def plan(tools: Sequence[Mapping[str, Any]], choice: ToolChoice, chat_template: str | None) -> ToolPlan:
+    """The :class:`ToolPlan` of checked ``tools`` (:func:`validate_tools`) and ``choice``
+    (:func:`validate_tool_choice`) for a model with ``chat_template``: ``none`` leaves the tools
+    out of the prompt and the answer unparsed; else the form comes from the template
+    (:func:`tool_call_form`) and ``required``/named choices get :func:`tool_grammar`."""
+    if choice.mode == "none":
+        return ToolPlan()
+    form = tool_call_form(chat_template)
+    return ToolPlan([dict(t) for t in tools] or None, form, tool_grammar(tools, choice, form))
 
 
 # ---------------------------------------------------------------- the prompt

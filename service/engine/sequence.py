@@ -110,6 +110,7 @@ class FinalEvent:
     total_s: float
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    stop_string: str | None = None  # the stop string that ended the text, if one did
 
 
 Event = TokenEvent | FinalEvent
@@ -148,6 +149,7 @@ class Sequence:
     deadline: float | None = None  # perf_counter() time after which the request times out
     warmup: bool = False  # a dummy request of the warm-up rehearsal: no metrics
     cancel_reason: FinishReason | None = None  # set by Engine.cancel (any thread); acted on at the next schedule
+    stop_string: str | None = None  # the stop string that ended the text (the earliest in it), if one did
     matcher: Any = None  # the grammar's state (runner only): advanced by each token read back
     sampled_ids: list[int] = field(default_factory=list)  # generated tokens the runner has read back
     logprob_entries: list[TokenLogprob] = field(default_factory=list)  # read back, not emitted yet
@@ -199,7 +201,7 @@ class Sequence:
             at = self.text.find(stop, max(0, self._sent - len(stop)))
             if at >= 0:
                 self.text = self.text[:at]
-                self.finish_reason = FinishReason.STOP
+                self.finish_reason, self.stop_string = FinishReason.STOP, stop
 
     def _emit_text(self, token_id: int) -> None:
         # Hold back a tail that could still grow into a stop string.
@@ -231,4 +233,5 @@ class Sequence:
             total_s=now - self.arrival,
             error=error,
             cached_tokens=self.cached_tokens,
+            stop_string=self.stop_string,
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import anthropic
 import httpx
 import pytest
 
@@ -89,6 +90,28 @@ def test_the_right_key_is_served_and_exempt_paths_need_none(locked_server):
         assert client.get("/healthz").status_code == 200
         assert client.get("/metrics").status_code == 200
     assert locked_server.metric("stepserve_requests_total", status="401") >= 1
+
+
+def test_anthropic_clients_send_the_key_as_x_api_key(locked_server):
+    messages = {"model": "SmolLM2-135M-Instruct", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+    right = anthropic.Anthropic(base_url=locked_server.url, api_key=KEY, max_retries=0, timeout=300)
+    assert right.messages.create(**messages).usage.output_tokens >= 1  # the client sends x-api-key
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        right.with_options(api_key=KEY + "x").messages.create(**messages)
+    assert refused.value.status_code == 401
+    assert refused.value.body == {
+        "type": "error",
+        "error": {
+            "type": "authentication_error",
+            "message": "missing or invalid API key: send the header 'x-api-key: <key>' or "
+            "'Authorization: Bearer <key>'",
+        },
+    }
+    with locked_server.client() as client:
+        assert client.post("/infer", json=SHORT, headers={"x-api-key": KEY}).status_code == 200  # on every route
+        assert client.post("/v1/messages", json=messages).status_code == 401
+        bearer = {"authorization": f"Bearer {KEY}", "anthropic-version": "2023-06-01"}
+        assert client.post("/v1/messages", json=messages, headers=bearer).status_code == 200
 
 
 def test_cors_answers_the_configured_origin_only(locked_server):

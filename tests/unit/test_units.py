@@ -141,6 +141,14 @@ def test_stop_string_across_tokens_is_cut_and_never_streamed():
     seq, streamed = _run(["", "Hello", " wor", "ld. EN", "D more"], stop=("END",))
     assert seq.finish_reason is FinishReason.STOP
     assert seq.text == streamed == "Hello world. "
+    assert seq.final_event().stop_string == "END"  # what Anthropic's stop_sequence reports
+
+
+def test_the_earliest_of_two_stop_strings_ends_the_text_and_is_reported():
+    seq, streamed = _run(["", "one, two; three"], stop=(";", ","))
+    assert seq.text == streamed == "one" and seq.final_event().stop_string == ","
+    seq, _ = _run(["", "one, two"], stop=("never",), max_tokens=1)
+    assert seq.final_event().stop_string is None
 
 
 def test_partial_stop_prefix_is_released_when_it_does_not_complete():

@@ -1,0 +1,362 @@
+"""Anthropic's Messages API: ``POST /v1/messages`` (streamed and not) and ``POST
+/v1/messages/count_tokens``, in the JSON shapes of Anthropic's API, so its SDKs work unchanged.
+
+A request becomes the chat route's conversation (:class:`service.api.schemas.ChatMessage`
+turns, rendered by the same chat template): ``system`` first, ``tool_use`` blocks as the
+assistant's tool calls, ``tool_result`` blocks as ``tool`` turns. Tools and ``tool_choice`` take
+the chat route's path too (:func:`service.api.tools.plan`): ``any`` and ``tool`` are forced by
+the grammar, so the call's ``input`` validates against its ``input_schema``. The request then
+runs through :mod:`service.api.pipeline`, like ``/infer``; :class:`MessagesFormat` shapes the
+answer as a message or as Anthropic's named server-sent events.
+
+``stop_reason``: ``end_turn``, ``max_tokens``, ``stop_sequence`` (with the matched
+``stop_sequence``) or ``tool_use``. Errors are Anthropic's ``{"type": "error", "error": {...}}``
+(:mod:`service.api.errors`); a field that would change the output and is not implemented
+(``thinking`` enabled, image and document blocks, a last assistant turn to continue) answers 400
+naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+from fastapi import APIRouter, Request
+
+from service.api import pipeline, tools
+from service.api.errors import ApiError, Shape
+from service.api.schemas import (
+    AnthropicErrorBody,
+    ChatMessage,
+    MessagesInput,
+    MessagesRequest,
+    TextBlock,
+    TokenCount,
+    ToolCall,
+    ToolCallFunction,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from service.api.state import AppState, State
+from service.api.tool_stream import ToolCallStream
+from service.engine.core import Engine
+from service.engine.sequence import FinalEvent, FinishReason
+
+router = APIRouter(prefix="/v1")
+ERRORS: dict[int | str, dict] = {
+    code: {"model": AnthropicErrorBody} for code in (400, 401, 404, 413, 429, 500, 503, 504)
+}
+# Anthropic's tool_choice types as the chat route's (tools.validate_tool_choice)
+_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+
+
+def _chat(**fields) -> ChatMessage:
+    """A chat turn (validated as the chat route's :class:`ChatMessage`)."""
+    return ChatMessage.model_validate(fields)
+
+
+def _text(blocks: str | list, where: str) -> str:
+    """The text of a string or a list of text blocks (joined as the chat route joins text parts).
+
+    Raises:
+        ApiError: 400 naming ``where.j.type`` for a block that is not text.
+    """
+    if isinstance(blocks, str):
+        return blocks
+    for j, block in enumerate(blocks):
+        if not isinstance(block, TextBlock):
+            raise ApiError(
+                400, f"blocks of type '{block.type}' are not supported here; only text", param=f"{where}.{j}.type"
+            )
+    return "".join(b.text for b in blocks)
+
+
+def _turn(i: int, role: str, blocks: list) -> list[ChatMessage]:
+    """The chat turns of message ``i``'s blocks: an assistant turn with its text and tool calls,
+    or a user turn's text with each ``tool_result`` as a ``tool`` turn, in order.
+
+    Raises:
+        ApiError: 400 naming ``messages.i.content.j.type`` for a block this role cannot carry
+            or a type not served (images, documents, thinking).
+    """
+    out: list[ChatMessage] = []
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    for j, block in enumerate(blocks):
+        where = f"messages.{i}.content.{j}"
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolUseBlock) and role == "assistant":
+            arguments = json.dumps(block.input, ensure_ascii=False)
+            calls.append(ToolCall(id=block.id, function=ToolCallFunction(name=block.name, arguments=arguments)))
+        elif isinstance(block, ToolResultBlock) and role == "user":
+            if texts:  # text before a result keeps its place
+                out.append(_chat(role="user", content="".join(texts)))
+                texts = []
+            result = _text(block.content, f"{where}.content")
+            content = f"Error: {result}" if block.is_error else result
+            out.append(_chat(role="tool", content=content, tool_call_id=block.tool_use_id))
+        else:
+            allowed = "text and tool_use" if role == "assistant" else "text and tool_result"
+            raise ApiError(
+                400, f"{role} blocks of type '{block.type}' are not supported; only {allowed}", param=f"{where}.type"
+            )
+    if role == "assistant":
+        out.append(_chat(role="assistant", content="".join(texts) or (None if calls else ""), tool_calls=calls or None))
+    elif texts:
+        out.append(_chat(role="user", content="".join(texts)))
+    return out
+
+
+def conversation(body: MessagesInput) -> list[dict]:
+    """The request's turns as the chat template takes them (``ChatMessage.for_template``).
+
+    Raises:
+        ApiError: 400 naming the block or turn that stepserve cannot render.
+    """
+    turns: list[ChatMessage] = []
+    if body.system is not None:
+        turns.append(_chat(role="system", content=_text(body.system, "system")))
+    for i, message in enumerate(body.messages):
+        if isinstance(message.content, str):
+            turns.append(_chat(role=message.role, content=message.content))
+        else:
+            turns += _turn(i, message.role, message.content)
+    if body.messages[-1].role == "assistant":
+        raise ApiError(
+            400,
+            "continuing a last assistant turn (prefill) is not supported; end with a user turn",
+            param=f"messages.{len(body.messages) - 1}.role",
+        )
+    return [t.for_template() for t in turns]
+
+
+def _renamed(message: str) -> str:
+    """A tools error of the chat route's field names in Anthropic's (``tools.0.input_schema``)."""
+    for chat, anthropic in (
+        (".function.parameters", ".input_schema"),
+        (".function.", "."),
+        ("tool_choice: 'required'", "tool_choice: 'any'"),
+    ):
+        message = message.replace(chat, anthropic)
+    return message
+
+
+def tool_plan(body: MessagesInput, engine: Engine) -> tools.ToolPlan:
+    """The request's tools and ``tool_choice`` checked and planned as the chat route does.
+
+    Raises:
+        ApiError: 400 naming the field (a tool's ``input_schema``, ``tool_choice.name``, ...).
+    """
+    declared = [
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                **({"description": t.description} if t.description else {}),
+                "parameters": t.input_schema,
+            },
+        }
+        for t in body.tools or []
+    ]
+    choice = body.tool_choice
+    if choice is not None and choice.disable_parallel_tool_use and choice.type in ("auto", "any"):
+        raise ApiError(
+            400,
+            f"disable_parallel_tool_use is not supported with type '{choice.type}' (only 'tool' and 'none')",
+            param="tool_choice.disable_parallel_tool_use",
+        )
+    raw = None
+    if choice is not None:
+        raw = (
+            {"type": "function", "function": {"name": choice.name}} if choice.type == "tool" else _CHOICES[choice.type]
+        )
+    try:
+        checked = tools.validate_tools(declared)
+        planned = tools.validate_tool_choice(raw, checked)
+    except ValueError as exc:
+        message = _renamed(str(exc))
+        raise ApiError(400, message, param=message.split(":", 1)[0]) from exc
+    return tools.plan(checked, planned, engine.model.tokenizer.chat_template)
+
+
+def _check(body: MessagesInput, engine: Engine) -> None:
+    """400 for a field that would change the output and is not implemented."""
+    if (field := body.unsupported()) is not None:
+        raise ApiError(400, f"'{field}' is not supported by stepserve", param=field)
+    if body.thinking is not None and body.thinking.type != "disabled":
+        raise ApiError(
+            400,
+            f'model \'{engine.model.name}\' does not think: only {{"type": "disabled"}} is served',
+            param="thinking",
+        )
+
+
+async def _prompt(body: MessagesInput, state: AppState) -> tuple[Engine, list[int], tools.ToolPlan]:
+    """The engine, the prompt's token ids and the tool plan of a Messages request (the same
+    for ``/v1/messages`` and its ``count_tokens``)."""
+    engine = pipeline.resolve_engine(state, body.model)
+    _check(body, engine)
+    planned = tool_plan(body, engine)
+    ids = await pipeline.prompt_ids(engine, None, conversation(body), planned.rendered, param="messages")
+    return engine, ids, planned
+
+
+class MessagesFormat:
+    """``/v1/messages`` answers (:class:`service.api.pipeline.ResponseFormat`): a message, or
+    Anthropic's events: ``message_start``, ``ping``, per content block ``content_block_start``,
+    ``content_block_delta`` (``text_delta``; a tool call's whole ``input`` as one
+    ``input_json_delta``) and ``content_block_stop``, then ``message_delta`` (``stop_reason``,
+    ``usage.output_tokens``) and ``message_stop``. Tool calls are parsed as they stream in the
+    template's form (:class:`service.api.tool_stream.ToolCallStream`)."""
+
+    done_marker = False
+    partial_ends = False  # a request ended early answers as an error, as on the OpenAI routes
+    shape: Shape = "anthropic"
+
+    def __init__(self, model: str, input_tokens: int, form: tools.Form | None):
+        self.id, self.model, self.input_tokens = f"msg_{secrets.token_hex(12)}", model, input_tokens
+        self.form: tools.Form | None = form
+        self._calls = ToolCallStream(form) if form is not None else None
+        self._started = False
+        self._blocks = 0  # content blocks opened so far
+        self._open_text = False  # the last block is text and still open
+        self._used_tools = False
+
+    def _message(self, content: list[dict], final: FinalEvent | None) -> dict:
+        reason, stop = self._stop_reason(final) if final is not None else (None, None)
+        out = final.completion_tokens if final is not None else 0
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": reason,
+            "stop_sequence": stop,
+            "usage": {"input_tokens": final.prompt_tokens if final else self.input_tokens, "output_tokens": out},
+        }
+
+    def _stop_reason(self, final: FinalEvent) -> tuple[str, str | None]:
+        """(``stop_reason``, ``stop_sequence``) of a request's end."""
+        if final.finish_reason is FinishReason.LENGTH:
+            return "max_tokens", None
+        if self._used_tools:
+            return "tool_use", None
+        if final.stop_string is not None:
+            return "stop_sequence", final.stop_string
+        return "end_turn", None
+
+    def _start(self) -> list[dict]:
+        if self._started:
+            return []
+        self._started = True
+        return [{"type": "message_start", "message": self._message([], None)}, {"type": "ping"}]
+
+    def _close_text(self) -> list[dict]:
+        if not self._open_text:
+            return []
+        self._open_text = False
+        return [{"type": "content_block_stop", "index": self._blocks - 1}]
+
+    def _deltas(self, deltas: list[dict]) -> list[dict]:
+        """Anthropic's block events for the chat route's deltas (``content``, ``tool_calls``)."""
+        out: list[dict] = []
+        for delta in deltas:
+            if text := delta.get("content"):
+                if not self._open_text:
+                    start = {"type": "content_block_start", "index": self._blocks, "content_block": _text_block("")}
+                    out.append(start)
+                    self._blocks, self._open_text = self._blocks + 1, True
+                out.append({"type": "content_block_delta", "index": self._blocks - 1, "delta": _text_delta(text)})
+            for call in delta.get("tool_calls") or []:
+                out += self._close_text()
+                block = _tool_block(call)
+                partial = json.dumps(block["input"], ensure_ascii=False)
+                index, self._blocks, self._used_tools = self._blocks, self._blocks + 1, True
+                out += [
+                    {"type": "content_block_start", "index": index, "content_block": {**block, "input": {}}},
+                    {"type": "content_block_delta", "index": index, "delta": _json_delta(partial)},
+                    {"type": "content_block_stop", "index": index},
+                ]
+        return out
+
+    def chunks(self, text: str, logprobs: tuple = ()) -> list[dict]:
+        deltas = self._calls.feed(text) if self._calls is not None else [{"content": text}]
+        return self._start() + self._deltas(deltas)
+
+    def add(self, logprobs: tuple) -> None:
+        """Nothing to keep: Messages answers carry no logprobs."""
+
+    def final_chunks(self, final: FinalEvent) -> list[dict]:
+        out = self._start() + self._deltas(self._calls.finish() if self._calls is not None else [])
+        out += self._close_text()
+        reason, stop = self._stop_reason(final)
+        return out + [
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": reason, "stop_sequence": stop},
+                "usage": {"output_tokens": final.completion_tokens},
+            },
+            {"type": "message_stop"},
+        ]
+
+    def body(self, text: str, final: FinalEvent) -> dict:
+        content, calls = tools.parse_tool_calls(text, self.form) if self.form is not None else (text, [])
+        blocks = [_text_block(content)] if content else []
+        blocks += [_tool_block(c) for c in calls]
+        self._used_tools = bool(calls)
+        return self._message(blocks, final)
+
+
+def _text_block(text: str) -> dict:
+    return {"type": "text", "text": text}
+
+
+def _text_delta(text: str) -> dict:
+    return {"type": "text_delta", "text": text}
+
+
+def _json_delta(partial: str) -> dict:
+    return {"type": "input_json_delta", "partial_json": partial}
+
+
+def _tool_block(call: dict) -> dict:
+    """Anthropic's ``tool_use`` block of a parsed call (the chat route's shape)."""
+    fn = call["function"]
+    return {
+        "type": "tool_use",
+        "id": f"toolu_{secrets.token_hex(12)}",
+        "name": fn["name"],
+        "input": json.loads(fn["arguments"]),
+    }
+
+
+@router.post("/messages", responses={**ERRORS, 200: {"content": {"text/event-stream": {}}}})
+async def messages(body: MessagesRequest, request: Request, state: State):
+    """Anthropic's Messages API: the answer as a ``message`` (text and ``tool_use`` blocks), or
+    with ``stream`` as Anthropic's named server-sent events; ``tools`` with ``input_schema``,
+    ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``), ``stop_sequences``,
+    ``temperature``, ``top_p``, ``top_k``. Errors in Anthropic's shape."""
+    engine, ids, planned = await _prompt(body, state)
+    params = pipeline.sampling_params(
+        engine,
+        len(ids),
+        body.max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        stop=tuple(body.stop_sequences or ()),
+        grammar=pipeline.grammar(engine, None, planned.lark, "tools"),
+    )
+    gen = pipeline.start(state, engine, ids, params)
+    fmt = MessagesFormat(engine.model.name, len(ids), planned.form)
+    return await pipeline.respond(request, gen, fmt, body.stream)
+
+
+@router.post("/messages/count_tokens", response_model=TokenCount, responses=ERRORS)
+async def count_tokens(body: MessagesInput, state: State) -> TokenCount:
+    """The prompt tokens ``/v1/messages`` would prefill for the same body (same template,
+    tools included), without generating."""
+    _, ids, _ = await _prompt(body, state)
+    return TokenCount(input_tokens=len(ids))

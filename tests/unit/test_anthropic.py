@@ -1,0 +1,162 @@
+"""The Anthropic Messages route's pieces without a server: the conversation it renders, the
+events and message it answers, and its error shape (the route itself runs in
+tests/e2e/test_anthropic_messages.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from service.api import pipeline
+from service.api.anthropic import MessagesFormat, conversation
+from service.api.errors import ApiError, error_body
+from service.api.schemas import MessagesInput
+from service.api.tools import hermes_block, parse_tool_calls
+from service.engine.sequence import FinalEvent, FinishReason, TokenEvent
+
+
+def _final(reason: FinishReason, completion: int = 5, stop: str | None = None, error: str | None = None) -> FinalEvent:
+    return FinalEvent(reason, 12, completion, 0.0, 0.1, 0.2, 0.3, error=error, stop_string=stop)
+
+
+def test_blocks_become_the_chat_routes_turns_in_order():
+    body = MessagesInput.model_validate(
+        {
+            "model": "m",
+            "system": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+            "messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "text", "text": "Checking."},
+                        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "rain", "is_error": True},
+                        {"type": "text", "text": "And tomorrow?", "cache_control": {"type": "ephemeral"}},
+                    ],
+                },
+            ],
+        }
+    )
+    call = {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert conversation(body) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [call]},
+        {"role": "tool", "content": "Error: rain", "tool_call_id": "toolu_1"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+
+
+@pytest.mark.parametrize(
+    "messages,param",
+    [
+        ([{"role": "user", "content": [{"type": "document", "source": {}}]}], "messages.0.content.0.type"),
+        (
+            [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}],
+            "messages.0.content.0.type",
+        ),
+        (
+            [
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}],
+                }
+            ],
+            "messages.0.content.0.content.0.type",
+        ),
+        ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}], "messages.1.role"),
+    ],
+)
+def test_what_cannot_be_rendered_answers_400_naming_it(messages, param):
+    with pytest.raises(ApiError) as raised:
+        conversation(MessagesInput.model_validate({"model": "m", "messages": messages}))
+    assert raised.value.status == 400 and raised.value.param == param
+
+
+def _stream(fmt: MessagesFormat, pieces: list[str], final: FinalEvent) -> list[dict]:
+    return [e for p in pieces for e in fmt.chunks(p)] + fmt.final_chunks(final)
+
+
+def test_a_streamed_text_and_tool_call_add_up_to_the_whole_message():
+    text = "Let me check. " + hermes_block("get_weather", {"city": "Paris"})
+    pieces = [text[i : i + 5] for i in range(0, len(text), 5)]  # split inside the markup too
+    events = _stream(MessagesFormat("m", 12, "hermes"), pieces, _final(FinishReason.STOP))
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["message_start", "ping"] and kinds[-2:] == ["message_delta", "message_stop"]
+    streamed_text = "".join(
+        e["delta"]["text"] for e in events if e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta"
+    )
+    partial = [e["delta"]["partial_json"] for e in events if e.get("delta", {}).get("type") == "input_json_delta"]
+    starts = [e for e in events if e["type"] == "content_block_start"]
+    assert [s["index"] for s in starts] == [0, 1] and starts[1]["content_block"]["name"] == "get_weather"
+    assert [e["index"] for e in events if e["type"] == "content_block_stop"] == [0, 1]  # text closed before the call
+    whole = MessagesFormat("m", 12, "hermes").body(text, _final(FinishReason.STOP))
+    content, calls = parse_tool_calls(text, "hermes")
+    assert streamed_text == content == whole["content"][0]["text"]
+    assert [json.loads(p) for p in partial] == [json.loads(c["function"]["arguments"]) for c in calls]
+    assert whole["content"][1]["input"] == {"city": "Paris"} and whole["content"][1]["id"].startswith("toolu_")
+    assert whole["stop_reason"] == events[-2]["delta"]["stop_reason"] == "tool_use"
+    assert whole["usage"] == {"input_tokens": 12, "output_tokens": 5}
+
+
+@pytest.mark.parametrize(
+    "final,reason,stop",
+    [
+        (_final(FinishReason.STOP), "end_turn", None),
+        (_final(FinishReason.STOP, stop="\n\n"), "stop_sequence", "\n\n"),
+        (_final(FinishReason.LENGTH), "max_tokens", None),
+    ],
+)
+def test_stop_reasons(final, reason, stop):
+    whole = MessagesFormat("m", 12, None).body("Paris", final)
+    end = MessagesFormat("m", 12, None).final_chunks(final)[-2]
+    assert (whole["stop_reason"], whole["stop_sequence"]) == (reason, stop)
+    assert end["delta"] == {"stop_reason": reason, "stop_sequence": stop}
+
+
+class _Gen:
+    """A generation whose next event is ``final`` (what pipeline's stream reads)."""
+
+    def __init__(self, final: FinalEvent):
+        self.final, self.cancelled = final, False
+
+    def ready(self) -> list:
+        return []
+
+    async def next(self):
+        return self.final
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_a_stream_that_fails_ends_with_an_anthropic_error_event():
+    gen = _Gen(_final(FinishReason.ERROR, error="the engine failed"))
+
+    async def frames() -> list[str]:
+        return [f async for f in pipeline._sse(gen, MessagesFormat("m", 12, None), TokenEvent("Hi", 1))]  # type: ignore[arg-type]
+
+    out = "".join(asyncio.run(frames())).split("\n\n")
+    assert out[0].startswith("event: message_start\n") and out[-1] == ""
+    assert (
+        out[-2]
+        == 'event: error\ndata: {"type": "error", "error": {"type": "api_error", "message": "the engine failed"}}'
+    )
+
+
+def test_error_bodies_in_anthropics_shape_name_the_field():
+    assert error_body(422, "Field required", "invalid_request_error", "max_tokens", "anthropic") == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "max_tokens: Field required"},
+    }
+    assert error_body(503, "not ready", "unavailable", shape="anthropic")["error"]["type"] == "overloaded_error"
+    assert error_body(500, "boom", "server_error", shape="anthropic")["error"]["type"] == "api_error"
+    assert error_body(404, "no model", "not_found_error", "model")["error"]["code"] == "404"  # OpenAI's, unchanged
