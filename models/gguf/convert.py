@@ -8,6 +8,10 @@ docs/ARCHITECTURE.md). A Llama file's Q/K row permutation is undone, so the resu
 Hugging Face layout (non-interleaved RoPE) that mlx-lm and transformers expect; a Gemma 3
 file's norm weights, stored as 1 + w, are written as w. The tokenizer is written as
 ``tokenizer.json`` and the chat template into ``tokenizer_config.json``.
+
+The same mapping, kept in memory (:func:`gguf_checkpoint`), builds a GGUF file into mlx-lm's
+classes for ``model_impl = "mlx_lm"`` (:func:`models.lm_loader.load_lm_gguf`); there a Llama
+file keeps its permuted rows and says ``rope_traditional: true`` instead.
 """
 
 from __future__ import annotations
