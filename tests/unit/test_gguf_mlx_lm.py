@@ -14,6 +14,7 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
+from mlx_lm.models import llama as mlx_lm_llama
 from mlx_lm.utils import dequantize_model
 from mlx_lm.utils import load_model as lm_load_model
 
@@ -89,7 +90,7 @@ def test_smollm2_gguf_through_mlx_lm_gives_the_native_and_mlx_lms_tokens(smollm_
     native = load_model(default_model_path(), "native", mx.float32, weights, impl="native")
     model = load_model(default_model_path(), "mlx_lm", mx.float32, weights, impl="mlx_lm")
     assert isinstance(native.args, ModelArgs) and isinstance(model.args, AdapterArgs)
-    assert model.args.model_type == "llama" and model.args.module.args.rope_traditional
+    assert isinstance(model.args.module, mlx_lm_llama.Model) and model.args.module.args.rope_traditional
     if weights == "quantized":  # each layer quantized as the file packed it (Q4_1: 4 bits, Q8_0: 8)
         assert packed_bits(model) == native_bits(native) and packed_bits(model)
     else:

@@ -12,6 +12,7 @@ import json
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx_lm.models import llama as mlx_lm_llama
 from mlx_lm.utils import load_model as lm_load_model
 
 from models import lm_loader
@@ -109,7 +110,7 @@ def test_a_gguf_file_is_native_under_auto_and_mlx_lms_llama_under_mlx_lm():
     assert not lm_loader.uses_mlx_lm(default_model_path(), "auto")
     assert lm_loader.uses_mlx_lm(default_model_path(), "mlx_lm")
     model = load_model(default_model_path(), "m", mx.float32, impl="mlx_lm")
-    assert isinstance(model.args, AdapterArgs) and model.args.model_type == "llama"
+    assert isinstance(model.args, AdapterArgs) and isinstance(model.args.module, mlx_lm_llama.Model)
     assert model.args.module.args.rope_traditional  # llama.cpp's permuted Q/K rows, kept
 
 
