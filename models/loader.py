@@ -17,7 +17,7 @@ from models.fuse import fuse_projections
 from models.gguf.reader import load_gguf
 from models.hf import load_dir
 from models.layers import Params, quantized_bits
-from models.lm_loader import ModelImpl, load_lm_dir, uses_mlx_lm
+from models.lm_loader import ModelImpl, load_lm_dir, load_lm_gguf, uses_mlx_lm
 from models.model_args import ModelArgs
 from models.pipeline import Stage
 from models.tokenizer import ChatTokenizer
@@ -129,8 +129,9 @@ def load_model(
         weights: keep quantized weights ("quantized") or expand them ("dequantized").
         fuse: concatenate Q/K/V and gate/up projections (:func:`models.llama.fuse_projections`;
             hand-written architectures only).
-        impl: which implementation serves a directory (:data:`models.lm_loader.ModelImpl`):
-            through mlx-lm's class (:func:`models.lm_loader.load_lm_dir`), the model's args are
+        impl: which implementation serves the model (:data:`models.lm_loader.ModelImpl`):
+            through mlx-lm's class (:func:`models.lm_loader.load_lm_dir`, or
+            :func:`models.lm_loader.load_lm_gguf` for a GGUF file), the model's args are
             :class:`models.adapter.AdapterArgs` and its params the module's ``parameters()``.
 
     Raises:
@@ -139,7 +140,9 @@ def load_model(
     start = time.perf_counter()
     path = Path(path)
     if uses_mlx_lm(path, impl):
-        adapter, module, tok = load_lm_dir(path, dtype, weights)
+        adapter, module, tok = (
+            load_lm_dir(path, dtype, weights) if path.is_dir() else load_lm_gguf(path, dtype, weights)
+        )
         params = cast(Params, module.parameters())
         return LoadedModel(name, path, adapter, params, tok, dtype, weights, time.perf_counter() - start)
     args, params, tokenizer = load_dir(path) if path.is_dir() else load_gguf(path)

@@ -49,9 +49,10 @@ class Settings(BaseSettings):
     model_name: str = Field(DEFAULT_MODEL_NAME, description="name clients send as 'model'")
     model_impl: Literal["auto", "native", "mlx_lm"] = Field(
         "auto",
-        description="which implementation runs a model directory in stepserve's steps: 'native' a hand-written "
-        "architecture, 'mlx_lm' mlx-lm's own model class (through stepserve's cache adapter), 'auto' the "
-        "hand-written one where its model_type has one, else mlx-lm's; a GGUF file is always native "
+        description="which implementation runs a model in stepserve's steps: 'native' a hand-written "
+        "architecture, 'mlx_lm' mlx-lm's own model class (through stepserve's cache adapter; a GGUF file is "
+        "mapped as 'stepserve convert' maps it, into mlx-lm's llama or gemma3_text), 'auto' the hand-written one "
+        "where its model_type has one, else mlx-lm's; 'auto' serves a GGUF file natively "
         "('stepserve models' lists the model types)",
     )
     compile: Literal["on", "off", "auto"] = Field(

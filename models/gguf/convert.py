@@ -8,12 +8,17 @@ docs/ARCHITECTURE.md). A Llama file's Q/K row permutation is undone, so the resu
 Hugging Face layout (non-interleaved RoPE) that mlx-lm and transformers expect; a Gemma 3
 file's norm weights, stored as 1 + w, are written as w. The tokenizer is written as
 ``tokenizer.json`` and the chat template into ``tokenizer_config.json``.
+
+The same mapping, kept in memory (:func:`gguf_checkpoint`), builds a GGUF file into mlx-lm's
+classes for ``model_impl = "mlx_lm"`` (:func:`models.lm_loader.load_lm_gguf`); there a Llama
+file keeps its permuted rows and says ``rope_traditional: true`` instead.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -37,22 +42,49 @@ def unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def convert_gguf(gguf: str | Path, out_dir: str | Path, dtype: mx.Dtype | None = None) -> Path:
-    """Convert a Llama-family GGUF into ``out_dir`` (created). Returns ``out_dir``.
+@dataclass
+class GGUFCheckpoint:
+    """A GGUF file as an mlx-community checkpoint, in memory.
 
-    ``dtype`` casts the floating tensors (norms, scales, biases, unquantized weights), e.g.
-    to float32 for serving on a CPU; None keeps the GGUF's.
+    Attributes:
+        config: its ``config.json`` (``model_type`` ``llama`` or ``gemma3_text``; a
+            ``quantization`` entry when tensors stay quantized).
+        weights: tensors by Hugging Face name (``model.layers.0.self_attn.q_proj.weight``);
+            quantized ones as MLX affine triples (``weight`` uint32, ``scales``, ``biases``).
+        tokenizer: the tokenizer and chat template from the metadata.
+        args: the hyper-parameters stepserve's reader derives (for ``tokenizer_config.json``).
+    """
+
+    config: dict[str, Any]
+    weights: dict[str, mx.array]
+    tokenizer: ChatTokenizer
+    args: ModelArgs
+
+
+def gguf_checkpoint(gguf: str | Path, dtype: mx.Dtype | None = None, llama_cpp_rows: bool = False) -> GGUFCheckpoint:
+    """Read a GGUF file (:func:`models.gguf.reader.read_gguf`) and map it to mlx-community
+    names and a ``config.json`` (the module docstring says how).
+
+    Args:
+        gguf: a Llama-family or Gemma 3 GGUF file.
+        dtype: casts the floating tensors (norms, scales, biases, unquantized weights); None
+            keeps the GGUF's.
+        llama_cpp_rows: keep a Llama file's Q/K rows as llama.cpp permuted them and say
+            ``rope_traditional: true`` in the config instead (mlx-lm's llama passes it to its
+            RoPE, ``mx.fast.rope(traditional=True)`` rotating adjacent pairs, which is the
+            permuted layout); the same logits as the Hugging Face layout without rewriting
+            the rows. Gemma 3 files are not permuted (convert_hf_to_gguf.py's Gemma3Model).
 
     Raises:
         ModelLoadError: the GGUF is missing, unreadable or unsupported.
     """
-    gguf, out = Path(gguf), Path(out_dir)
+    gguf = Path(gguf)
     tensors, metadata = read_gguf(gguf)
     args = args_from_metadata(metadata, tensors, gguf)
     params = params_from_tensors(tensors, args, gguf)
     tokenizer = tokenizer_from_gguf(metadata, gguf)
     gemma = args.model_type == gemma3.MODEL_TYPE
-    for layer in params["layers"] if not gemma else ():
+    for layer in params["layers"] if not (gemma or llama_cpp_rows) else ():
         attn = layer["self_attn"]
         for name, heads in (("q_proj", args.num_attention_heads), ("k_proj", args.num_key_value_heads)):
             attn[name] = {k: unpermute_rows(v, heads) for k, v in attn[name].items()}
@@ -65,16 +97,32 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path, dtype: mx.Dtype | None =
         weights = unshift_norms(weights)
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
-    out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     if gemma:
         config = gemma3.config_from_metadata(scalar_metadata(metadata), tensors, gguf) | _token_ids(tokenizer)
     else:
-        config = _config(args, tokenizer)
+        config = _config(args, tokenizer) | ({"rope_traditional": True} if llama_cpp_rows else {})
     config |= _quantization(modules)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    _save_tokenizer(tokenizer, out / "tokenizer.json")
-    (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(args, tokenizer), indent=2))
+    return GGUFCheckpoint(config, weights, tokenizer, args)
+
+
+def convert_gguf(gguf: str | Path, out_dir: str | Path, dtype: mx.Dtype | None = None) -> Path:
+    """Convert a Llama-family or Gemma 3 GGUF into ``out_dir`` (created): ``model.safetensors``,
+    ``config.json``, ``tokenizer.json``, ``tokenizer_config.json``. Returns ``out_dir``.
+
+    ``dtype`` casts the floating tensors (norms, scales, biases, unquantized weights), e.g.
+    to float32 for serving on a CPU; None keeps the GGUF's.
+
+    Raises:
+        ModelLoadError: the GGUF is missing, unreadable or unsupported.
+    """
+    out = Path(out_dir)
+    checkpoint = gguf_checkpoint(gguf, dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), checkpoint.weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(checkpoint.config, indent=2))
+    _save_tokenizer(checkpoint.tokenizer, out / "tokenizer.json")
+    tokenizer_config = _tokenizer_config(checkpoint.args, checkpoint.tokenizer)
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     return out
 
 

@@ -9,6 +9,7 @@ from typing import Literal
 
 import mlx.core as mx
 
+from models.adapter import AdapterArgs
 from models.blas import OPENBLAS_FIX, cpu_blas
 from models.default import default_model_path
 from models.errors import ModelLoadError
@@ -65,6 +66,9 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
         dtype, weights = compute_dtype(spec.dtype), weights_mode(spec.weights)
         model = load_model(spec.path or default_model_path(), spec.name, dtype, weights, impl=spec.model_impl)
         models[spec.name] = model
+        log.info(
+            "model %s: %s served by %s (loaded in %.1f s)", spec.name, model.path, _served_by(model), model.load_seconds
+        )
         if device_name() == "cpu" and None in (spec.warmup_prompt_tokens, spec.warmup_batch):
             args = model.args  # the host's matmul rate (warmup_extent), before any engine runs
             warm_sizing.measure_gflops(args.hidden_size, args.intermediate_size, dtype)
@@ -90,6 +94,14 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
                 )
             models[draft.name] = draft
     return models
+
+
+def _served_by(model: LoadedModel) -> str:
+    """Which implementation runs ``model``: mlx-lm's class (through the cache adapter) or a
+    hand-written module, as a noun phrase naming it."""
+    if isinstance(model.args, AdapterArgs):
+        return f"mlx-lm's class {type(model.args.module).__module__}.{type(model.args.module).__name__}"
+    return f"the hand-written module for {model.args.model_type}"
 
 
 def _no_verify(model: LoadedModel) -> str:

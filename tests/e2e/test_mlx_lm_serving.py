@@ -1,10 +1,12 @@
 """mlx-lm's model classes served by a real `stepserve serve` (real uvicorn, real HTTP) through
 the cache adapter: a tiny random Qwen3-Next (recurrent and attention layers, no hand-written
 module: ``model_impl = auto`` takes mlx-lm's class), a tiny Nemotron-H (mamba layers that ignore
-padding: prefilled in exact rows) and the default model SmolLM2 converted to a
-directory and served with ``model_impl = mlx_lm`` answer /v1/chat/completions with mlx-lm's own
-greedy tokens (``mlx_lm.generate.generate_step`` on the same directory), and SmolLM2's answers
-are the native path's; a refused ``model_type`` stops start-up naming it."""
+padding: prefilled in exact rows) and the default model SmolLM2, as its GGUF and converted to a
+directory, served with ``model_impl = mlx_lm``, answer /v1/chat/completions with mlx-lm's own
+greedy tokens (``mlx_lm.generate.generate_step`` on the converted directory), and SmolLM2's
+answers are the native path's; the Gemma 3 270M GGUF served with ``model_impl = mlx_lm``
+(mlx-lm's gemma3_text) completes prompts with mlx-lm's greedy tokens on the directory
+``stepserve convert`` writes; a refused ``model_type`` stops start-up naming it."""
 
 from __future__ import annotations
 
@@ -21,10 +23,12 @@ from mlx_lm.utils import dequantize_model
 from mlx_lm.utils import load_model as lm_load_model
 
 from models.adapter.support import REFUSED
+from models.default import default_model_path
+from models.gguf.convert import convert_gguf
 from models.hf import tokenizer_from_dir
 from service.api.tools import render_messages
 from tests.parity.tiny_configs import TINY_CONFIGS
-from tests.support import STEPSERVE, ServerProcess, write_mlx_lm_dir
+from tests.support import STEPSERVE, ServerProcess, gemma_gguf, write_mlx_lm_dir
 
 #: Small buckets and a small warm-up: the compiled steps are what is served, quickly built.
 SMALL = [
@@ -39,21 +43,24 @@ CHATS = [
 MAX_TOKENS = 16
 
 
-def mlx_lm_text(directory: Path, messages: list[dict], max_tokens: int = MAX_TOKENS) -> str:
-    """The text of mlx-lm's greedy tokens for ``messages`` on ``directory`` (mlx-lm's load, its
-    layers expanded and float32 as the CPU serves them; the prompt rendered and tokenized as the
-    server does), up to the first stop token."""
+def mlx_lm_texts(directory: Path, prompts: list[list[dict]] | list[str], max_tokens: int = MAX_TOKENS) -> list[str]:
+    """The text of mlx-lm's greedy tokens for each chat (or raw prompt) of ``prompts`` on
+    ``directory`` (mlx-lm's load, its layers expanded and float32 as the CPU serves them; each
+    prompt rendered and tokenized as the server does), up to the first stop token."""
     model, _ = lm_load_model(directory)
     model = dequantize_model(model)
     model.set_dtype(mx.float32)
     tokenizer = tokenizer_from_dir(directory, json.loads((directory / "config.json").read_text()))
-    ids = tokenizer.encode(render_messages(tokenizer, messages, None))
-    tokens = []
-    for token, _ in generate_step(mx.array(ids, mx.int32), model, max_tokens=max_tokens):
-        if int(token) in tokenizer.stop_token_ids:
-            break
-        tokens.append(int(token))
-    return tokenizer.decode(tokens)
+    texts = []
+    for prompt in prompts:
+        ids = tokenizer.encode(prompt if isinstance(prompt, str) else render_messages(tokenizer, prompt, None))
+        tokens = []
+        for token, _ in generate_step(mx.array(ids, mx.int32), model, max_tokens=max_tokens):
+            if int(token) in tokenizer.stop_token_ids:
+                break
+            tokens.append(int(token))
+        texts.append(tokenizer.decode(tokens))
+    return texts
 
 
 def chats(server: ServerProcess, max_tokens: int = MAX_TOKENS) -> list[str]:
@@ -104,7 +111,7 @@ def test_a_tiny_qwen3_next_directory_serves_mlx_lms_greedy_tokens(tmp_path, conv
     assert structured.status_code == 200, structured.text
     assert structured.json()["choices"][0]["message"]["content"].lstrip().startswith("{")
     assert "prefix cache off (its recurrent state cannot be cut at a block boundary)" in server.log()
-    expected = [mlx_lm_text(directory, messages) for messages in CHATS]
+    expected = mlx_lm_texts(directory, CHATS)
     assert got == expected
     assert [c["message"]["content"] for c in n2["choices"]] == [expected[0]] * 2
     assert all(c["logprobs"]["content"] for c in n2["choices"])
@@ -135,10 +142,38 @@ def test_a_tiny_nemotron_h_whose_recurrent_layers_ignore_padding_serves_mlx_lms_
 def test_smollm2_served_through_mlx_lm_gives_mlx_lms_and_the_native_tokens(converted):
     native = served(converted, "--model-impl", "native")
     through_mlx_lm = served(converted, "--model-impl", "mlx_lm")
-    expected = [mlx_lm_text(converted, messages) for messages in CHATS]
+    gguf_through_mlx_lm = served(default_model_path(), "--model-impl", "mlx_lm")
+    expected = mlx_lm_texts(converted, CHATS)
     assert through_mlx_lm == expected
+    assert gguf_through_mlx_lm == expected
     assert through_mlx_lm == native
     assert "Paris" in through_mlx_lm[0]
+
+
+GEMMA_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+GEMMA_FLAGS = ["--model-name", "gemma", "--capacity-buckets", "[256]", "--prompt-buckets", "[32]"]
+GEMMA_FLAGS += ["--batch-buckets", "[4]", "--warmup-batch", "4", "--warmup-rehearsal", "false"]
+
+
+def test_gemma3_gguf_served_through_mlx_lm_completes_with_mlx_lms_tokens(tmp_path):
+    """The base model has no chat template: /v1/completions, the prompts in one request
+    (batched rows), 24 tokens each or up to <eos>."""
+    server = ServerProcess.start(["--model", str(gemma_gguf()), "--model-impl", "mlx_lm", *GEMMA_FLAGS])
+    try:
+        directory = convert_gguf(gemma_gguf(), tmp_path / "gemma", mx.float32)  # while the server warms up
+        expected = mlx_lm_texts(directory, GEMMA_PROMPTS, 24)
+        server.wait_ready()
+        with server.client() as client:
+            reply = client.post(
+                "/v1/completions",
+                json={"model": "gemma", "prompt": GEMMA_PROMPTS, "max_tokens": 24, "temperature": 0},
+            )
+    finally:
+        server.stop()
+    assert reply.status_code == 200, reply.text
+    assert "served by mlx-lm's class mlx_lm.models.gemma3_text.Model" in server.log()
+    got = [choice["text"] for choice in sorted(reply.json()["choices"], key=lambda c: c["index"])]
+    assert got == expected and all(expected)
 
 
 @pytest.mark.parametrize("model_type", ["dbrx", "olmo"])

@@ -1,9 +1,9 @@
 """Model directories through mlx-lm's own construction (:mod:`models.lm_loader`): which
 implementation ``model_impl`` picks, the loaded module against mlx-lm's own load of the same
-directory (float and 4-bit weights, kept or expanded), models whose recurrent layers ignore
-padding (served, in exact rows), the refusals at start-up (a refused or unknown ``model_type``, a
-GGUF file as ``mlx_lm``, a draft for a model without a verify step), the per-model setting and
-``stepserve models``."""
+directory (float and 4-bit weights, kept or expanded), a GGUF file (native under ``auto``,
+mlx-lm's llama under ``mlx_lm``), models whose recurrent layers ignore padding (served, in exact
+rows), the refusals at start-up (a refused or unknown ``model_type``, a draft for a model without
+a verify step), the per-model setting and ``stepserve models``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import json
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx_lm.models import llama as mlx_lm_llama
 from mlx_lm.utils import load_model as lm_load_model
 
 from models import lm_loader
@@ -108,10 +109,17 @@ def test_recurrent_layers_that_ignore_padding_load_and_are_served_exactly(tmp_pa
     assert mx.allclose(got, expected, atol=1e-4).item(), mx.abs(got - expected).max().item()
 
 
-def test_a_gguf_file_is_native_and_refused_as_mlx_lm():
+def test_a_gguf_file_is_native_under_auto_and_mlx_lms_llama_under_mlx_lm():
     assert not lm_loader.uses_mlx_lm(default_model_path(), "auto")
-    with pytest.raises(ModelLoadError, match="model_impl = 'mlx_lm' needs a model directory"):
-        load_model(default_model_path(), "m", mx.float32, impl="mlx_lm")
+    assert lm_loader.uses_mlx_lm(default_model_path(), "mlx_lm")
+    model = load_model(default_model_path(), "m", mx.float32, impl="mlx_lm")
+    assert isinstance(model.args, AdapterArgs) and isinstance(model.args.module, mlx_lm_llama.Model)
+    assert model.args.module.args.rope_traditional  # llama.cpp's permuted Q/K rows, kept
+
+
+def test_a_missing_gguf_file_as_mlx_lm_is_named(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"model file .*absent\.gguf does not exist"):
+        load_model(tmp_path / "absent.gguf", "m", mx.float32, impl="mlx_lm")
 
 
 def test_model_impl_is_a_per_model_setting(tmp_path):

@@ -132,7 +132,8 @@ def test_tiny_qwen_directories_match_mlx_lm(tmp_path, converted, model_type, qua
     assert max_diff(logits_ours, logits_ref) < max(ATOL, 1e-4) * 10
 
 
-def test_unsupported_model_type_names_the_supported_ones(tmp_path, converted):
+def test_a_type_without_a_hand_written_module_is_refused_natively_naming_the_supported_ones(tmp_path, converted):
+    """Under ``model_impl = native`` (``auto`` would build mlx-lm's gpt2 class)."""
     directory = tmp_path / "gpt2"
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps({**TINY, "model_type": "gpt2"}))
@@ -140,4 +141,4 @@ def test_unsupported_model_type_names_the_supported_ones(tmp_path, converted):
         ModelLoadError,
         match=r"model_type 'gpt2' is not supported; supported: gemma3_text, llama, mistral, qwen2, qwen3, qwen3_moe",
     ):
-        load_model(directory, "x", mx.float32)
+        load_model(directory, "x", mx.float32, impl="native")
