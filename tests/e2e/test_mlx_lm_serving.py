@@ -131,7 +131,7 @@ def test_a_tiny_nemotron_h_whose_recurrent_layers_ignore_padding_serves_mlx_lms_
             metrics = client.get("/metrics").text
     finally:
         server.stop()
-    assert got == [mlx_lm_text(directory, messages) for messages in CHATS]
+    assert got == mlx_lm_texts(directory, CHATS)
     steps = [
         dict(re.findall(r'(\w+)="([^"]*)"', labels)) for labels in re.findall(r"step_seconds_count\{(.*)\}", metrics)
     ]
