@@ -94,6 +94,35 @@ def _moe(model_type: str, **overrides: Any) -> dict[str, Any]:
     return {**_BASE, **_MOE, "model_type": model_type, **overrides}
 
 
+def _qwen35_text(**overrides: Any) -> dict[str, Any]:
+    """Qwen3.5's text config: gated-delta (linear attention) and full-attention layers alternating."""
+    return dict(
+        model_type="qwen3_5_text",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=512,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=2,
+        rope_parameters=dict(
+            type="default",
+            rope_theta=10000.0,
+            partial_rotary_factor=0.5,
+            mrope_section=[2, 1, 1],
+        ),
+        **overrides,
+    )
+
+
 def _mla_moe(model_type: str, **overrides: Any) -> dict[str, Any]:
     """An MLA + MoE config (DeepSeek family): `_BASE`, `_MOE`, `_MLA` and `overrides`."""
     return {**_BASE, **_MOE, **_MLA, "model_type": model_type, **overrides}
@@ -744,58 +773,10 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2_moe": _moe("qwen2_moe"),
     "qwen2_vl": dict(model_type="qwen2_vl", text_config=_base("qwen2")),
     "qwen3": _base("qwen3"),
-    "qwen3_5": dict(
-        model_type="qwen3_5",
-        text_config=dict(
-            model_type="qwen3_5_text",
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            vocab_size=256,
-            rms_norm_eps=1e-5,
-            max_position_embeddings=512,
-            linear_num_value_heads=4,
-            linear_num_key_heads=2,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_conv_kernel_dim=4,
-            full_attention_interval=2,
-            rope_parameters=dict(
-                type="default",
-                rope_theta=10000.0,
-                partial_rotary_factor=0.5,
-                mrope_section=[2, 1, 1],
-            ),
-        ),
-    ),
+    "qwen3_5": dict(model_type="qwen3_5", text_config=_qwen35_text()),
     "qwen3_5_moe": dict(
         model_type="qwen3_5_moe",
-        text_config=dict(
-            model_type="qwen3_5_text",
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            vocab_size=256,
-            rms_norm_eps=1e-5,
-            max_position_embeddings=512,
-            linear_num_value_heads=4,
-            linear_num_key_heads=2,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_conv_kernel_dim=4,
-            full_attention_interval=2,
-            rope_parameters=dict(
-                type="default",
-                rope_theta=10000.0,
-                partial_rotary_factor=0.5,
-                mrope_section=[2, 1, 1],
-            ),
+        text_config=_qwen35_text(
             num_experts=4,
             num_experts_per_tok=2,
             shared_expert_intermediate_size=32,
