@@ -7,16 +7,31 @@ tensors and quantizes the layers the quantization config names. stepserve then c
 compute dtype (expanding quantized layers first with ``weights = "dequantized"``), learns its
 cache layouts (:meth:`models.adapter.AdapterArgs.from_module`) and reads the tokenizer itself
 (:func:`models.hf.tokenizer_from_dir`).
+
+**Pipeline stages.** A module whose layers sit in mlx-lm's ``PipelineMixin`` (its
+``pipeline(group, split)`` keeps a contiguous slice of layers per rank; its ``__call__``
+receives the hidden states from the rank above, sends its own to the rank below and
+all-gathers the last stage's, so every rank computes the logits) is one stage of a pipeline
+group: :func:`lm_layout` gives the split its bytes from the shapes alone, and
+:func:`load_lm_dir` with a group keeps the rank's layers (and the embedding, final norm and
+head, which every rank runs) and reads only those weights. Its caches are its own layers'
+(mlx-lm's ``make_prompt_cache`` follows ``pipeline_layers``). A module without
+``PipelineMixin`` is refused for a group, named (:func:`pipeline_part`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.pipeline import PipelineMixin
 from mlx_lm.utils import _get_classes, dequantize_model, load_config
 from mlx_lm.utils import load_model as lm_load_model
 
@@ -25,6 +40,7 @@ from models.adapter.support import REFUSED, check_supported
 from models.architectures import ARCHITECTURES
 from models.errors import ModelLoadError
 from models.hf import tokenizer_from_dir
+from models.pipeline import Stage, plan_stages
 from models.tokenizer import ChatTokenizer
 
 #: Which implementation serves a model: ``auto`` (the hand-written module where one exists for
@@ -74,7 +90,11 @@ def module_name(config: dict) -> str:
 
 
 def load_lm_dir(
-    directory: Path, dtype: mx.Dtype, weights: Literal["quantized", "dequantized"]
+    directory: Path,
+    dtype: mx.Dtype,
+    weights: Literal["quantized", "dequantized"],
+    group: mx.distributed.Group | None = None,
+    split: list[int] | None = None,
 ) -> tuple[AdapterArgs, nn.Module, ChatTokenizer]:
     """Build ``directory``'s mlx-lm module in ``dtype`` and learn its caches.
 
@@ -85,16 +105,52 @@ def load_lm_dir(
             uint32; their scales and biases take it).
         weights: ``dequantized`` expands quantized layers to dense ones (mlx-lm's
             ``dequantize_model``) before the cast.
+        group: the pipeline group this process is one rank of (the group ``mx.distributed``
+            initialized, which mlx-lm's stages talk over), or None for the whole model.
+        split: with ``group``, the layers of each rank, indexed by rank (rank r runs the
+            layers after those of ranks r+1..size-1: mlx-lm's ``PipelineMixin.pipeline``).
 
     Returns:
-        (the adapter's args, the module with its parameters evaluated, the tokenizer).
+        (the adapter's args, the module with its parameters evaluated, the tokenizer); with a
+        group, the module holds and runs this rank's stage and the args' layouts are its
+        layers' caches.
 
     Raises:
         ModelLoadError: naming ``directory``: a missing or unreadable file, a ``model_type``
-            the adapter does not serve (:func:`models.adapter.support.check_supported`), or a
-            cache it cannot hold. (Recurrent layers that ignore padding, ``pads_prompts`` False,
-            are served: the engine prefills their prompts in exact rows,
+            the adapter does not serve (:func:`models.adapter.support.check_supported`), a
+            cache it cannot hold, or (with a group) a module whose layers do not split
+            (:func:`pipeline_part`). (Recurrent layers that ignore padding, ``pads_prompts``
+            False, are served: the engine prefills their prompts in exact rows,
             :func:`service.engine.prefill.chunk_plan`.)
+    """
+    module, config_file, model_type = _build(directory)
+    part = None
+    if group is not None:
+        part = pipeline_part(module, model_type)
+        try:
+            part.pipeline(group, split)
+        except ValueError as exc:
+            raise ModelLoadError(f"{config_file}: model_type '{model_type}': {exc}") from exc
+    module = _cast(module, dtype, weights)
+    try:
+        mx.eval(module.parameters())  # a stage: its layers and the ends only (the rest stays unread)
+    except Exception as exc:  # a truncated file fails here, when the bytes are read
+        raise ModelLoadError(
+            f"{directory}: the weights could not be read ({exc}); a file is truncated or corrupt"
+        ) from exc
+    try:
+        with _alone(part):  # the probes run this stage's layers in this process only
+            args = AdapterArgs.from_module(module, model_type)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{config_file}: model_type '{model_type}': {exc}") from exc
+    return args, module, tokenizer_from_dir(directory, json.loads(config_file.read_text()))
+
+
+def _build(directory: Path) -> tuple[nn.Module, Path, str]:
+    """(``directory``'s mlx-lm module with lazy weights, its config file, its ``model_type``).
+
+    Raises:
+        ModelLoadError: see :func:`load_lm_dir`.
     """
     config_file = directory / "config.json"
     try:
@@ -106,22 +162,93 @@ def load_lm_dir(
         if model_type in REFUSED:  # before importing its module: some exit at import (olmo without its package)
             check_supported(model_type)
         check_supported(module_name(config))
-        module, config = lm_load_model(directory, lazy=True)
+        module, _ = lm_load_model(directory, lazy=True)
     except ModelLoadError as exc:
         raise ModelLoadError(f"{config_file}: {exc}") from exc
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"{directory}: mlx-lm could not build model_type '{model_type}' ({exc})") from exc
+    return module, config_file, model_type
+
+
+def _cast(module: nn.Module, dtype: mx.Dtype, weights: Literal["quantized", "dequantized"]) -> nn.Module:
+    """``module`` expanded (``dequantized``) and cast to ``dtype``, lazily."""
     if weights == "dequantized":
         module = dequantize_model(module)
     module.set_dtype(dtype)
-    try:
-        mx.eval(module.parameters())
-    except Exception as exc:  # a truncated file fails here, when the bytes are read
+    return module
+
+
+def pipeline_part(module: nn.Module, model_type: str) -> PipelineMixin:
+    """The submodule of ``module`` whose layers mlx-lm splits into pipeline stages (its one
+    ``PipelineMixin``).
+
+    Raises:
+        ModelLoadError: naming ``model_type``: its mlx-lm module has no ``PipelineMixin`` (its
+            forward pass has no stage boundary to send hidden states across), or several.
+    """
+    parts = [m for m in module.modules() if isinstance(m, PipelineMixin)]
+    if len(parts) != 1:
+        why = "has no PipelineMixin (its forward pass cannot run a slice of its layers)" if not parts else (
+            f"has {len(parts)} PipelineMixin parts"
+        )
         raise ModelLoadError(
-            f"{directory}: the weights could not be read ({exc}); a file is truncated or corrupt"
-        ) from exc
+            f"--distributed: model_type '{model_type}' cannot be split into pipeline stages: mlx-lm's "
+            f"{type(module).__module__} {why}; serve it in one process (or, for a hand-written type, "
+            "set model_impl = 'native'); `stepserve models` lists the types that split"
+        )
+    return parts[0]
+
+
+@contextmanager
+def _alone(part: PipelineMixin | None) -> Iterator[None]:
+    """Run ``part``'s stage as if it were the whole pipeline (no send, receive or gather) for
+    the eager probes of one process; restored on exit."""
+    if part is None:
+        yield
+        return
+    rank, size = part.pipeline_rank, part.pipeline_size
+    part.pipeline_rank, part.pipeline_size = 0, 1
     try:
-        args = AdapterArgs.from_module(module, model_type)
-    except ModelLoadError as exc:
-        raise ModelLoadError(f"{config_file}: model_type '{model_type}': {exc}") from exc
-    return args, module, tokenizer_from_dir(directory, json.loads(config_file.read_text()))
+        yield
+    finally:
+        part.pipeline_rank, part.pipeline_size = rank, size
+
+
+@dataclass(frozen=True)
+class LmLayout:
+    """What the pipeline split needs of an mlx-lm module, in bytes as served.
+
+    Attributes:
+        model_type: the checkpoint's ``model_type``.
+        layer_bytes: each layer's parameters.
+        shared_bytes: the rest (embedding, final norm, head), which every rank holds.
+    """
+
+    model_type: str
+    layer_bytes: list[int]
+    shared_bytes: int
+
+    def split(self, size: int, capacities: list[float] | None = None) -> list[Stage]:
+        """:func:`models.pipeline.plan_stages` of the layers over ``size`` ranks, each holding
+        the shared bytes too."""
+        return plan_stages(
+            self.layer_bytes, 0, 0, size, tied=False, capacities=capacities, shared_bytes=self.shared_bytes
+        )
+
+
+def lm_layout(directory: Path, dtype: mx.Dtype, weights: Literal["quantized", "dequantized"]) -> LmLayout:
+    """Each layer's and the shared parts' bytes once cast for serving, from the shapes alone
+    (no weight is read).
+
+    Raises:
+        ModelLoadError: see :func:`load_lm_dir` (a module whose layers do not split included).
+    """
+    module, _, model_type = _build(directory)
+    part = pipeline_part(module, model_type)
+    module = _cast(module, dtype, weights)
+    layers = [_nbytes(layer) for layer in part.layers]
+    return LmLayout(model_type, layers, _nbytes(module) - sum(layers))
+
+
+def _nbytes(module: nn.Module) -> int:
+    return sum(a.nbytes for _, a in tree_flatten(module.parameters()) if isinstance(a, mx.array))
