@@ -22,7 +22,7 @@ head, which every rank runs) and reads only those weights. Its caches are its ow
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +36,7 @@ from mlx_lm.utils import _get_classes, dequantize_model, load_config
 from mlx_lm.utils import load_model as lm_load_model
 
 from models.adapter import AdapterArgs
-from models.adapter.support import REFUSED, check_supported
+from models.adapter.support import PIPELINE_SPLITS, REFUSED, check_supported
 from models.architectures import ARCHITECTURES
 from models.errors import ModelLoadError
 from models.hf import tokenizer_from_dir
@@ -180,23 +180,27 @@ def _cast(module: nn.Module, dtype: mx.Dtype, weights: Literal["quantized", "deq
 
 def pipeline_part(module: nn.Module, model_type: str) -> PipelineMixin:
     """The submodule of ``module`` whose layers mlx-lm splits into pipeline stages (its one
-    ``PipelineMixin``).
+    ``PipelineMixin``), for an architecture of :data:`models.adapter.support.PIPELINE_SPLITS`.
 
     Raises:
-        ModelLoadError: naming ``model_type``: its mlx-lm module has no ``PipelineMixin`` (its
-            forward pass has no stage boundary to send hidden states across), or several.
+        ModelLoadError: naming ``model_type`` and why: its mlx-lm module has no
+            ``PipelineMixin`` (its forward pass has no stage boundary to send hidden states
+            across), or its caches do not follow a stage's layers.
     """
+    name = type(module).__module__.removeprefix("mlx_lm.models.")
     parts = [m for m in module.modules() if isinstance(m, PipelineMixin)]
-    if len(parts) != 1:
-        why = "has no PipelineMixin (its forward pass cannot run a slice of its layers)" if not parts else (
-            f"has {len(parts)} PipelineMixin parts"
-        )
-        raise ModelLoadError(
-            f"--distributed: model_type '{model_type}' cannot be split into pipeline stages: mlx-lm's "
-            f"{type(module).__module__} {why}; serve it in one process (or, for a hand-written type, "
-            "set model_impl = 'native'); `stepserve models` lists the types that split"
-        )
-    return parts[0]
+    if len(parts) == 1 and name in PIPELINE_SPLITS:
+        return parts[0]
+    why = (
+        f"mlx-lm's {name} has no PipelineMixin (its forward pass cannot run a slice of its layers)"
+        if not parts
+        else f"mlx-lm's {name} keeps caches for layers outside a stage"
+    )
+    raise ModelLoadError(
+        f"--distributed: model_type '{model_type}' cannot be split into pipeline stages: {why}; serve it in "
+        "one process (or, for a hand-written type, set model_impl = 'native'); `stepserve models` lists the "
+        "types that split"
+    )
 
 
 @contextmanager
@@ -228,7 +232,7 @@ class LmLayout:
     layer_bytes: list[int]
     shared_bytes: int
 
-    def split(self, size: int, capacities: list[float] | None = None) -> list[Stage]:
+    def split(self, size: int, capacities: Sequence[float] | None = None) -> list[Stage]:
         """:func:`models.pipeline.plan_stages` of the layers over ``size`` ranks, each holding
         the shared bytes too."""
         return plan_stages(

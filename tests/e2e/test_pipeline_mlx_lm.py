@@ -115,4 +115,4 @@ def test_a_module_without_pipeline_mixin_is_refused_at_start_naming_it(tmp_path)
     log = group.log()
     assert code == 2, log
     assert "model_type 'llama' cannot be split into pipeline stages" in log
-    assert "mlx_lm.models.llama has no PipelineMixin" in log
+    assert "mlx-lm's llama has no PipelineMixin" in log

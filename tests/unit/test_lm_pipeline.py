@@ -6,20 +6,24 @@ reads only its group's rank and size (the two-rank runs are tests/e2e/test_pipel
 
 from __future__ import annotations
 
+import importlib
 import itertools
+from typing import cast
 
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
+from mlx_lm.models.pipeline import PipelineMixin
 
-from models.adapter import StageTraits
+from models.adapter import AdapterArgs, StageTraits
+from models.adapter.support import PIPELINE_SPLITS, SUPPORTED
 from models.errors import ModelLoadError
-from models.lm_loader import lm_layout, load_lm_dir
+from models.lm_loader import _alone, lm_layout, load_lm_dir
 from tests.parity.tiny_configs import TINY_CONFIGS
 from tests.support import write_mlx_lm_dir
 
 
-class Rank:
+class _Rank:
     """What mlx-lm's ``PipelineMixin.pipeline`` asks of a group: its size and this rank."""
 
     def __init__(self, rank: int, size: int = 2):
@@ -30,6 +34,11 @@ class Rank:
 
     def size(self) -> int:
         return self._size
+
+
+def Rank(rank: int) -> mx.distributed.Group:  # noqa: N802 (reads as the class it stands for)
+    """Rank ``rank`` of a group of two, as the loader's group argument."""
+    return cast(mx.distributed.Group, _Rank(rank))
 
 
 def nbytes(module) -> int:
@@ -102,7 +111,7 @@ def test_a_module_without_pipeline_mixin_is_refused_naming_it(tmp_path, name):
             call()
         message = str(info.value)
         assert f"model_type '{name}' cannot be split into pipeline stages" in message
-        assert f"mlx_lm.models.{name} has no PipelineMixin" in message and "one process" in message
+        assert f"mlx-lm's {name} has no PipelineMixin" in message and "one process" in message
 
 
 def test_a_split_that_does_not_fit_the_layers_is_refused(tmp_path):
@@ -110,3 +119,35 @@ def test_a_split_that_does_not_fit_the_layers_is_refused(tmp_path):
     write_mlx_lm_dir(directory, {**TINY_CONFIGS["qwen2"], "num_hidden_layers": 3})
     with pytest.raises(ModelLoadError, match="must be positive and sum to 3 layers"):
         load_lm_dir(directory, mx.float32, "dequantized", Rank(0), [1, 1])
+
+
+def splits_alike(name: str) -> bool:
+    """Whether mlx-lm's ``name`` module (its tiny config, 2 layers) has one ``PipelineMixin``
+    part and each of two stages' caches are its own layers' (the whole model's, sliced)."""
+    module = importlib.import_module(f"mlx_lm.models.{name}")
+
+    def build():
+        mx.random.seed(0)
+        model = module.Model(module.ModelArgs.from_dict(TINY_CONFIGS[name]))
+        mx.eval(model.parameters())
+        return model
+
+    model = build()
+    if sum(isinstance(m, PipelineMixin) for m in model.modules()) != 1:
+        return False
+    whole = AdapterArgs.from_module(model).layouts
+    for rank in (0, 1):
+        stage = build()
+        part = next(m for m in stage.modules() if isinstance(m, PipelineMixin))
+        try:
+            part.pipeline(Rank(rank), [len(whole) // 2, len(whole) - len(whole) // 2])
+        except ValueError:  # (bailing_hybrid: each rank needs one of its latent-attention layers)
+            return name == "bailing_hybrid"
+        with _alone(part):
+            if AdapterArgs.from_module(stage).layouts != whole[part.start_idx : part.end_idx]:
+                return False
+    return True
+
+
+def test_the_types_that_split_are_mlx_lms_pipeline_modules_whose_caches_follow_the_stage():
+    assert {n for n in SUPPORTED if n in TINY_CONFIGS and splits_alike(n)} == PIPELINE_SPLITS
