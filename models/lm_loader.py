@@ -1,4 +1,4 @@
-"""Load a model directory, or a GGUF file, through mlx-lm's own construction, for the adapter's steps.
+"""Load a model directory through mlx-lm's own construction, for the adapter's steps.
 
 mlx-lm builds the module: ``load_config`` reads ``config.json`` (and the generation config's
 stop ids), ``_get_classes`` picks the architecture module (with mlx-lm's remapping of aliases,
@@ -8,25 +8,41 @@ compute dtype (expanding quantized layers first with ``weights = "dequantized"``
 cache layouts (:meth:`models.adapter.AdapterArgs.from_module`) and reads the tokenizer itself
 (:func:`models.hf.tokenizer_from_dir`). A GGUF file is mapped to the same checkpoint by
 ``stepserve convert``'s code and built into the same classes (:func:`load_lm_gguf`).
+
+**Pipeline stages.** A module whose layers sit in mlx-lm's ``PipelineMixin`` (its
+``pipeline(group, split)`` keeps a contiguous slice of layers per rank; its ``__call__``
+receives the hidden states from the rank above, sends its own to the rank below and
+all-gathers the last stage's, so every rank computes the logits) is one stage of a pipeline
+group: :func:`lm_layout` gives the split its bytes from the shapes alone, and
+:func:`load_lm_dir` with a group keeps the rank's layers (and the embedding, final norm and
+head, which every rank runs) and reads only those weights. Its caches are its own layers'
+(mlx-lm's ``make_prompt_cache`` follows ``pipeline_layers``). A module without
+``PipelineMixin`` is refused for a group, named (:func:`pipeline_part`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.pipeline import PipelineMixin
 from mlx_lm.utils import _get_classes, dequantize_model, infer_quant_config, load_config
 from mlx_lm.utils import load_model as lm_load_model
 
 from models.adapter import AdapterArgs
-from models.adapter.support import REFUSED, check_supported
+from models.adapter.support import PIPELINE_SPLITS, REFUSED, check_supported
 from models.architectures import ARCHITECTURES
 from models.errors import ModelLoadError
 from models.gguf.convert import gguf_checkpoint
 from models.hf import tokenizer_from_dir
+from models.pipeline import Stage, plan_stages
 from models.tokenizer import ChatTokenizer
 
 #: Which implementation serves a model: ``auto`` (the hand-written module where one exists for
@@ -36,14 +52,22 @@ ModelImpl = Literal["auto", "native", "mlx_lm"]
 
 def uses_mlx_lm(path: Path, impl: ModelImpl) -> bool:
     """Whether ``path`` is served through mlx-lm's class (see :data:`ModelImpl`). A GGUF file
-    is served through it with ``mlx_lm`` only: ``auto`` keeps both GGUF architectures
-    stepserve reads (Llama-family, Gemma 3) on their hand-written modules."""
+    is always served natively.
+
+    Raises:
+        ModelLoadError: ``impl`` is ``mlx_lm`` but ``path`` is not a directory.
+    """
     if impl == "native":
+        return False
+    if not path.is_dir():
+        if impl == "mlx_lm":
+            raise ModelLoadError(
+                f"{path}: model_impl = 'mlx_lm' needs a model directory (a GGUF file is served natively); "
+                "convert it with 'stepserve convert', or set model_impl = 'auto'"
+            )
         return False
     if impl == "mlx_lm":
         return True
-    if not path.is_dir():
-        return False
     try:
         model_type = json.loads((path / "config.json").read_text()).get("model_type")
     except (OSError, ValueError):
@@ -68,7 +92,11 @@ def module_name(config: dict) -> str:
 
 
 def load_lm_dir(
-    directory: Path, dtype: mx.Dtype, weights: Literal["quantized", "dequantized"]
+    directory: Path,
+    dtype: mx.Dtype,
+    weights: Literal["quantized", "dequantized"],
+    group: mx.distributed.Group | None = None,
+    split: list[int] | None = None,
 ) -> tuple[AdapterArgs, nn.Module, ChatTokenizer]:
     """Build ``directory``'s mlx-lm module in ``dtype`` and learn its caches.
 
@@ -79,31 +107,34 @@ def load_lm_dir(
             uint32; their scales and biases take it).
         weights: ``dequantized`` expands quantized layers to dense ones (mlx-lm's
             ``dequantize_model``) before the cast.
+        group: the pipeline group this process is one rank of (the group ``mx.distributed``
+            initialized, which mlx-lm's stages talk over), or None for the whole model.
+        split: with ``group``, the layers of each rank, indexed by rank (rank r runs the
+            layers after those of ranks r+1..size-1: mlx-lm's ``PipelineMixin.pipeline``).
 
     Returns:
-        (the adapter's args, the module with its parameters evaluated, the tokenizer).
+        (the adapter's args, the module with its parameters evaluated, the tokenizer); with a
+        group, the module holds and runs this rank's stage and the args' layouts are its
+        layers' caches.
 
     Raises:
         ModelLoadError: naming ``directory``: a missing or unreadable file, a ``model_type``
-            the adapter does not serve (:func:`models.adapter.support.check_supported`), or a
-            cache it cannot hold.
+            the adapter does not serve (:func:`models.adapter.support.check_supported`), a
+            cache it cannot hold, or (with a group) a module whose layers do not split
+            (:func:`pipeline_part`). (Recurrent layers that ignore padding, ``pads_prompts``
+            False, are served: the engine prefills their prompts in exact rows,
+            :func:`service.engine.prefill.chunk_plan`.)
     """
-    config_file = directory / "config.json"
-    try:
-        config = load_config(directory)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{config_file} could not be read ({exc})") from exc
-    model_type = str(config.get("model_type"))
-    try:
-        if model_type in REFUSED:  # before importing its module: some exit at import (olmo without its package)
-            check_supported(model_type)
-        check_supported(module_name(config))
-        module, config = lm_load_model(directory, lazy=True)
-    except ModelLoadError as exc:
-        raise ModelLoadError(f"{config_file}: {exc}") from exc
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ModelLoadError(f"{directory}: mlx-lm could not build model_type '{model_type}' ({exc})") from exc
-    args = _served_module(module, model_type, dtype, weights, config_file)
+    module, config_file, model_type = _build(directory)
+    part = None
+    if group is not None:
+        part = pipeline_part(module, model_type)
+        try:
+            part.pipeline(group, split)
+        except ValueError as exc:
+            raise ModelLoadError(f"{config_file}: model_type '{model_type}': {exc}") from exc
+    module = _cast(module, dtype, weights)
+    args = _served(module, model_type, config_file, part)
     return args, module, tokenizer_from_dir(directory, json.loads(config_file.read_text()))
 
 
@@ -153,26 +184,134 @@ def load_lm_gguf(
         raise ModelLoadError(f"{path}: {exc}") from exc
     except (ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"{path}: mlx-lm could not build model_type '{model_type}' from it ({exc})") from exc
-    return _served_module(module, model_type, dtype, weights, path), module, checkpoint.tokenizer
+    module = _cast(module, dtype, weights)
+    return _served(module, model_type, path), module, checkpoint.tokenizer
 
 
-def _served_module(
-    module: nn.Module, model_type: str, dtype: mx.Dtype, weights: Literal["quantized", "dequantized"], source: Path
-) -> AdapterArgs:
-    """Expand (``weights = "dequantized"``), cast and read ``module``'s parameters, and learn its
-    caches. Raises ModelLoadError naming ``source`` (the file the module came from): a weight
-    that cannot be read, a cache the adapter cannot hold."""
-    if weights == "dequantized":
-        module = dequantize_model(module)
-    module.set_dtype(dtype)
+def _served(module: nn.Module, model_type: str, source: Path, part: PipelineMixin | None = None) -> AdapterArgs:
+    """Read ``module``'s (cast) parameters and learn its caches (a pipeline stage's ``part``: its
+    layers only, probed alone). Raises ModelLoadError naming ``source``, the file the module came
+    from: a weight that cannot be read, a cache the adapter cannot hold."""
     try:
-        mx.eval(module.parameters())
+        mx.eval(module.parameters())  # a stage: its layers and the ends only (the rest stays unread)
     except Exception as exc:  # a truncated file fails here, when the bytes are read
         raise ModelLoadError(
             f"{source}: the weights could not be read ({exc}); a file is truncated or corrupt"
         ) from exc
     try:
-        args = AdapterArgs.from_module(module, model_type)
+        with _alone(part):  # the probes run this stage's layers in this process only
+            return AdapterArgs.from_module(module, model_type)
     except ModelLoadError as exc:
         raise ModelLoadError(f"{source}: model_type '{model_type}': {exc}") from exc
-    return args
+
+
+def _build(directory: Path) -> tuple[nn.Module, Path, str]:
+    """(``directory``'s mlx-lm module with lazy weights, its config file, its ``model_type``).
+
+    Raises:
+        ModelLoadError: see :func:`load_lm_dir`.
+    """
+    config_file = directory / "config.json"
+    try:
+        config = load_config(directory)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{config_file} could not be read ({exc})") from exc
+    model_type = str(config.get("model_type"))
+    try:
+        if model_type in REFUSED:  # before importing its module: some exit at import (olmo without its package)
+            check_supported(model_type)
+        check_supported(module_name(config))
+        module, _ = lm_load_model(directory, lazy=True)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{config_file}: {exc}") from exc
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{directory}: mlx-lm could not build model_type '{model_type}' ({exc})") from exc
+    return module, config_file, model_type
+
+
+def _cast(module: nn.Module, dtype: mx.Dtype, weights: Literal["quantized", "dequantized"]) -> nn.Module:
+    """``module`` expanded (``dequantized``) and cast to ``dtype``, lazily."""
+    if weights == "dequantized":
+        module = dequantize_model(module)
+    module.set_dtype(dtype)
+    return module
+
+
+def pipeline_part(module: nn.Module, model_type: str) -> PipelineMixin:
+    """The submodule of ``module`` whose layers mlx-lm splits into pipeline stages (its one
+    ``PipelineMixin``), for an architecture of :data:`models.adapter.support.PIPELINE_SPLITS`.
+
+    Raises:
+        ModelLoadError: naming ``model_type`` and why: its mlx-lm module has no
+            ``PipelineMixin`` (its forward pass has no stage boundary to send hidden states
+            across), or its caches do not follow a stage's layers.
+    """
+    name = type(module).__module__.removeprefix("mlx_lm.models.")
+    parts = [m for m in module.modules() if isinstance(m, PipelineMixin)]
+    if len(parts) == 1 and name in PIPELINE_SPLITS:
+        return parts[0]
+    why = (
+        f"mlx-lm's {name} has no PipelineMixin (its forward pass cannot run a slice of its layers)"
+        if not parts
+        else f"mlx-lm's {name} keeps caches for layers outside a stage"
+    )
+    raise ModelLoadError(
+        f"--distributed: model_type '{model_type}' cannot be split into pipeline stages: {why}; serve it in "
+        "one process (or, for a hand-written type, set model_impl = 'native'); `stepserve models` lists the "
+        "types that split"
+    )
+
+
+@contextmanager
+def _alone(part: PipelineMixin | None) -> Iterator[None]:
+    """Run ``part``'s stage as if it were the whole pipeline (no send, receive or gather) for
+    the eager probes of one process; restored on exit."""
+    if part is None:
+        yield
+        return
+    rank, size = part.pipeline_rank, part.pipeline_size
+    part.pipeline_rank, part.pipeline_size = 0, 1
+    try:
+        yield
+    finally:
+        part.pipeline_rank, part.pipeline_size = rank, size
+
+
+@dataclass(frozen=True)
+class LmLayout:
+    """What the pipeline split needs of an mlx-lm module, in bytes as served.
+
+    Attributes:
+        model_type: the checkpoint's ``model_type``.
+        layer_bytes: each layer's parameters.
+        shared_bytes: the rest (embedding, final norm, head), which every rank holds.
+    """
+
+    model_type: str
+    layer_bytes: list[int]
+    shared_bytes: int
+
+    def split(self, size: int, capacities: Sequence[float] | None = None) -> list[Stage]:
+        """:func:`models.pipeline.plan_stages` of the layers over ``size`` ranks, each holding
+        the shared bytes too."""
+        return plan_stages(
+            self.layer_bytes, 0, 0, size, tied=False, capacities=capacities, shared_bytes=self.shared_bytes
+        )
+
+
+def lm_layout(directory: Path, dtype: mx.Dtype, weights: Literal["quantized", "dequantized"]) -> LmLayout:
+    """Each layer's and the shared parts' bytes once cast for serving, from the shapes alone
+    (no weight is read).
+
+    Raises:
+        ModelLoadError: see :func:`load_lm_dir` (a module whose layers do not split included).
+    """
+    module, _, model_type = _build(directory)
+    part = pipeline_part(module, model_type)
+    module = _cast(module, dtype, weights)
+    layers = [_nbytes(layer) for layer in part.layers]
+    return LmLayout(model_type, layers, _nbytes(module) - sum(layers))
+
+
+def _nbytes(module: nn.Module) -> int:
+    return sum(a.nbytes for _, a in tree_flatten(module.parameters()) if isinstance(a, mx.array))

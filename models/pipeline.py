@@ -75,12 +75,13 @@ def plan_stages(
     *,
     tied: bool,
     capacities: Sequence[float] | None = None,
+    shared_bytes: int = 0,
 ) -> list[Stage]:
     """Split the layers into ``size`` contiguous stages by memory.
 
     A stage's memory is its layers' bytes, plus ``embed_bytes`` on the first stage and
     ``head_bytes`` on the last, plus ``embed_bytes`` again on the last when the head is tied to
-    the embedding (unless one stage is both). The split minimizes the largest
+    the embedding (unless one stage is both), plus ``shared_bytes`` on every stage. The split minimizes the largest
     ``memory / capacity`` over the ranks: dynamic programming over the contiguous splits,
     O(size * layers^2); among equal splits, earlier stages take more layers.
 
@@ -93,6 +94,8 @@ def plan_stages(
         tied: the head is the embedding table.
         capacities: per rank, the memory it may use (any unit: only ratios count); default
             equal.
+        shared_bytes: bytes every stage holds whatever its layers (mlx-lm's ``PipelineMixin``
+            runs the embedding, the final norm and the head on every rank).
 
     Returns:
         One :class:`Stage` per rank, indexed by rank.
@@ -113,7 +116,8 @@ def plan_stages(
     def held(position: int, start: int, stop: int) -> int:
         first, last = position == 0, position == size - 1
         ends = (embed_bytes if first else 0) + (head_bytes if last else 0)
-        return prefix[stop] - prefix[start] + ends + (embed_bytes if last and tied and not first else 0)
+        tied_head = embed_bytes if last and tied and not first else 0
+        return prefix[stop] - prefix[start] + ends + tied_head + shared_bytes
 
     def cost(position: int, start: int, stop: int) -> float:
         return held(position, start, stop) / capacity[size - 1 - position]

@@ -66,10 +66,12 @@ def _parser() -> tuple[argparse.ArgumentParser, CliSettingsSource[argparse.Argum
 
 def models() -> int:
     """Print every supported ``model_type`` (hand-written ones marked ``native``; mlx-lm's with
-    how they were tested, :data:`models.adapter.support.SUPPORTED`) and the refused ones with
+    how they were tested, :data:`models.adapter.support.SUPPORTED`; those a pipeline group
+    splits, natively or through mlx-lm's ``PipelineMixin``) and the refused ones with
     their reasons (:data:`models.adapter.support.REFUSED`). Returns 0."""
-    from models.adapter.support import REFUSED, SUPPORTED
+    from models.adapter.support import PIPELINE_SPLITS, REFUSED, SUPPORTED
     from models.architectures import ARCHITECTURES
+    from service.process.group import PIPELINE_TYPES
 
     print("supported model_types (model_impl = 'auto' serves a native one natively, any other through mlx-lm):")
     for model_type in sorted(ARCHITECTURES.keys() | SUPPORTED.keys()):
@@ -78,6 +80,8 @@ def models() -> int:
             how.append(f"native ({ARCHITECTURES[model_type].__name__})")
         if model_type in SUPPORTED:
             how.append(f"mlx-lm: {SUPPORTED[model_type]}")
+        if model_type in PIPELINE_TYPES or model_type in PIPELINE_SPLITS:
+            how.append("splits into pipeline stages (--distributed)")
         print(f"  {model_type}: {'; '.join(how)}")
     print("refused model_types:")
     for model_type, reason in sorted(REFUSED.items()):

@@ -460,6 +460,7 @@ def write_mlx_lm_dir(
     if tokenizer_from is None:
         config["eos_token_id"] = 0
         tokenizer = Tokenizer(WordLevel({f"t{i}": i for i in range(config["vocab_size"])}, unk_token="t1"))
+        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()  # "t5 t7" is two tokens
         tokenizer.save(str(directory / "tokenizer.json"))
     else:
         for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -6,7 +6,7 @@ architectures it serves and why it refuses the others is :mod:`models.adapter.su
 
 from models.adapter.cache import SlotKVCache, SlotStateCache, UnusedCache
 from models.adapter.layout import KVLayout, ListLayout, StateLayout, UnsupportedCache, UnusedLayout, learn_layouts
-from models.adapter.steps import AdapterArgs, decode, prefill, prefill_chunk, verify
+from models.adapter.steps import AdapterArgs, StageTraits, decode, prefill, prefill_chunk, verify
 from models.adapter.support import REFUSED, SUPPORTED, check_module, check_supported
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "ListLayout",
     "SlotKVCache",
     "SlotStateCache",
+    "StageTraits",
     "StateLayout",
     "UnsupportedCache",
     "UnusedCache",

@@ -39,6 +39,40 @@ from models.kv_cache import KVCache, layer_sizes
 Params = dict[str, Any]
 
 
+@dataclass(frozen=True)
+class StageTraits:
+    """What rank 0's engine must know of every pipeline stage's layers, not only its own
+    (a stage's layers may be all attention while another's keep recurrent states): whether
+    prompt rows may be padded, whether some layer keeps a state, whether the prefix cache can
+    keep blocks, whether :func:`verify` serves it. Joined over the stages by :meth:`join`."""
+
+    pads_prompts: bool
+    has_states: bool
+    prefix_blocks: bool
+    can_verify: bool
+
+    def packed(self) -> int:
+        """The four flags as bits 0..3 of an int (for the start-up exchange)."""
+        flags = (self.pads_prompts, self.has_states, self.prefix_blocks, self.can_verify)
+        return sum(int(f) << i for i, f in enumerate(flags))
+
+    @classmethod
+    def unpacked(cls, bits: int) -> StageTraits:
+        """The inverse of :meth:`packed`."""
+        return cls(*(bool(bits >> i & 1) for i in range(4)))
+
+    @classmethod
+    def join(cls, stages: list[StageTraits]) -> StageTraits:
+        """The whole model's traits from its stages': padding, prefix blocks and verify only
+        where every stage allows them; states where any stage keeps one."""
+        return cls(
+            all(s.pads_prompts for s in stages),
+            any(s.has_states for s in stages),
+            all(s.prefix_blocks for s in stages),
+            all(s.can_verify for s in stages),
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class AdapterArgs:
     """What the steps and the engine need of an mlx-lm module (static under compilation).
@@ -55,6 +89,10 @@ class AdapterArgs:
             as long as their bucket (mamba's layers ignore ``lengths``).
         grouped_mask: attention masks carry a query-group axis, [B, 1, 1, N, S] (the module
             groups query heads per key-value head in its scores: mlx-lm's gemma2).
+        group: where ``module`` is one pipeline stage (mlx-lm's ``PipelineMixin``, its
+            ``layouts`` its own layers' only), the whole group's :class:`StageTraits`, which
+            :attr:`has_states`, :attr:`prefix_blocks` and :attr:`can_verify` then answer
+            (``pads_prompts`` is set to the group's too: :meth:`joined`); None: one process.
     """
 
     module: nn.Module
@@ -64,6 +102,7 @@ class AdapterArgs:
     max_position_embeddings: int | None = None
     pads_prompts: bool = True
     grouped_mask: bool = False
+    group: StageTraits | None = None
 
     @classmethod
     def from_module(cls, module: nn.Module, model_type: str | None = None) -> AdapterArgs:
@@ -108,8 +147,8 @@ class AdapterArgs:
 
     @property
     def has_states(self) -> bool:
-        """Whether some layer keeps a recurrent state."""
-        return bool(self.state_layouts)
+        """Whether some layer keeps a recurrent state (of any stage: :attr:`group`)."""
+        return self.group.has_states if self.group is not None else bool(self.state_layouts)
 
     @property
     def capacity_pair(self) -> bool:
@@ -132,16 +171,32 @@ class AdapterArgs:
     def can_verify(self) -> bool:
         """Whether :func:`verify` serves this model: no sliding layer (its decode ring would be
         written past its size) and no recurrent state (a rejected proposal cannot be undone
-        by position)."""
+        by position); in a group, on every stage."""
+        if self.group is not None:
+            return self.group.can_verify
         return self.windows is None and not self.has_states
 
     @property
     def prefix_blocks(self) -> bool:
         """Whether the prefix cache can keep this model's prompt blocks: no recurrent state (a
         state cannot be cut at a block boundary) and every attention cache of one shape, keys
-        as wide as values (:func:`service.engine.kv_blocks.copy_blocks` stacks them)."""
+        as wide as values (:func:`service.engine.kv_blocks.copy_blocks` stacks them); in a
+        group, on every stage (each rank stacks its own layers' blocks)."""
+        if self.group is not None:
+            return self.group.prefix_blocks
         shapes = {(k.heads, k.key_dim, k.value_dim) for k in self.kv_layouts}
         return not self.has_states and len(shapes) == 1 and all(k == v for _, k, v in shapes)
+
+    def traits(self) -> StageTraits:
+        """This module's own :class:`StageTraits` (its layers only, whatever :attr:`group` says)."""
+        alone = dataclasses.replace(self, group=None)
+        return StageTraits(self.pads_prompts, alone.has_states, alone.prefix_blocks, alone.can_verify)
+
+    def joined(self, stages: list[StageTraits]) -> AdapterArgs:
+        """These args as one stage of a group whose stages have ``stages``' traits
+        (:meth:`StageTraits.join`): :attr:`group` set, ``pads_prompts`` the group's."""
+        whole = StageTraits.join(stages)
+        return dataclasses.replace(self, pads_prompts=whole.pads_prompts, group=whole)
 
     # What the engine's sizing reads of a model (:mod:`service.process.warm_sizing`,
     # :mod:`service.process.memory`), from the module's config where it names them.

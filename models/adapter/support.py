@@ -142,6 +142,32 @@ SUPPORTED: dict[str, str] = {
     "youtu_llm": "parity matrix: mla",
 }
 
+#: The supported architectures whose mlx-lm module splits into pipeline stages: its layers sit
+#: in mlx-lm's ``PipelineMixin`` and its caches follow a stage's slice of them (checked against
+#: the installed mlx-lm by tests/unit/test_lm_pipeline.py). Not here: mlx-lm modules without
+#: ``PipelineMixin`` (llama, gemma3, phi3, ...), and the vision wrappers kimi_vl, mistral3,
+#: qwen2_vl and qwen3_vl_moe, whose caches cover every layer whatever the stage.
+PIPELINE_SPLITS: frozenset[str] = frozenset(
+    {
+        "bailing_hybrid",
+        "deepseek_v2",
+        "deepseek_v3",
+        "deepseek_v32",
+        "glm4_moe",
+        "glm4_moe_lite",
+        "glm_moe_dsa",
+        "kimi_k25",
+        "ministral3",
+        "mistral4",
+        "qwen2",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_moe",
+        "qwen3_next",
+        "solar_open",
+    }
+)
+
 _NOT_ON_CPU = "not verified: the parity matrix runs on the CPU, and"
 
 #: Why each refused architecture cannot run in stepserve's compiled steps, in a user's words.

@@ -59,7 +59,7 @@ class Executor:
         self.batches_chunks = batches_last_chunks()  # prompts' last chunks together (:meth:`chunk_rows`)
         a = model.args
         self._dtype_name = str(model.dtype).rsplit(".", 1)[-1]
-        if isinstance(a, AdapterArgs):  # an mlx-lm module (a pipeline group refuses these at start)
+        if isinstance(a, AdapterArgs):  # an mlx-lm module (a stage of one: its PipelineMixin sends and receives)
             steps = {"prefill": adapter.prefill, "chunk": adapter.prefill_chunk, "decode": adapter.decode}
             if a.can_verify:
                 steps["verify"] = adapter.verify
@@ -80,8 +80,8 @@ class Executor:
             "process": StepSpec(sampling.process),
             "logprobs": StepSpec(sampling.logprobs),
         }
-        windows = a.windows
-        if windows is not None and model.stage is not None:
+        windows = a.windows  # an mlx-lm stage's layouts are its own layers' already
+        if windows is not None and model.stage is not None and not isinstance(a, AdapterArgs):
             windows = windows[model.stage.start : model.stage.stop]
         self.windows: Windows | None = windows if windows and any(w is not None for w in windows) else None
         self.vocab = a.vocab_size

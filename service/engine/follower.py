@@ -34,7 +34,7 @@ class Follower:
             Op.PREFILL: self._prefill,
             Op.CHUNK: self._chunk,
             Op.DECODE: self._decode,
-            Op.RESIZE: lambda i, _: self._put(i[0], self.executor.resize(self._kv(i[0]), i[1])),
+            Op.RESIZE: lambda i, _: self._put(i[0], self.executor.resize(self._kv(i[0]), i[1], bool(i[2]))),
             Op.REORDER: lambda i, _: self._put(i[0], self.executor.reorder(self._kv(i[0]), i[1:])),
             Op.RESIZE_BATCH: lambda i, _: self._put(i[0], self.executor.resize_batch(self._kv(i[0]), i[1])),
             Op.INSERT: self._insert,

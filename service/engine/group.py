@@ -22,6 +22,12 @@ other ranks with the next message; nothing tracks lifetimes by hand. An operatio
 a cache (a step, a resize) keeps its handle: each rank swaps its cache under that number, so the
 old buffers are unreferenced when the step runs, as in one process.
 
+**Order.** Each rank must run the group's collectives in the same order. A follower
+evaluates each operation before it waits for the next message; rank 0 queues its step's
+logits and cache (``mx.async_eval``) before its next broadcast: a step left lazy (say a
+prefill's logits, read only later) would leave its ``recv`` or an mlx-lm stage's
+``all_gather`` for after that broadcast, while the followers wait in it: a deadlock.
+
 **Faults.** An evaluation that fails on rank 0 or a follower (``[ring] connection to a peer was
 lost`` when a rank died) raises :class:`GroupLost`; a wait that never ends (a rank hung: the
 ring backend has no timeout) is seen by a watchdog through :meth:`GroupLeader.stalled_s` and
@@ -219,14 +225,16 @@ class GroupLeader(Executor):
         B, T = len(tokens), len(tokens[0])
         self._send(Op.PREFILL, [self._new_handle(), B, T], (mx.array(tokens, mx.int32), mx.array(lengths, mx.int32)))
         logits, kv = super().prefill(tokens, lengths)
-        mx.async_eval(kv)  # every rank must run each step: rank 0's recv is in its cache's graph
+        # Every step's collectives are queued now, in the followers' order: the recv is in the
+        # cache's graph; an mlx-lm stage's all-gather of the last hidden states in the logits'.
+        mx.async_eval(logits, kv)
         return logits, self._bind(kv)
 
     @_guarded
     def chunk(self, kv: KVCache, tokens: list[int], offset: int, length: int) -> tuple[mx.array, KVCache]:
         self._send(Op.CHUNK, [self._handle(kv), offset, length], (mx.array(tokens, mx.int32),))
         logits, new = super().chunk(kv, tokens, offset, length)
-        mx.async_eval(new)
+        mx.async_eval(logits, new)
         return logits, self._rebind(kv, new)
 
     @_guarded
@@ -234,13 +242,12 @@ class GroupLeader(Executor):
         # The tokens may still be the previous step's lazy output: the broadcast waits for them.
         self._send(Op.DECODE, [self._handle(kv)], (tokens, mx.array(positions, mx.int32)))
         logits, new = super().decode(kv, tokens, positions)
-        mx.async_eval(new)
+        mx.async_eval(logits, new)
         return logits, self._rebind(kv, new)
 
     @_guarded
     def resize(self, kv: KVCache, capacity: int, ring: bool = True) -> KVCache:
-        # (a group's models have no sliding-window layers: ``ring`` changes nothing on its ranks)
-        self._send(Op.RESIZE, [self._handle(kv), capacity])
+        self._send(Op.RESIZE, [self._handle(kv), capacity, int(ring)])
         return self._rebind(kv, super().resize(kv, capacity, ring))
 
     @_guarded

@@ -25,6 +25,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +33,9 @@ from typing import cast
 
 import mlx.core as mx
 
+from models.adapter import AdapterArgs, StageTraits
 from models.default import default_model_path
-from models.lm_loader import uses_mlx_lm
+from models.lm_loader import LmLayout, lm_layout, load_lm_dir, uses_mlx_lm
 from models.loader import LoadedModel
 from models.pipeline import Stage, plan_stages
 from models.stage_loader import ModelLayout, load_stage, model_layout
@@ -111,27 +113,33 @@ def start_group(settings: Settings, group: mx.distributed.Group) -> GroupStart:
     path = spec.path or default_model_path()
     dtype, weights = startup.compute_dtype(spec.dtype), startup.weights_mode(spec.weights)
     budget = startup.memory_budget(settings)
-    layout, error = None, None
+    layout: ModelLayout | LmLayout | None = None
+    error = None
     try:
-        if uses_mlx_lm(Path(path), spec.model_impl):
-            error = through_mlx_lm(spec.model_impl)
+        if uses_mlx_lm(Path(path), spec.model_impl):  # mlx-lm's class: its PipelineMixin splits it
+            layout = lm_layout(Path(path), dtype, weights)
+            error = speculative_error(spec.speculative)
         else:
             layout = model_layout(path, dtype, weights)
             error = unsupported(layout.args.model_type, spec.speculative)
     except Exception as exc:  # reported by every rank below
         error = str(exc)
     reports = _exchange(group, [budget // KIB], error, settings, "the model's layout")
-    stages = split(cast(ModelLayout, layout), settings, [r[0] * KIB for r, _ in reports], group.size(), dtype.size)
+    budgets = [r[0] * KIB for r, _ in reports]
+    stages = split(cast(ModelLayout | LmLayout, layout), settings, budgets, group.size(), dtype.size)
     stage = stages[group.rank()]
     model, resolved, error = None, settings, None
     try:
-        model = _load(settings, stage, group, dtype, weights)
+        model = _load(settings, stages, group, dtype, weights)
         resolved = startup.check_memory(_rank_settings(settings, stages, stage), {model.name: model})
     except Exception as exc:
         error = str(exc)
     mine = [resolved.served_models()[0].max_sequences or 0, stage.start, stage.stop]
     mine += [(model.nbytes if model else 0) // KIB, mx.get_active_memory() // KIB, os.getpid()]
+    mine += [model.args.traits().packed() if model and isinstance(model.args, AdapterArgs) else 0]
     reports = _exchange(group, mine, error, settings, "loading the stages")
+    if model is not None and isinstance(model.args, AdapterArgs):  # what rank 0's engine must know of every stage
+        model.args = model.args.joined([StageTraits.unpacked(r[6]) for r, _ in reports])
     ranks = [RankInfo(i, host, r[5], (r[1], r[2]), r[3] * KIB, r[4] * KIB, r[0]) for i, (r, host) in enumerate(reports)]
     least = min(r.max_sequences for r in ranks)
     for r in ranks:
@@ -163,6 +171,11 @@ def unsupported(model_type: str | None, speculative: str) -> str | None:
             f"--distributed: model_type '{model_type}' cannot be split into pipeline stages "
             f"(supported: {', '.join(PIPELINE_TYPES)}); serve it in one process"
         )
+    return speculative_error(speculative)
+
+
+def speculative_error(speculative: str) -> str | None:
+    """Why a group cannot run ``speculative`` (verify runs in one process only), or None."""
     if speculative != "off":
         return (
             f"--distributed: speculative = '{speculative}' is not supported in a pipeline group; "
@@ -171,19 +184,17 @@ def unsupported(model_type: str | None, speculative: str) -> str | None:
     return None
 
 
-def through_mlx_lm(model_impl: str) -> str:
-    """Why a group cannot serve a model that runs through mlx-lm's class (``model_impl``)."""
-    return (
-        f"--distributed: the model runs through mlx-lm's class (model_impl = '{model_impl}'), whose layers a "
-        "pipeline group does not split into stages yet; serve it in one process, or set model_impl = 'native' "
-        f"for one of the hand-written types ({', '.join(PIPELINE_TYPES)})"
-    )
-
-
-def split(layout: ModelLayout, settings: Settings, budgets: list[int], size: int, dtype_size: int) -> list[Stage]:
+def split(
+    layout: ModelLayout | LmLayout, settings: Settings, budgets: list[int], size: int, dtype_size: int
+) -> list[Stage]:
     """The stages, by memory: each layer counts its weights and its KV cache when full (the
     largest batch bucket, or ``max_sequences``, at the largest capacity); each rank's share is
-    weighed against its budget (``budgets``, bytes, per rank)."""
+    weighed against its budget (``budgets``, bytes, per rank). An mlx-lm module's layers count
+    their weights only (its caches' shapes are learnt once a stage is loaded; each rank's
+    start-up check then counts them), and every rank holds its embedding, norm and head."""
+    capacities = budgets if min(budgets) > 0 else None
+    if isinstance(layout, LmLayout):
+        return layout.split(size, capacities)
     spec, a = settings.served_models()[0], layout.args
     rows = spec.max_sequences or spec.batch_buckets[-1]
     kv = 2 * a.num_key_value_heads * a.dim_per_head * dtype_size * rows * spec.capacity_buckets[-1]
@@ -193,14 +204,28 @@ def split(layout: ModelLayout, settings: Settings, budgets: list[int], size: int
         layout.head_bytes,
         size,
         tied=a.tie_word_embeddings,
-        capacities=budgets if min(budgets) > 0 else None,
+        capacities=capacities,
     )
 
 
-def _load(settings: Settings, stage: Stage, group: mx.distributed.Group, dtype: mx.Dtype, weights) -> LoadedModel:
-    spec = settings.served_models()[0]
+def _load(
+    settings: Settings, stages: list[Stage], group: mx.distributed.Group, dtype: mx.Dtype, weights
+) -> LoadedModel:
+    """This rank's stage: a hand-written model's stage (:func:`models.stage_loader.load_stage`),
+    or an mlx-lm module cut to its layers by its ``PipelineMixin``
+    (:func:`models.lm_loader.load_lm_dir`)."""
+    spec, stage = settings.served_models()[0], stages[group.rank()]
+    path = Path(spec.path or default_model_path())
     startup.log_cpu_blas()
-    part = load_stage(spec.path or default_model_path(), stage, dtype, weights)
+    if uses_mlx_lm(path, spec.model_impl):
+        start = time.perf_counter()
+        layers = [s.stop - s.start for s in stages]
+        args, module, tokenizer = load_lm_dir(path, dtype, weights, group, layers)
+        params = cast(dict, module.parameters())
+        return LoadedModel(
+            spec.name, path, args, params, tokenizer, dtype, weights, time.perf_counter() - start, stage, group
+        )
+    part = load_stage(path, stage, dtype, weights)
     tokenizer = cast(ChatTokenizer, part.tokenizer)  # None on the other ranks: only rank 0 tokenizes
     return LoadedModel(
         spec.name, part.path, part.args, part.params, tokenizer, dtype, weights, part.load_seconds, stage, group

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from models.adapter import AdapterArgs
 from models.loader import LoadedModel
 from service.engine.buckets import BucketTable
 from service.engine.core import Engine
@@ -89,8 +90,8 @@ def decode_row_bytes(model: LoadedModel, capacity: int) -> int:
 
 def _row_bytes(model: LoadedModel, capacity: int, ring: bool) -> int:
     """One row's KV bytes at ``capacity`` over the layers this process holds."""
-    stage = model.stage
-    layers = range(stage.start, stage.stop) if stage is not None else None
+    stage = model.stage  # an mlx-lm stage's layouts are its own layers' already
+    layers = range(stage.start, stage.stop) if stage is not None and not isinstance(model.args, AdapterArgs) else None
     return model.args.kv_bytes(capacity, model.dtype.size, ring, layers)
 
 

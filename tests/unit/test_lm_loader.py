@@ -150,4 +150,6 @@ def test_stepserve_models_lists_the_supported_and_refused_types(capsys):
         assert f"  {model_type}: {reason}" in refused
     assert "  llama: native (models.llama); mlx-lm: " in supported
     assert "  qwen2: native (models.qwen2); mlx-lm: " in supported
-    assert "  smollm: native (models.llama)\n" in supported
+    assert "  smollm: native (models.llama); splits into pipeline stages (--distributed)\n" in supported
+    assert "  deepseek_v3: mlx-lm: parity matrix: mla; splits into pipeline stages" in supported
+    assert "  gemma3_text: native (models.gemma3_text); mlx-lm: parity matrix: kv+sliding\n" in supported
