@@ -52,22 +52,14 @@ ModelImpl = Literal["auto", "native", "mlx_lm"]
 
 def uses_mlx_lm(path: Path, impl: ModelImpl) -> bool:
     """Whether ``path`` is served through mlx-lm's class (see :data:`ModelImpl`). A GGUF file
-    is always served natively.
-
-    Raises:
-        ModelLoadError: ``impl`` is ``mlx_lm`` but ``path`` is not a directory.
-    """
+    is served through it with ``mlx_lm`` only: ``auto`` keeps both GGUF architectures
+    stepserve reads (Llama-family, Gemma 3) on their hand-written modules."""
     if impl == "native":
-        return False
-    if not path.is_dir():
-        if impl == "mlx_lm":
-            raise ModelLoadError(
-                f"{path}: model_impl = 'mlx_lm' needs a model directory (a GGUF file is served natively); "
-                "convert it with 'stepserve convert', or set model_impl = 'auto'"
-            )
         return False
     if impl == "mlx_lm":
         return True
+    if not path.is_dir():
+        return False
     try:
         model_type = json.loads((path / "config.json").read_text()).get("model_type")
     except (OSError, ValueError):
@@ -306,6 +298,11 @@ def lm_layout(directory: Path, dtype: mx.Dtype, weights: Literal["quantized", "d
     Raises:
         ModelLoadError: see :func:`load_lm_dir` (a module whose layers do not split included).
     """
+    if not directory.is_dir():
+        raise ModelLoadError(
+            f"--distributed: {directory} is not a model directory: a GGUF file served through mlx-lm's classes "
+            "cannot be split into pipeline stages; convert it with 'stepserve convert' and serve the directory"
+        )
     module, _, model_type = _build(directory)
     part = pipeline_part(module, model_type)
     module = _cast(module, dtype, weights)
