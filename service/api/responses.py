@@ -169,8 +169,9 @@ def _check(body: ResponsesRequest, engine: Engine) -> None:
         if reasoning.effort not in (None, "none"):
             message = f"model '{engine.model.name}' does not reason: only effort null or 'none' is served"
             raise ApiError(400, message, param="reasoning.effort")
-        asked = [k for k in ("summary", "generate_summary") if getattr(reasoning, k) is not None]
-        if field := next(iter([*asked, *(reasoning.model_extra or {})]), None):
+        summaries = {"summary": reasoning.summary, "generate_summary": reasoning.generate_summary}
+        asked = [k for k, v in summaries.items() if v is not None] + list(reasoning.model_extra or {})
+        if field := next(iter(asked), None):
             raise ApiError(400, f"model '{engine.model.name}' does not reason", param=f"reasoning.{field}")
     for j, item in enumerate(body.include or []):
         if item not in RESPONSES_INCLUDABLE:
