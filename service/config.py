@@ -150,6 +150,12 @@ class Settings(BaseSettings):
     prefix_block_tokens: int = Field(
         32, ge=1, description="tokens per prefix-cache block: prefixes are reused in whole blocks"
     )
+    responses_store_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=0,
+        description="bytes of /v1/responses answers kept for previous_response_id and GET /v1/responses/{id} "
+        "(each with its conversation, measured as JSON; LRU; store: false keeps nothing); 0: none kept",
+    )
     request_timeout_s: float = Field(
         600.0, gt=0, description="seconds; a request still running after this ends with 'timeout'"
     )

@@ -213,6 +213,7 @@ class MessagesFormat:
     done_marker = False
     partial_ends = False  # a request ended early answers as an error, as on the OpenAI routes
     shape: Shape = "anthropic"
+    named_events = True
 
     def __init__(self, model: str, input_tokens: int, form: tools.Form | None):
         self.id, self.model, self.input_tokens = f"msg_{secrets.token_hex(12)}", model, input_tokens
@@ -300,6 +301,10 @@ class MessagesFormat:
             },
             {"type": "message_stop"},
         ]
+
+    def error_chunks(self, error: ApiError) -> list[dict]:
+        """The error object as the stream's last event."""
+        return [error.body(self.shape)]
 
     def body(self, text: str, final: FinalEvent) -> dict:
         content, calls = tools.parse_tool_calls(text, self.form) if self.form is not None else (text, [])

@@ -16,6 +16,7 @@ from service import __version__
 from service.api import anthropic as anthropic_api
 from service.api import openai as openai_api
 from service.api import rehearsal, security
+from service.api import responses as responses_api
 from service.api.docs import install_docs
 from service.api.errors import install_error_handlers
 from service.api.middleware import BodyLimitMiddleware, StatusCountMiddleware
@@ -75,6 +76,7 @@ def create_app(
     app.include_router(router)
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(responses_api.router)
     install_docs(app)
     # The middleware added last runs first: CORS, request counting, API key, body bounds.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.read_timeout_s)

@@ -122,10 +122,11 @@ _UNION_TAGS = {"str", "int", "float", "bool", "none", "dict", "list", "literal"}
 
 def _field_path(loc) -> str:
     """The field's dotted path; pydantic's union-member tags (``str``, ``list[ContentPart]``,
-    ``function-after[...]``, the content blocks' ``block:text``) are not fields and are left out."""
+    ``function-after[...]``, the content blocks' ``block:text``, the Responses items'
+    ``item:message``) are not fields and are left out."""
 
     def tag(p) -> bool:
-        return isinstance(p, str) and (p in _UNION_TAGS or "[" in p or p.startswith(("function-", "block:")))
+        return isinstance(p, str) and (p in _UNION_TAGS or "[" in p or p.startswith(("function-", "block:", "item:")))
 
     return ".".join(str(p) for p in loc if p != "body" and not tag(p)) or "body"
 

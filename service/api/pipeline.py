@@ -1,5 +1,5 @@
-"""The one request pipeline of ``/infer``, the OpenAI-compatible routes and the Anthropic
-Messages routes, which differ only in their :class:`ResponseFormat`:
+"""The one request pipeline of ``/infer``, the Anthropic Messages routes and OpenAI's
+Responses route, which differ only in their :class:`ResponseFormat`:
 
 route → :func:`resolve_engine`, :func:`prompt_ids`, :func:`sampling_params` (checks, 4xx/503)
 → :func:`start` (memory admission, ``Engine.submit``) → :func:`respond` (the engine's events,
@@ -37,9 +37,11 @@ class ResponseFormat(Protocol):
     """How one route shapes its answers (dicts, serialized as JSON)."""
 
     done_marker: bool  # end a stream with ``data: [DONE]`` (OpenAI)
-    # The API whose stream events and error bodies it speaks: "openai" (``data:`` lines only) or
-    # "anthropic" (each event's ``type`` also on an ``event:`` line; Anthropic's error shape).
+    # The API whose error bodies it speaks: "openai" or "anthropic" (Anthropic's error shape).
     shape: Shape
+    # Each stream event's ``type`` also on an ``event:`` line (Anthropic's Messages, OpenAI's
+    # Responses); else ``data:`` lines only (chat completions, /infer).
+    named_events: bool
     # A request that produced tokens before its time limit or a shutdown ended it: True, it
     # answers normally with finish_reason timeout/cancelled (/infer); False, it answers as an
     # error, 504 or 503 (OpenAI, whose finish_reason is only stop or length).
@@ -49,6 +51,7 @@ class ResponseFormat(Protocol):
     def add(self, logprobs: tuple) -> None: ...
     def final_chunks(self, final: FinalEvent) -> list[dict]: ...
     def body(self, text: str, final: FinalEvent) -> dict: ...
+    def error_chunks(self, error: ApiError) -> list[dict]: ...  # the events that end a failed stream
 
 
 def resolve_engine(state: AppState, name: str | None) -> Engine:
@@ -132,15 +135,18 @@ async def prompt_ids(
     return ids
 
 
-def sampling_params(engine: Engine, n_prompt: int, max_tokens: int, **sampling) -> SamplingParams:
-    """Check that ``max_tokens`` fits the largest KV capacity bucket (400 naming it)."""
+def sampling_params(
+    engine: Engine, n_prompt: int, max_tokens: int, *, param: str = "max_tokens", **sampling
+) -> SamplingParams:
+    """Check that ``max_tokens`` fits the largest KV capacity bucket (400 naming ``param``, the
+    route's name for it)."""
     room = engine.capacity_limit - n_prompt + 1
     if max_tokens > room:
         raise ApiError(
             400,
-            f"max_tokens {max_tokens} exceeds what fits: prompt {n_prompt} tokens + max_tokens - 1 must be "
-            f"<= {engine.capacity_limit} (the largest KV capacity bucket), so max_tokens <= {room}",
-            param="max_tokens",
+            f"{param} {max_tokens} exceeds what fits: prompt {n_prompt} tokens + {param} - 1 must be "
+            f"<= {engine.capacity_limit} (the largest KV capacity bucket), so {param} <= {room}",
+            param=param,
         )
     return SamplingParams(max_tokens=max_tokens, **sampling)
 
@@ -222,7 +228,7 @@ async def respond(request: Request, gen: Generation, fmt: ResponseFormat, stream
     """Answer with the whole text (JSON) or a server-sent event stream in ``fmt``'s shape.
 
     An error before the first event is the HTTP status (:func:`failure`); once a stream has
-    started, an error is its last ``data:`` event (then ``[DONE]`` where ``fmt`` uses it).
+    started, it ends with ``fmt``'s error events (then ``[DONE]`` where ``fmt`` uses it).
     """
     first = await gen.next_or_gone(request)
     if first is None:
@@ -248,9 +254,9 @@ async def _collect(request: Request, gen: Generation, fmt: ResponseFormat, first
     return fmt.body("".join(pieces), event)
 
 
-def _data(payload: dict, shape: Shape = "openai") -> str:
-    """One server-sent event; Anthropic's name the event (its ``type``) on an ``event:`` line."""
-    head = f"event: {payload['type']}\n" if shape == "anthropic" else ""
+def _data(payload: dict, named: bool = False) -> str:
+    """One server-sent event; ``named``: its ``type`` also on an ``event:`` line."""
+    head = f"event: {payload['type']}\n" if named else ""
     return f"{head}data: {json.dumps(payload)}\n\n"
 
 
@@ -264,12 +270,12 @@ async def _sse(gen: Generation, fmt: ResponseFormat, first: Event) -> AsyncItera
             # a disconnect ends this generator while it awaits (Starlette cancels it).
             batch = [event, *gen.ready()]
             chunks = [c for e in batch if isinstance(e, TokenEvent) for c in fmt.chunks(e.text, e.logprobs)]
-            yield "".join(_data(c, fmt.shape) for c in chunks)
+            yield "".join(_data(c, fmt.named_events) for c in chunks)
             event = batch[-1] if isinstance(batch[-1], FinalEvent) else await gen.next()
         finished = True
         error = failure(event, fmt.partial_ends)
-        for chunk in [error.body(fmt.shape)] if error else fmt.final_chunks(event):
-            yield _data(chunk, fmt.shape)
+        for chunk in fmt.error_chunks(error) if error else fmt.final_chunks(event):
+            yield _data(chunk, fmt.named_events)
         if fmt.done_marker:
             yield "data: [DONE]\n\n"
     finally:

@@ -61,6 +61,11 @@ def plan(model: str, chat: bool) -> list[tuple[str, str, dict[str, Any]]]:
                 {**messages, "tools": [_TOOL], "tool_choice": "required", "stream": True},
             ),
             ("/v1/messages streamed", "/v1/messages", {**messages, "stream": True}),
+            (
+                "/v1/responses streamed",
+                "/v1/responses",
+                {"model": model, "input": "Hello", "max_output_tokens": 2, "stream": True, "store": False},
+            ),
         ]
     return steps
 
@@ -79,7 +84,10 @@ def burst(model: str, streams: int, longest_words: int) -> list[dict[str, Any]]:
 
 
 def prompt_tokens(tokenizer, body: dict[str, Any]) -> int:
-    """Tokens of a rehearsal request's prompt (chat messages through the chat template)."""
+    """Tokens of a rehearsal request's prompt (chat messages, or a Responses ``input`` text as
+    one user turn, through the chat template)."""
+    if "input" in body:
+        body = {"messages": [{"role": "user", "content": body["input"]}]}
     if "messages" in body:  # as the chat route renders them (a template without tools: the fallback prompt)
         return len(tokenizer.encode(render_messages(tokenizer, body["messages"], body.get("tools"))))
     return len(tokenizer.encode(body["prompt"]))

@@ -43,6 +43,7 @@ class InferFormat:
     done_marker = False
     partial_ends = True
     shape: Shape = "openai"
+    named_events = False
 
     def __init__(self, request_id: str, model: str, tokenizer=None, logprobs: bool = False):
         self.id, self.model, self._tokenizer, self._logprobs = request_id, model, tokenizer, logprobs
@@ -76,6 +77,10 @@ class InferFormat:
 
     def final_chunks(self, final: FinalEvent) -> list[dict]:
         return [InferChunk.model_validate({"id": self.id, "model": self.model, "text": "", **_end(final)}).model_dump()]
+
+    def error_chunks(self, error: ApiError) -> list[dict]:
+        """The error object as the stream's last event."""
+        return [error.body(self.shape)]
 
     def body(self, text: str, final: FinalEvent) -> dict:
         body = InferResponse.model_validate({"id": self.id, "model": self.model, "text": text, **_end(final)})

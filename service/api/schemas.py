@@ -581,3 +581,197 @@ class AnthropicErrorBody(BaseModel):
 
 class TokenCount(BaseModel):
     input_tokens: int = Field(description="the prompt tokens /v1/messages would prefill for the same body")
+
+
+# -- OpenAI Responses bodies (the fields of OpenAI's Responses API that stepserve honours) --
+# Input items, their content parts and tools are told apart by ``type``; a type stepserve does
+# not serve (images, files, reasoning items, item references, built-in tools, ...) parses as
+# :class:`UnsupportedItem`, which the route answers 400 naming it. Union tags start ``item:``
+# (left out of error paths, :func:`service.api.errors._field_path`).
+
+
+class UnsupportedItem(BaseModel):
+    """An input item, content part or tool of a type stepserve does not serve (400 naming it)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str | None = None
+
+
+def _kind(value: Any, default: str | None = None) -> Any:
+    """A union member's ``type`` (``default`` when it has none)."""
+    return value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
+
+
+class ResponsesText(BaseModel):
+    """A text content part: ``input_text`` (user, system, developer turns, tool outputs) or
+    ``output_text`` (assistant turns, as the route answered them)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = Field(None, description="accepted on output_text; not shown to the model")
+    logprobs: list[Any] | None = Field(None, description="accepted on output_text; not shown to the model")
+
+
+ResponsesPart = Annotated[
+    Annotated[ResponsesText, Tag("item:text")] | Annotated[UnsupportedItem, Tag("item:other")],
+    Discriminator(lambda p: "item:text" if _kind(p) in ("input_text", "output_text") else "item:other"),
+]
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class ResponsesMessage(BaseModel):
+    """A message item (``type`` may be left out): ``content`` a string or text parts."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ResponsesPart]
+    id: str | None = Field(None, description="an output message's id, when one is sent back")
+    status: ItemStatus | None = None
+    phase: Literal["commentary", "final_answer"] | None = Field(None, description="accepted; not shown to the model")
+
+
+class FunctionCallItem(BaseModel):
+    """A function call of an earlier response (sent back with its ``call_id``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function_call"]
+    call_id: str = Field(..., min_length=1)
+    name: str = Field(..., min_length=1)
+    arguments: str = Field(..., description="the arguments as a JSON object, serialized")
+    id: str | None = None
+    status: ItemStatus | None = None
+
+
+class FunctionCallOutputItem(BaseModel):
+    """A function's result, answering the call ``call_id``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function_call_output"]
+    call_id: str = Field(..., min_length=1)
+    output: str | list[ResponsesPart]
+    id: str | None = None
+    status: ItemStatus | None = None
+
+
+_ITEMS = ("message", "function_call", "function_call_output")
+InputItem = Annotated[
+    Annotated[ResponsesMessage, Tag("item:message")]
+    | Annotated[FunctionCallItem, Tag("item:function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("item:function_call_output")]
+    | Annotated[UnsupportedItem, Tag("item:other")],
+    Discriminator(
+        lambda i: f"item:{k}" if (k := _kind(i, "message" if isinstance(i, dict) else None)) in _ITEMS else "item:other"
+    ),
+]
+
+
+class ResponsesFunctionTool(BaseModel):
+    """A function tool: its arguments follow ``parameters`` (a JSON schema of an object)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = Field(None, description="accepted; arguments are forced by the grammar as on chat")
+
+
+ResponsesTool = Annotated[
+    Annotated[ResponsesFunctionTool, Tag("item:function")] | Annotated[UnsupportedItem, Tag("item:other")],
+    Discriminator(lambda t: "item:function" if _kind(t) == "function" else "item:other"),
+]
+
+
+class ResponsesNamedTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesTextFormat(BaseModel):
+    """``text.format``: free text, any JSON object, or JSON valid against ``schema``."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="a JSON Schema object")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponsesTextFormat:
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError("type 'json_schema' needs a 'schema'")
+        return self
+
+    def response_format(self) -> ResponseFormat:
+        """The chat route's ``response_format`` of the same output (compiled by the same grammar)."""
+        if self.type != "json_schema":
+            return ResponseFormat(type=self.type)
+        spec = JsonSchemaFormat(name=self.name or "response", schema=self.schema_ or {}, strict=self.strict)
+        return ResponseFormat(type="json_schema", json_schema=spec)
+
+
+class ResponsesTextConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format: ResponsesTextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = Field(None, description="'medium' only (the default)")
+
+
+class ReasoningConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    effort: str | None = Field(None, description="null or 'none' only: the served models do not reason")
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
+# Fields of the Responses API that do not change the output (billing, caching and safety hints,
+# stream framing): accepted and not used.
+RESPONSES_NO_OP_FIELDS = frozenset(
+    {"service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "stream_options"}
+)
+# ``include`` values that add nothing to an answer stepserve gives: the served models do not
+# reason, so there is no reasoning item to carry encrypted content.
+RESPONSES_INCLUDABLE = frozenset({"reasoning.encrypted_content"})
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses``: OpenAI's Responses API. Fields that do not change the output
+    (``metadata``, ``user``, :data:`RESPONSES_NO_OP_FIELDS`) are accepted; any other unknown
+    field answers 400 naming it."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = Field(None, description="model name; default: the server's default model")
+    input: str | list[InputItem] = Field(..., description="text (one user turn), or message and function items")
+    instructions: str | None = Field(None, description="a system turn first; not carried to a follow-up")
+    tools: list[ResponsesTool] | None = Field(None, max_length=64)
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedTool | None = None
+    text: ResponsesTextConfig | None = None
+    max_output_tokens: int | None = Field(None, ge=1, description="tokens to generate at most; default from settings")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; null = 1")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus sampling mass; null = 1 (off)")
+    stream: bool = False
+    store: bool | None = Field(None, description="keep the answer for previous_response_id (null = true)")
+    previous_response_id: str | None = Field(None, description="continue the conversation of a kept response")
+    metadata: dict[str, str] | None = Field(None, max_length=16, description="kept with the answer; not shown")
+    parallel_tool_calls: bool | None = Field(None, description="false: honoured with a named tool_choice or none")
+    user: str | None = Field(None, description="accepted; does not change the output")
+    reasoning: ReasoningConfig | None = None
+    include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] | None = Field(
+        None, description="accepted; a prompt past the largest KV bucket answers 400 either way"
+    )
+    background: bool | None = Field(None, description="false only")
+
+    @field_validator("input")
+    @classmethod
+    def _not_empty(cls, value):
+        if isinstance(value, list) and not value:
+            raise ValueError("input must not be an empty list")
+        return value
+
+    def unsupported(self) -> str | None:
+        """The first field of the body that stepserve does not implement, or None."""
+        return next((k for k in (self.model_extra or {}) if k not in RESPONSES_NO_OP_FIELDS), None)

@@ -9,6 +9,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from service.api.response_store import ResponseStore
 from service.config import Settings
 from service.engine.core import Engine
 from service.metrics import Metrics
@@ -18,7 +19,8 @@ from service.process.warm_sizing import Coverage
 
 @dataclass
 class AppState:
-    """Settings, metrics and one engine per served model (the first is the default)."""
+    """Settings, metrics, one engine per served model (the first is the default) and the kept
+    ``/v1/responses`` answers."""
 
     settings: Settings
     metrics: Metrics
@@ -28,6 +30,10 @@ class AppState:
     draining: bool = False  # SIGTERM received: refuse new work, finish what runs
     ranks: list[RankInfo] | None = None  # a pipeline group's ranks, on its rank 0 (None: one process)
     coverage: dict[str, Coverage] = field(default_factory=dict)  # what each model's warm-up covers, and why
+    responses: ResponseStore = field(init=False)  # /v1/responses answers kept (responses_store_bytes)
+
+    def __post_init__(self) -> None:
+        self.responses = ResponseStore(self.settings.responses_store_bytes)
 
 
 async def get_state(request: Request) -> AppState:

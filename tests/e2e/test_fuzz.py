@@ -51,6 +51,8 @@ ROUTES = {
     "POST /v1/chat/completions",
     "POST /v1/messages",
     "POST /v1/messages/count_tokens",
+    "POST /v1/responses",
+    "GET /v1/responses/{response_id}",
 }
 
 
@@ -61,9 +63,11 @@ SERVED = DEFAULT_MODEL_NAME  # the fuzz server's one model
 def map_body(context, body):
     """On the Messages routes ``model`` is required, and a generated name is almost never a
     served one: three bodies in four are sent with the served model, so the fuzz reaches the
-    template, the grammar and generation there too, not only the 404."""
+    template, the grammar and generation there too, not only the 404 (likewise on
+    ``/v1/responses``, where the OpenAI client always sends a model)."""
     path = context.operation.path if context.operation is not None else ""
-    if is_anthropic(path) and isinstance(body, dict) and isinstance(body.get("model"), str) and len(body["model"]) % 4:
+    remapped = is_anthropic(path) or path == "/v1/responses"
+    if remapped and isinstance(body, dict) and isinstance(body.get("model"), str) and len(body["model"]) % 4:
         body["model"] = SERVED
     return body
 

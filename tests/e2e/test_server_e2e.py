@@ -70,7 +70,13 @@ def test_warmup_sends_every_route_a_request_before_ready_and_counts_none(server)
     with server.client() as client:
         rehearsed = client.get("/readyz").json()["models"]["SmolLM2-135M-Instruct"]["rehearsed"]
     http = [line for line in rehearsed if line.startswith("HTTP ")]
-    for route in ("/infer", "/infer streamed", "/v1/completions", "/v1/chat/completions streamed"):
+    for route in (
+        "/infer",
+        "/infer streamed",
+        "/v1/completions",
+        "/v1/chat/completions streamed",
+        "/v1/responses streamed",
+    ):
         assert f"HTTP {route}" in http
     assert any("JSON object" in line for line in http) and any("tool call" in line for line in http)
     assert any(line.startswith("HTTP a burst of 4 streamed completions") for line in http)  # the warmed concurrency
