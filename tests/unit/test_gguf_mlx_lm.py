@@ -1,9 +1,10 @@
 """GGUF files served through mlx-lm's model classes (``model_impl = "mlx_lm"``,
 :func:`models.lm_loader.load_lm_gguf`): the default model SmolLM2 (Q4_1, mlx-lm's ``llama`` with
 llama.cpp's permuted Q/K rows and ``rope_traditional``) and Gemma 3 270M (Q4_K_M, read densely
-by the ``gguf`` package, mlx-lm's ``gemma3_text``). Through the engine, several prompts at once
-(batched rows at different lengths), their greedy tokens equal the hand-written path's on the
-same file and mlx-lm's own ``generate_step`` on the directory ``stepserve convert`` writes."""
+by the ``gguf`` package, mlx-lm's ``gemma3_text``, built with its sliding windows). Through the
+engine, several SmolLM2 prompts at once (batched rows at different lengths) with its quantized
+layers as the file packed them: greedy tokens equal to the hand-written path's on the same file
+and to mlx-lm's own ``generate_step`` on the directory ``stepserve convert`` writes."""
 
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ def smollm_dir(tmp_path_factory) -> Path:
     return convert_gguf(default_model_path(), tmp_path_factory.mktemp("smollm2"), mx.float32)
 
 
-@pytest.mark.parametrize("weights", ["quantized", "dequantized"])
+@pytest.mark.parametrize("weights", ["quantized"])  # dequantized (the CPU's default): tests/e2e/test_mlx_lm_serving.py
 def test_smollm2_gguf_through_mlx_lm_gives_the_native_and_mlx_lms_tokens(smollm_dir, weights):
     native = load_model(default_model_path(), "native", mx.float32, weights, impl="native")
     model = load_model(default_model_path(), "mlx_lm", mx.float32, weights, impl="mlx_lm")
@@ -101,16 +102,11 @@ def test_smollm2_gguf_through_mlx_lm_gives_the_native_and_mlx_lms_tokens(smollm_
     assert "Paris" in model.tokenizer.decode(got[0])
 
 
-def test_gemma3_gguf_through_mlx_lm_gives_the_native_and_mlx_lms_tokens(tmp_path):
+def test_gemma3_gguf_through_mlx_lm_builds_gemma3_text_with_its_sliding_windows():
     """Its K-quants arrive dense (the ``gguf`` package's values), so ``dequantized`` is all there
-    is; the sliding-window layers decode in rings of 512 as mlx-lm's ``make_cache`` says."""
+    is; the sliding-window layers decode in rings of 512 as mlx-lm's ``make_cache`` says. Its
+    greedy tokens against mlx-lm's: tests/e2e/test_mlx_lm_serving.py (through the server), and
+    the native path's against mlx-lm's: tests/e2e/test_gemma.py."""
     model = load_model(gemma_gguf(), "mlx_lm", mx.float32, "dequantized", impl="mlx_lm")
     assert isinstance(model.args, AdapterArgs) and model.args.model_type == "gemma3_text"
     assert model.args.windows == tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))
-    got = engine_tokens(model)
-    expected = mlx_lm_tokens(convert_gguf(gemma_gguf(), tmp_path / "gemma", mx.float32), model, "dequantized")
-    assert got == expected
-    del model  # one Gemma (1 GB in float32) at a time
-    native = load_model(gemma_gguf(), "native", mx.float32, "dequantized", impl="native")
-    assert isinstance(native.args, ModelArgs)
-    assert engine_tokens(native) == got
