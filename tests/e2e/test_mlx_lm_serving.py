@@ -3,9 +3,10 @@ the cache adapter: a tiny random Qwen3-Next (recurrent and attention layers, no 
 module: ``model_impl = auto`` takes mlx-lm's class), a tiny Nemotron-H (mamba layers that ignore
 padding: prefilled in exact rows) and the default model SmolLM2, as its GGUF and converted to a
 directory, served with ``model_impl = mlx_lm``, answer /v1/chat/completions with mlx-lm's own
-greedy tokens (``mlx_lm.generate.generate_step`` on the converted directory); the Gemma 3 270M GGUF served with ``model_impl = mlx_lm``
-(mlx-lm's gemma3_text) completes prompts with mlx-lm's greedy tokens on the directory
-``stepserve convert`` writes; a refused ``model_type`` stops start-up naming it."""
+greedy tokens (``mlx_lm.generate.generate_step`` on the converted directory); the Gemma 3 270M
+GGUF served with ``model_impl = mlx_lm`` (mlx-lm's gemma3_text) completes prompts with mlx-lm's
+greedy tokens on the directory ``stepserve convert`` writes; a refused ``model_type`` stops
+start-up naming it."""
 
 from __future__ import annotations
 
