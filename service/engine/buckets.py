@@ -47,6 +47,12 @@ class BucketTable:
         """Smallest capacity bucket >= positions. Raises BucketLimitError."""
         return self._fit(self.capacity, positions, "KV capacity")
 
+    def chunk_tokens(self, requested: int) -> int:
+        """Prompt tokens one chunked-prefill step takes at most: ``requested`` (the
+        ``prefill_chunk_tokens`` setting), but no more than the largest prompt bucket, since a
+        chunk pads up to a prompt bucket."""
+        return min(requested, self.prompt[-1])
+
     def prefill_rows(self, prompt_bucket: int, tokens: int) -> int:
         """The most prompts of one prompt bucket a whole prefill runs together: the largest
         batch bucket whose padded tokens stay within ``tokens`` (at least 1)."""

@@ -82,7 +82,7 @@ class Engine:
         speculative_max_batch: int | None = None,
     ):
         self.model, self.buckets, self.metrics = model, buckets, metrics
-        chunk_tokens = min(chunk_tokens, buckets.prompt[-1])  # a chunk pads up to a prompt bucket
+        chunk_tokens = buckets.chunk_tokens(chunk_tokens)
         self.executor = executor_for(model, cache)
         self.selector = TokenSelector(model.args.vocab_size, self.executor.step_fn)
         self.prefix = prefix if prefix is not None else PrefixCache(block_tokens=buckets.prompt[0], budget_bytes=0)

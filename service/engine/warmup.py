@@ -74,7 +74,7 @@ def plan(buckets: BucketTable, spec: WarmupSpec) -> list[Step]:
     if spec.prompt_tokens <= 0:
         return []
     limit = buckets.capacity[-1]
-    chunk_top = buckets.prompt_for(min(spec.chunk_tokens, buckets.prompt[-1]))
+    chunk_top = buckets.prompt_for(buckets.chunk_tokens(spec.chunk_tokens))
     chunk_ts = [t for t in buckets.prompt if t <= chunk_top]
     whole_ts = [t for t in chunk_ts if t <= buckets.prompt_for(min(spec.prompt_tokens, chunk_top))]
     rows = warmed_batch(buckets, spec)

@@ -40,7 +40,7 @@ def build_engine(
     cache = CompileCache(served.compile, metrics.record_lookup, metrics.record_compile)
     buckets = buckets_of(served)
     prefix = PrefixCache(settings.prefix_block_tokens, prefix_budget(model, settings.prefix_cache_bytes))
-    chunk_tokens = min(settings.prefill_chunk_tokens, buckets.prompt[-1])  # as the engine clamps it
+    chunk_tokens = buckets.chunk_tokens(settings.prefill_chunk_tokens)  # the engine's chunk, for the draft's steps
     proposer: PromptLookup | DraftProposer | None = None
     if served.speculative != "off" and model.args.can_verify:  # (rings and states decode plain: load_models)
         proposer = PromptLookup() if draft is None else DraftProposer(draft, buckets, cache, chunk_tokens)

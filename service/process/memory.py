@@ -112,7 +112,7 @@ def prefill_bytes(
     at chunk bucket t: a copy of their staging rows, B x C positions, and B x heads x t x C
     scores)."""
     per_position, heads = kv_bytes_per_position(model), model.args.num_attention_heads
-    chunk_tokens = min(chunk_tokens, buckets.prompt[-1])  # as the engine caps it
+    chunk_tokens = buckets.chunk_tokens(chunk_tokens)  # as the engine caps it
     T = buckets.prompt_for(min(prompt, chunk_tokens))
     admitted = buckets.batch_for(max(1, min(rows, max_batched_tokens // max(1, T // 2))))
     whole_rows = min(admitted, buckets.prefill_rows(T, chunk_tokens))

@@ -235,7 +235,7 @@ def warmup_extent(spec: ServedModel, model: LoadedModel, settings: Settings, max
             top,
             min(CPU_WARMUP_BATCH, max_running),
             top + settings.default_max_tokens,
-            min(settings.prefill_chunk_tokens, buckets.prompt[-1]),
+            buckets.chunk_tokens(settings.prefill_chunk_tokens),
             settings.max_batched_tokens,
             settings.warmup_rehearsal,
         )

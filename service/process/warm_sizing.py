@@ -131,7 +131,7 @@ def rehearsal_flops(args: ServedArgs, buckets: BucketTable, spec: WarmupSpec) ->
     does not rehearse."""
     if spec.prompt_tokens <= 0 or not spec.rehearse:
         return 0.0
-    smallest, chunk = buckets.prompt[0], min(spec.chunk_tokens, buckets.prompt[-1])
+    smallest, chunk = buckets.prompt[0], buckets.chunk_tokens(spec.chunk_tokens)
 
     def padded(tokens: int) -> int:  # a prompt's prefilled tokens: whole chunks, the last padded
         whole, rest = divmod(tokens, chunk)
