@@ -469,3 +469,20 @@ def write_mlx_lm_dir(
         config["eos_token_id"] = eos
     save_config(config, directory / "config.json")
     return model
+
+
+class FinishedGeneration:
+    """A generation whose next event is ``final`` (what :mod:`service.api.pipeline`'s stream
+    reads), for testing a response format's last frames without an engine."""
+
+    def __init__(self, final):
+        self.final, self.cancelled = final, False
+
+    def ready(self) -> list:
+        return []
+
+    async def next(self):
+        return self.final
+
+    def cancel(self) -> None:
+        self.cancelled = True

@@ -15,6 +15,7 @@ from service.api.errors import ApiError, error_body
 from service.api.schemas import MessagesInput
 from service.api.tools import hermes_block, parse_tool_calls
 from service.engine.sequence import FinalEvent, FinishReason, TokenEvent
+from tests.support import FinishedGeneration
 
 
 def _final(reason: FinishReason, completion: int = 5, stop: str | None = None, error: str | None = None) -> FinalEvent:
@@ -122,24 +123,8 @@ def test_stop_reasons(final, reason, stop):
     assert end["delta"] == {"stop_reason": reason, "stop_sequence": stop}
 
 
-class _Gen:
-    """A generation whose next event is ``final`` (what pipeline's stream reads)."""
-
-    def __init__(self, final: FinalEvent):
-        self.final, self.cancelled = final, False
-
-    def ready(self) -> list:
-        return []
-
-    async def next(self):
-        return self.final
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
 def test_a_stream_that_fails_ends_with_an_anthropic_error_event():
-    gen = _Gen(_final(FinishReason.ERROR, error="the engine failed"))
+    gen = FinishedGeneration(_final(FinishReason.ERROR, error="the engine failed"))
 
     async def frames() -> list[str]:
         return [f async for f in pipeline._sse(gen, MessagesFormat("m", 12, None), TokenEvent("Hi", 1))]  # type: ignore[arg-type]

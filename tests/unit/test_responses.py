@@ -16,6 +16,7 @@ from service.api.responses import ResponsesFormat, conversation, output_turns, s
 from service.api.schemas import ResponsesRequest
 from service.api.tools import hermes_block, parse_tool_calls
 from service.engine.sequence import FinalEvent, FinishReason, TokenEvent
+from tests.support import FinishedGeneration
 
 
 def _final(reason: FinishReason, completion: int = 5, error: str | None = None) -> FinalEvent:
@@ -179,25 +180,9 @@ def test_the_request_is_echoed_as_openai_echoes_it():
     assert defaults["text"]["format"] == {"type": "text"} and defaults["max_output_tokens"] is None
 
 
-class _Gen:
-    """A generation whose next event is ``final`` (what pipeline's stream reads)."""
-
-    def __init__(self, final: FinalEvent):
-        self.final, self.cancelled = final, False
-
-    def ready(self) -> list:
-        return []
-
-    async def next(self):
-        return self.final
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
 def _frames(fmt: ResponsesFormat, final: FinalEvent) -> list[dict]:
     async def frames() -> list[str]:
-        return [f async for f in pipeline._sse(_Gen(final), fmt, TokenEvent("Hi", 1))]  # type: ignore[arg-type]
+        return [f async for f in pipeline._sse(FinishedGeneration(final), fmt, TokenEvent("Hi", 1))]  # type: ignore[arg-type]
 
     out = []
     for frame in "".join(asyncio.run(frames())).split("\n\n")[:-1]:
