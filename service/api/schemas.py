@@ -391,6 +391,11 @@ class ChatCompletionRequest(OpenAISampling):
     top_logprobs: int | None = Field(None, ge=0, le=20, description="and this many most likely alternatives")
     tools: list[Tool] | None = Field(None, max_length=64)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    reasoning_effort: str | None = Field(
+        None,
+        description="honoured by models that reason (passed to templates that take it; 'none'/'medium' turn "
+        "Qwen3-style thinking off/on); what a model cannot honour answers 400",
+    )
 
     @model_validator(mode="after")
     def _tools(self) -> ChatCompletionRequest:
