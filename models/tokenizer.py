@@ -64,7 +64,9 @@ class ChatTokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict] | None = None, **variables: Any
+    ) -> str:
         """Render ``messages`` (and ``tools``) with the model's chat template and a generation
         prompt, as Hugging Face transformers does.
 
@@ -74,7 +76,9 @@ class ChatTokenizer:
         parsed to a dict (as transformers' docs ask); ``tool_call_id`` for ``tool`` turns.
         ``tools`` (OpenAI's ``[{"type": "function", "function": {...}}]``) become the template's
         ``tools`` variable; a template that does not use it ignores them (see
-        ``service.api.tools.render_messages`` for the fallback).
+        ``service.api.tools.render_messages`` for the fallback). ``variables`` are further
+        template variables (``enable_thinking``, ``reasoning_effort``), as transformers passes
+        its extra keyword arguments.
 
         Rendered in Jinja2's immutable sandbox with transformers' extras: ``tojson`` without
         HTML escaping, ``raise_exception``, ``strftime_now`` and the ``loopcontrols`` extension.
@@ -95,6 +99,7 @@ class ChatTokenizer:
                 add_generation_prompt=True,
                 bos_token=tokens.id_to_token(self.bos_token_id) if self.bos_token_id is not None else "",
                 eos_token=tokens.id_to_token(self.eos_token_id),
+                **variables,
             )
         except (jinja2.TemplateError, TypeError) as exc:  # TypeError: e.g. '\n' + None content
             raise TokenizerError(f"chat template failed: {exc}") from exc
@@ -103,9 +108,10 @@ class ChatTokenizer:
         """Text of ``ids`` with special tokens left out."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def detokenizer(self) -> Detokenizer:
-        """A fresh incremental detokenizer for one sequence."""
-        return Detokenizer(self.tokenizer)
+    def detokenizer(self, keep_special: bool = False) -> Detokenizer:
+        """A fresh incremental detokenizer for one sequence; ``keep_special``: special tokens'
+        text stays in the output (Harmony's ``<|channel|>``, Mistral's ``[TOOL_CALLS]``)."""
+        return Detokenizer(self.tokenizer, keep_special)
 
     @cached_property
     def longest_token_bytes(self) -> int:
@@ -176,9 +182,9 @@ class Detokenizer:
     across tokens (it returns None until the character completes).
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, keep_special: bool = False):
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stream = DecodeStream(skip_special_tokens=not keep_special)
 
     def step(self, token_id: int) -> str:
         """Feed one token id; return the newly completed text ('' while a character is partial)."""

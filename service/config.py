@@ -55,6 +55,13 @@ class Settings(BaseSettings):
         "where its model_type has one, else mlx-lm's; 'auto' serves a GGUF file natively "
         "('stepserve models' lists the model types)",
     )
+    reasoning_parser: Literal["auto", "none", "think", "harmony"] = Field(
+        "auto",
+        description="how a model's reasoning is kept apart from its answer (reasoning_content, reasoning items, "
+        "thinking blocks): 'think' between <think> and </think> (Qwen3, QwQ, DeepSeek-R1), 'harmony' gpt-oss's "
+        "analysis channel, 'none' not at all (the reasoning stays in the answer), 'auto' from the chat template "
+        "(Harmony's <|channel|>: harmony; <think>: think; else none)",
+    )
     compile: Literal["on", "off", "auto"] = Field(
         "on",
         description="'on' compiles the steps per bucket; 'off' runs the same step functions eagerly; "
@@ -186,8 +193,9 @@ class Settings(BaseSettings):
     models: list[ModelSettings] = Field(
         [],
         description="several models, each a JSON object ([[models]] tables in TOML): 'name', and any of path, "
-        "model_impl, compile, dtype, weights, *_buckets, max_sequences, warmup_prompt_tokens, warmup_batch, "
-        "speculative, draft_model, speculative_tokens, speculative_max_batch, which default to the top-level settings; "
+        "model_impl, reasoning_parser, compile, dtype, weights, *_buckets, max_sequences, warmup_prompt_tokens, "
+        "warmup_batch, speculative, draft_model, speculative_tokens, speculative_max_batch, which default to the "
+        "top-level settings; "
         "empty: the one model set by model and model_name",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")

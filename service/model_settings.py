@@ -27,6 +27,7 @@ class ModelSettings(BaseModel):
     name: str
     path: Path | None = None
     model_impl: Literal["auto", "native", "mlx_lm"] | None = None
+    reasoning_parser: Literal["auto", "none", "think", "harmony"] | None = None
     compile: Literal["on", "off", "auto"] | None = None
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
     weights: Literal["auto", "quantized", "dequantized"] | None = None
@@ -68,6 +69,7 @@ class ServedModel:
     speculative_tokens: int = 4
     speculative_max_batch: int | None = None  # None: calibrated at warm-up
     model_impl: Literal["auto", "native", "mlx_lm"] = "auto"
+    reasoning_parser: Literal["auto", "none", "think", "harmony"] = "auto"
 
 
 # ModelSettings field -> the top-level Settings field it inherits from.
@@ -75,6 +77,7 @@ INHERITED = {
     "name": "model_name",
     "path": "model",
     "model_impl": "model_impl",
+    "reasoning_parser": "reasoning_parser",
     "compile": "compile",
     "dtype": "dtype",
     "weights": "weights",

@@ -12,8 +12,9 @@ answer as a message or as Anthropic's named server-sent events.
 ``stop_reason``: ``end_turn``, ``max_tokens``, ``stop_sequence`` (with the matched
 ``stop_sequence``) or ``tool_use``. Errors are Anthropic's ``{"type": "error", "error": {...}}``
 (:mod:`service.api.errors`); a field that would change the output and is not implemented
-(``thinking`` enabled, image and document blocks, a last assistant turn to continue) answers 400
-naming it.
+(a ``thinking`` budget, thinking on a model that does not think, image and document blocks, a
+last assistant turn to continue) answers 400 naming it. A model that thinks
+(``reasoning_parser``) answers with a ``thinking`` block first.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import secrets
 
 from fastapi import APIRouter, Request
 
-from service.api import pipeline, tools
+from service.api import pipeline, reasoning, tools
 from service.api.errors import ApiError, Shape
+from service.api.reasoning import AnswerPlan
 from service.api.schemas import (
     AnthropicErrorBody,
     ChatMessage,
@@ -38,7 +40,6 @@ from service.api.schemas import (
     ToolUseBlock,
 )
 from service.api.state import AppState, State
-from service.api.tool_stream import ToolCallStream
 from service.engine.core import Engine
 from service.engine.sequence import FinalEvent, FinishReason
 
@@ -96,6 +97,8 @@ def _turn(i: int, role: str, blocks: list) -> list[ChatMessage]:
             result = _text(block.content, f"{where}.content")
             content = f"Error: {result}" if block.is_error else result
             out.append(_chat(role="tool", content=content, tool_call_id=block.tool_use_id))
+        elif block.type in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # past thinking stays out of the prompt (the templates drop it too)
         else:
             allowed = "text and tool_use" if role == "assistant" else "text and tool_result"
             raise ApiError(
@@ -174,54 +177,75 @@ def tool_plan(body: MessagesInput, engine: Engine) -> tools.ToolPlan:
     try:
         checked = tools.validate_tools(declared)
         planned = tools.validate_tool_choice(raw, checked)
+        return tools.plan(checked, planned, engine.model.tokenizer.chat_template)
     except ValueError as exc:
         message = _renamed(str(exc))
         raise ApiError(400, message, param=message.split(":", 1)[0]) from exc
-    return tools.plan(checked, planned, engine.model.tokenizer.chat_template)
 
 
-def _check(body: MessagesInput, engine: Engine) -> None:
-    """400 for a field that would change the output and is not implemented."""
+# Anthropic's thinking types as a reasoning effort (reasoning.template_controls)
+_THINKING = {"disabled": "none", "adaptive": "medium"}
+
+
+def _check(body: MessagesInput, engine: Engine, parser: reasoning.Parser | None) -> dict:
+    """400 for a field that would change the output and is not implemented; else the template
+    variables that honour ``thinking``: ``disabled`` and ``adaptive`` as reasoning efforts
+    ``none`` and ``medium`` (:func:`service.api.reasoning.template_controls`); ``enabled``
+    answers 400 naming ``thinking.budget_tokens`` (a thinking budget is not enforced)."""
     if (field := body.unsupported()) is not None:
         raise ApiError(400, f"'{field}' is not supported by stepserve", param=field)
-    if body.thinking is not None and body.thinking.type != "disabled":
-        raise ApiError(
-            400,
-            f'model \'{engine.model.name}\' does not think: only {{"type": "disabled"}} is served',
-            param="thinking",
+    thinking = body.thinking
+    if thinking is None:
+        return {}
+    if thinking.type == "enabled" and parser is not None:
+        message = 'a thinking budget cannot be enforced; send {"type": "adaptive"} to think'
+        raise ApiError(400, message, param="thinking.budget_tokens")
+    if thinking.type not in _THINKING:
+        if parser is None:
+            message = f'model \'{engine.model.name}\' does not think: only {{"type": "disabled"}} is served'
+            raise ApiError(400, message, param="thinking")
+        raise ApiError(400, "thinking.type: must be 'adaptive' or 'disabled'", param="thinking.type")
+    try:
+        return reasoning.template_controls(
+            parser, engine.model.tokenizer.chat_template, _THINKING[thinking.type], "thinking"
         )
+    except ValueError as exc:
+        raise ApiError(400, f"model '{engine.model.name}': {exc}", param="thinking") from exc
 
 
 async def _prompt(body: MessagesInput, state: AppState) -> tuple[Engine, list[int], tools.ToolPlan]:
     """The engine, the prompt's token ids and the tool plan of a Messages request (the same
     for ``/v1/messages`` and its ``count_tokens``)."""
     engine = pipeline.resolve_engine(state, body.model)
-    _check(body, engine)
+    variables = _check(body, engine, state.reasoning.get(engine.model.name))
     planned = tool_plan(body, engine)
-    ids = await pipeline.prompt_ids(engine, None, conversation(body), planned.rendered, param="messages")
+    ids = await pipeline.prompt_ids(
+        engine, None, conversation(body), planned.rendered, param="messages", variables=variables
+    )
     return engine, ids, planned
 
 
 class MessagesFormat:
     """``/v1/messages`` answers (:class:`service.api.pipeline.ResponseFormat`): a message, or
     Anthropic's events: ``message_start``, ``ping``, per content block ``content_block_start``,
-    ``content_block_delta`` (``text_delta``; a tool call's whole ``input`` as one
-    ``input_json_delta``) and ``content_block_stop``, then ``message_delta`` (``stop_reason``,
-    ``usage.output_tokens``) and ``message_stop``. Tool calls are parsed as they stream in the
-    template's form (:class:`service.api.tool_stream.ToolCallStream`)."""
+    ``content_block_delta`` (``thinking_delta`` in a ``thinking`` block, ``text_delta``; a tool
+    call's whole ``input`` as one ``input_json_delta``) and ``content_block_stop``, then
+    ``message_delta`` (``stop_reason``, ``usage.output_tokens``) and ``message_stop``. Thinking
+    and tool calls are parsed as they stream (:class:`service.api.reasoning.AnswerStream`);
+    a thinking block's ``signature`` is empty (stepserve signs nothing)."""
 
     done_marker = False
     partial_ends = False  # a request ended early answers as an error, as on the OpenAI routes
     shape: Shape = "anthropic"
     named_events = True
 
-    def __init__(self, model: str, input_tokens: int, form: tools.Form | None):
+    def __init__(self, model: str, input_tokens: int, plan: AnswerPlan):
         self.id, self.model, self.input_tokens = f"msg_{secrets.token_hex(12)}", model, input_tokens
-        self.form: tools.Form | None = form
-        self._calls = ToolCallStream(form) if form is not None else None
+        self.plan = plan
+        self._answer = plan.stream()
         self._started = False
         self._blocks = 0  # content blocks opened so far
-        self._open_text = False  # the last block is text and still open
+        self._open: str | None = None  # the type of the last block ("text", "thinking") while it is open
         self._used_tools = False
 
     def _message(self, content: list[dict], final: FinalEvent | None) -> dict:
@@ -255,21 +279,30 @@ class MessagesFormat:
         return [{"type": "message_start", "message": self._message([], None)}, {"type": "ping"}]
 
     def _close_text(self) -> list[dict]:
-        if not self._open_text:
+        if self._open is None:
             return []
-        self._open_text = False
+        self._open = None
         return [{"type": "content_block_stop", "index": self._blocks - 1}]
 
+    def _block_delta(self, kind: str, text: str) -> list[dict]:
+        """A ``text`` or ``thinking`` block's delta, the block opened first if it is not."""
+        out = [] if self._open == kind else self._close_text()
+        if self._open != kind:
+            block = _text_block("") if kind == "text" else _thinking_block("")
+            out.append({"type": "content_block_start", "index": self._blocks, "content_block": block})
+            self._blocks, self._open = self._blocks + 1, kind
+        delta = _text_delta(text) if kind == "text" else {"type": "thinking_delta", "thinking": text}
+        return [*out, {"type": "content_block_delta", "index": self._blocks - 1, "delta": delta}]
+
     def _deltas(self, deltas: list[dict]) -> list[dict]:
-        """Anthropic's block events for the chat route's deltas (``content``, ``tool_calls``)."""
+        """Anthropic's block events for the chat route's deltas (``reasoning_content``,
+        ``content``, ``tool_calls``)."""
         out: list[dict] = []
         for delta in deltas:
+            if thought := delta.get("reasoning_content"):
+                out += self._block_delta("thinking", thought)
             if text := delta.get("content"):
-                if not self._open_text:
-                    start = {"type": "content_block_start", "index": self._blocks, "content_block": _text_block("")}
-                    out.append(start)
-                    self._blocks, self._open_text = self._blocks + 1, True
-                out.append({"type": "content_block_delta", "index": self._blocks - 1, "delta": _text_delta(text)})
+                out += self._block_delta("text", text)
             for call in delta.get("tool_calls") or []:
                 out += self._close_text()
                 block = _tool_block(call)
@@ -283,14 +316,13 @@ class MessagesFormat:
         return out
 
     def chunks(self, text: str, logprobs: tuple = ()) -> list[dict]:
-        deltas = self._calls.feed(text) if self._calls is not None else [{"content": text}]
-        return self._start() + self._deltas(deltas)
+        return self._start() + self._deltas(self._answer.feed(text))
 
     def add(self, logprobs: tuple) -> None:
         """Nothing to keep: Messages answers carry no logprobs."""
 
     def final_chunks(self, final: FinalEvent) -> list[dict]:
-        out = self._start() + self._deltas(self._calls.finish() if self._calls is not None else [])
+        out = self._start() + self._deltas(self._answer.finish())
         out += self._close_text()
         reason, stop = self._stop_reason(final)
         return out + [
@@ -307,8 +339,9 @@ class MessagesFormat:
         return [error.body(self.shape)]
 
     def body(self, text: str, final: FinalEvent) -> dict:
-        content, calls = tools.parse_tool_calls(text, self.form) if self.form is not None else (text, [])
-        blocks = [_text_block(content)] if content else []
+        thought, content, calls = self.plan.parse(text)
+        blocks = [_thinking_block(thought)] if thought else []
+        blocks += [_text_block(content)] if content else []
         blocks += [_tool_block(c) for c in calls]
         self._used_tools = bool(calls)
         return self._message(blocks, final)
@@ -316,6 +349,10 @@ class MessagesFormat:
 
 def _text_block(text: str) -> dict:
     return {"type": "text", "text": text}
+
+
+def _thinking_block(thinking: str) -> dict:
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
 
 
 def _text_delta(text: str) -> dict:
@@ -354,8 +391,9 @@ async def messages(body: MessagesRequest, request: Request, state: State):
         stop=tuple(body.stop_sequences or ()),
         grammar=pipeline.grammar(engine, None, planned.lark, "tools"),
     )
-    gen = pipeline.start(state, engine, ids, params)
-    fmt = MessagesFormat(engine.model.name, len(ids), planned.form)
+    plan = pipeline.answer_plan(state, engine, planned.form, ids)
+    gen = pipeline.start(state, engine, ids, params, keep_special=plan.keep_special)
+    fmt = MessagesFormat(engine.model.name, len(ids), plan)
     return await pipeline.respond(request, gen, fmt, body.stream)
 
 

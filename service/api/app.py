@@ -15,7 +15,7 @@ from models.loader import LoadedModel, device_name
 from service import __version__
 from service.api import anthropic as anthropic_api
 from service.api import openai as openai_api
-from service.api import rehearsal, security
+from service.api import reasoning, rehearsal, security
 from service.api import responses as responses_api
 from service.api.docs import install_docs
 from service.api.errors import install_error_handlers
@@ -53,6 +53,8 @@ def create_app(
         loaded = models or load_models(settings)
         for spec in specs:
             draft = loaded.get(draft_name(spec.name))
+            chat_template = loaded[spec.name].tokenizer.chat_template
+            state.reasoning[spec.name] = reasoning.resolve(spec.reasoning_parser, chat_template)
             state.engines[spec.name] = _start_engine(settings, spec, loaded[spec.name], metrics, progress, draft, app)
         watchdog.start()
         try:

@@ -25,11 +25,11 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from service.api import pipeline, tools
+from service.api import pipeline, reasoning, tools
 from service.api.errors import ERRORS, ApiError, client_closed
+from service.api.reasoning import AnswerPlan
 from service.api.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice, OpenAISampling
 from service.api.state import AppState, State
-from service.api.tool_stream import ToolCallStream
 from service.engine.core import Engine
 from service.engine.sequence import Event, FinalEvent, TokenEvent, TokenLogprob
 
@@ -66,14 +66,12 @@ class _Tokens:
 class _Choice:
     """One choice's text, logprobs and tool calls as they arrive."""
 
-    def __init__(
-        self, index: int, gen: pipeline.Generation, tool_form: tools.Form | None, echo: str, first_of_prompt: bool
-    ):
+    def __init__(self, index: int, gen: pipeline.Generation, plan: AnswerPlan | None, echo: str, first_of_prompt: bool):
         self.index, self.gen, self.first_of_prompt = index, gen, first_of_prompt
         self.text, self.logprobs = echo, list[TokenLogprob]()
-        self.form: tools.Form | None = tool_form
+        self.plan = plan  # chat: how the answer is read (reasoning, tool calls); None: plain text
         self.calls: list[dict] = []
-        self.tools = ToolCallStream(tool_form) if tool_form else None  # the streamed parser
+        self.answer = plan.stream() if plan is not None else None  # the streamed parser
         self.final: FinalEvent | None = None
         self.echo = echo
 
@@ -142,7 +140,7 @@ async def _generate(body: OpenAISampling, request: Request, state: AppState, cha
     engine = pipeline.resolve_engine(state, body.model)
     max_tokens = body.max_completion_tokens or body.max_tokens or state.settings.default_max_tokens
     tool_form: tools.Form | None = None
-    lark, rendered_tools, top, echo = None, None, None, False
+    lark, rendered_tools, top, echo, variables = None, None, None, False, None
     if isinstance(body, ChatCompletionRequest):
         try:
             declared = tools.validate_tools([t.model_dump(exclude_none=True) for t in body.tools or []]) or None
@@ -150,9 +148,12 @@ async def _generate(body: OpenAISampling, request: Request, state: AppState, cha
                 body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
             )
             choice = tools.validate_tool_choice(raw_choice, declared or [])
+            template = engine.model.tokenizer.chat_template
+            planned = tools.plan(declared or [], choice, template)
+            parser = state.reasoning.get(engine.model.name)
+            variables = reasoning.template_controls(parser, template, body.reasoning_effort, "reasoning_effort")
         except ValueError as exc:
             raise ApiError(400, str(exc), param=str(exc).split(":", 1)[0]) from exc
-        planned = tools.plan(declared or [], choice, engine.model.tokenizer.chat_template)
         rendered_tools, tool_form, lark = planned.rendered, planned.form, planned.lark
         if lark is not None and body.response_format is not None and body.response_format.type != "text":
             raise ApiError(400, "response_format cannot be combined with a required tool call", param="tool_choice")
@@ -172,15 +173,16 @@ async def _generate(body: OpenAISampling, request: Request, state: AppState, cha
     try:
         for p, prompt in enumerate(prompts):
             param = f"prompt.{p}" if len(prompts) > 1 else "prompt"
-            ids = await pipeline.prompt_ids(engine, prompt, messages, rendered_tools, param=param)
+            ids = await pipeline.prompt_ids(engine, prompt, messages, rendered_tools, param=param, variables=variables)
+            plan = pipeline.answer_plan(state, engine, tool_form, ids) if chat else None
             echo_text = (prompt if isinstance(prompt, str) else engine.model.tokenizer.decode(ids)) if echo else ""
             for i in range(body.n):
                 seed = None if body.seed is None else (body.seed + i) % 2**63
                 params = pipeline.sampling_params(
                     engine, len(ids), max_tokens, **{**sampling, "seed": seed, "grammar": grammar, "logprobs": top}
                 )
-                gen = pipeline.start(state, engine, ids, params)
-                choices.append(_Choice(len(choices), gen, tool_form, echo_text, i == 0))
+                gen = pipeline.start(state, engine, ids, params, keep_special=plan is not None and plan.keep_special)
+                choices.append(_Choice(len(choices), gen, plan, echo_text, i == 0))
     except BaseException:
         for c in choices:
             c.gen.cancel()
@@ -218,13 +220,13 @@ async def _collect(request: Request, route: _Route, choices: list[_Choice]):
     for c in choices:
         item: dict = {"index": c.index, "logprobs": route.logprobs(c.logprobs, len(c.echo))}
         if route.chat:
-            message: dict = {"role": "assistant", "content": c.text}
-            if c.form is not None:
-                content, calls = tools.parse_tool_calls(c.text, c.form)
-                c.calls = calls
-                message = {"role": "assistant", "content": content}
-                if calls:
-                    message["tool_calls"] = calls
+            assert c.plan is not None
+            thought, content, c.calls = c.plan.parse(c.text)
+            message: dict = {"role": "assistant", "content": content or (None if c.calls else "")}
+            if c.plan.parser is not None:
+                message["reasoning_content"] = thought
+            if c.calls:
+                message["tool_calls"] = c.calls
             item["message"] = message
         else:
             item["text"] = c.text
@@ -306,7 +308,8 @@ def _token_chunks(route: _Route, c: _Choice, event: TokenEvent) -> list[str]:
     c.text += event.text
     if not route.chat:
         return [_data(route.chunk([{"index": c.index, "text": event.text, "logprobs": lp, "finish_reason": None}]))]
-    deltas = c.tools.feed(event.text) if c.tools is not None else [{"content": event.text}]
+    assert c.answer is not None
+    deltas = c.answer.feed(event.text)
     return [
         _data(route.chunk([{"index": c.index, "delta": d, "logprobs": lp if i == 0 else None, "finish_reason": None}]))
         for i, d in enumerate(deltas)
@@ -319,12 +322,12 @@ def _final_chunks(route: _Route, c: _Choice, event: FinalEvent) -> list[str]:
     if error := pipeline.failure(event, partial_ends=False):
         return [_data(error.body())]
     out = []
-    if route.chat and c.tools is not None:
-        for delta in c.tools.finish():
+    if c.answer is not None:
+        for delta in c.answer.finish():
             out.append(
                 _data(route.chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}]))
             )
-        c.calls = list(c.tools.calls)
+        c.calls = list(c.answer.calls)
     end = {"delta": {}} if route.chat else {"text": ""}
     out.append(_data(route.chunk([{"index": c.index, **end, "logprobs": None, "finish_reason": _reason(c)}])))
     return out

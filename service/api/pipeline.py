@@ -21,6 +21,7 @@ from models.tokenizer import TokenizerError
 from service.api import security
 from service.api.errors import ApiError, Shape, client_closed
 from service.api.events import EventSink, Generation
+from service.api.reasoning import AnswerPlan, prompt_opens_thinking
 from service.api.rehearsal import REHEARSAL
 from service.api.state import AppState
 from service.api.tools import render_messages
@@ -92,9 +93,10 @@ async def prompt_ids(
     messages: list[dict] | None,
     tools: list[dict] | None = None,
     param: str = "prompt",
+    variables: dict | None = None,
 ) -> list[int]:
     """Token ids of a raw prompt (text or token ids) or of chat messages rendered by the chat
-    template (with ``tools`` passed to it).
+    template (with ``tools`` and the further template ``variables`` passed to it).
 
     A text of more than ``TOKENIZE_IN_THREAD_CHARS`` characters is tokenized on a worker
     thread (``tokenizers`` releases the GIL while it encodes), so a long retrieval-augmented
@@ -114,7 +116,7 @@ async def prompt_ids(
         ids = list(prompt)
     else:
         try:
-            text = render_messages(tokenizer, messages, tools) if messages is not None else prompt
+            text = render_messages(tokenizer, messages, tools, variables) if messages is not None else prompt
         except TokenizerError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
         assert text is not None  # the schemas require a prompt or messages
@@ -133,6 +135,15 @@ async def prompt_ids(
             param=param,
         )
     return ids
+
+
+def answer_plan(state: AppState, engine: Engine, form, ids: list[int]) -> AnswerPlan:
+    """How the answer to the prompt ``ids`` is read: the model's reasoning parser, the tool
+    call ``form`` (:class:`service.api.tools.ToolPlan`'s) and whether the prompt's last tokens
+    opened ``<think>`` (the template's generation prompt: DeepSeek-R1's, a forced prefix)."""
+    parser = state.reasoning.get(engine.model.name)
+    tail = engine.model.tokenizer.decode(ids[-32:]) if parser == "think" else ""
+    return AnswerPlan(parser, form, prompt_opens_thinking(tail))
 
 
 def sampling_params(
@@ -172,8 +183,11 @@ def grammar(engine: Engine, response_format, lark: str | None = None, param: str
         raise ApiError(400, f"{param}: {exc}", param=param) from exc
 
 
-def start(state: AppState, engine: Engine, ids: list[int], params: SamplingParams) -> Generation:
+def start(
+    state: AppState, engine: Engine, ids: list[int], params: SamplingParams, keep_special: bool = False
+) -> Generation:
     """Admit and submit a request; its events arrive on the returned generation's queue.
+    ``keep_special``: the text keeps special tokens (:attr:`service.api.reasoning.AnswerPlan.keep_special`).
 
     Raises ApiError: 503 when it could take MLX past its memory limit
     (:func:`service.process.memory.admit`; with ``Retry-After`` when it would fit on an idle
@@ -182,7 +196,7 @@ def start(state: AppState, engine: Engine, ids: list[int], params: SamplingParam
     _admit_memory(state, engine, len(ids), params.max_tokens)
     events: asyncio.Queue[Event] = asyncio.Queue()
     emit = partial(EventSink.of(asyncio.get_running_loop()).put, events)  # called on the engine thread
-    seq = Sequence(ids, params, engine.model.tokenizer.detokenizer(), emit)
+    seq = Sequence(ids, params, engine.model.tokenizer.detokenizer(keep_special), emit)
     seq.warmup = REHEARSAL.get()
     timeout_s = state.settings.request_timeout_s
     seq.deadline = deadline = seq.arrival + timeout_s

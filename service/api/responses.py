@@ -27,14 +27,16 @@ from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 
-from service.api import pipeline, tools
+from service.api import pipeline, reasoning, tools
 from service.api.errors import ERRORS, ApiError, Shape
+from service.api.reasoning import AnswerPlan
 from service.api.response_store import ResponseStore
 from service.api.schemas import (
     RESPONSES_INCLUDABLE,
     ChatMessage,
     FunctionCallItem,
     FunctionCallOutputItem,
+    ReasoningItem,
     ResponsesFunctionTool,
     ResponsesMessage,
     ResponsesNamedTool,
@@ -44,7 +46,6 @@ from service.api.schemas import (
     ToolCallFunction,
 )
 from service.api.state import AppState, State
-from service.api.tool_stream import ToolCallStream
 from service.engine.core import Engine
 from service.engine.sequence import FinalEvent, FinishReason
 
@@ -104,6 +105,8 @@ def conversation(items: str | list, where: str = "input") -> list[dict]:
             output = _text(item.output, f"{at}.output")
             turns.append(_chat(role="tool", content=output, tool_call_id=item.call_id))
             joins = False
+        elif isinstance(item, ReasoningItem):
+            continue  # past reasoning stays out of the prompt (the templates drop it too)
         else:
             raise ApiError(
                 400,
@@ -145,39 +148,48 @@ def tool_plan(body: ResponsesRequest, engine: Engine) -> tools.ToolPlan:
     try:
         checked = tools.validate_tools(declared)
         planned = tools.validate_tool_choice(raw, checked)
+        if body.parallel_tool_calls is False and planned.mode in ("auto", "required"):
+            raise ApiError(
+                400,
+                f"parallel_tool_calls false is not supported with tool_choice '{planned.mode}' (only a named "
+                "function or none, which make one call at most)",
+                param="parallel_tool_calls",
+            )
+        return tools.plan(checked, planned, engine.model.tokenizer.chat_template)
     except ValueError as exc:
         message = str(exc).replace(".function.", ".")  # the chat route's field names in the Responses API's
         raise ApiError(400, message, param=message.split(":", 1)[0]) from exc
-    if body.parallel_tool_calls is False and planned.mode in ("auto", "required"):
-        raise ApiError(
-            400,
-            f"parallel_tool_calls false is not supported with tool_choice '{planned.mode}' (only a named "
-            "function or none, which make one call at most)",
-            param="parallel_tool_calls",
-        )
-    return tools.plan(checked, planned, engine.model.tokenizer.chat_template)
 
 
-def _check(body: ResponsesRequest, engine: Engine) -> None:
-    """400 naming a field that would change the output and is not implemented."""
+def _check(body: ResponsesRequest, engine: Engine, parser: reasoning.Parser | None) -> dict:
+    """400 naming a field that would change the output and is not implemented; else the
+    template variables that honour ``reasoning.effort``
+    (:func:`service.api.reasoning.template_controls`). A reasoning summary is never written:
+    ``summary`` ``auto`` (the server's choice, Codex CLI's default) is served with none, where
+    the model reasons; ``concise`` and ``detailed`` answer 400."""
     if (field := body.unsupported()) is not None:
         raise ApiError(400, f"'{field}' is not supported by stepserve", param=field)
     if body.background:
         raise ApiError(400, "background responses are not supported; answers come in the request", param="background")
-    reasoning = body.reasoning
-    if reasoning is not None:
-        if reasoning.effort not in (None, "none"):
-            message = f"model '{engine.model.name}' does not reason: only effort null or 'none' is served"
-            raise ApiError(400, message, param="reasoning.effort")
-        summaries = {"summary": reasoning.summary, "generate_summary": reasoning.generate_summary}
-        asked = [k for k, v in summaries.items() if v is not None] + list(reasoning.model_extra or {})
-        if field := next(iter(asked), None):
-            raise ApiError(400, f"model '{engine.model.name}' does not reason", param=f"reasoning.{field}")
+    variables: dict = {}
+    if (config := body.reasoning) is not None:
+        try:
+            variables = reasoning.template_controls(
+                parser, engine.model.tokenizer.chat_template, config.effort, "reasoning.effort"
+            )
+        except ValueError as exc:
+            raise ApiError(400, f"model '{engine.model.name}': {exc}", param="reasoning.effort") from exc
+        summaries = {"summary": config.summary, "generate_summary": config.generate_summary}
+        asked = [k for k, v in summaries.items() if v is not None and not (parser and v == "auto")]
+        if field := next(iter(asked + list(config.model_extra or {})), None):
+            message = "no reasoning summary is written (only 'auto', with none)" if parser else "does not reason"
+            raise ApiError(400, f"model '{engine.model.name}': {message}", param=f"reasoning.{field}")
     for j, item in enumerate(body.include or []):
         if item not in RESPONSES_INCLUDABLE:
             raise ApiError(400, f"include item '{item}' cannot be produced by stepserve", param=f"include.{j}")
     if body.text is not None and body.text.verbosity not in (None, "medium"):
         raise ApiError(400, "only verbosity 'medium' (the default) is served", param="text.verbosity")
+    return variables
 
 
 def _previous(body: ResponsesRequest, store: ResponseStore) -> list[dict]:
@@ -203,11 +215,11 @@ async def _prompt(body: ResponsesRequest, state: AppState) -> tuple[Engine, list
     """The engine, the prompt's token ids, the tool plan and the conversation (without
     ``instructions``: what a follow-up continues) of a request."""
     engine = pipeline.resolve_engine(state, body.model)
-    _check(body, engine)
+    variables = _check(body, engine, state.reasoning.get(engine.model.name))
     planned = tool_plan(body, engine)
     turns = _previous(body, state.responses) + conversation(body.input)
     system = [_chat(role="system", content=body.instructions).for_template()] if body.instructions else []
-    ids = await pipeline.prompt_ids(engine, None, system + turns, planned.rendered, param="input")
+    ids = await pipeline.prompt_ids(engine, None, system + turns, planned.rendered, param="input", variables=variables)
     return engine, ids, planned, turns
 
 
@@ -230,7 +242,10 @@ def skeleton(body: ResponsesRequest, model: str) -> dict:
         "output": [],
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id,
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": {
+            "effort": body.reasoning.effort if body.reasoning else None,
+            "summary": body.reasoning.summary if body.reasoning else None,
+        },
         "store": body.store is not False,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "text": {
@@ -265,6 +280,18 @@ def _text_part(text: str = "") -> dict:
     return {"type": "output_text", "text": text, "annotations": []}
 
 
+def _reasoning_item(text: str = "", status: str = "in_progress") -> dict:
+    """A ``reasoning`` output item: the reasoning as ``content`` (``reasoning_text``), no summary."""
+    content = [{"type": "reasoning_text", "text": text}]
+    return {
+        "id": f"rs_{secrets.token_hex(24)}",
+        "type": "reasoning",
+        "status": status,
+        "summary": [],
+        "content": content,
+    }
+
+
 def _call_item(call: dict) -> dict:
     """A ``function_call`` output item of a parsed call (the chat route's shape, ``id`` ``call_…``)."""
     fn = call["function"]
@@ -288,7 +315,10 @@ class ResponsesFormat:
     (the whole arguments), ``response.function_call_arguments.done``,
     ``response.output_item.done``; then ``response.completed`` or ``response.incomplete``. A
     stream that fails ends with ``error`` and ``response.failed``. Tool calls are parsed as they
-    stream in the template's form (:class:`service.api.tool_stream.ToolCallStream`).
+    stream in the template's form and reasoning apart (:class:`service.api.reasoning.AnswerStream`):
+    a ``reasoning`` item first (``output_item.added``, ``content_part.added`` of a
+    ``reasoning_text`` part, ``response.reasoning_text.delta`` per piece,
+    ``response.reasoning_text.done``, ``content_part.done``, ``output_item.done``).
 
     ``keep`` is called with the finished response object (not a failed one)."""
 
@@ -297,10 +327,12 @@ class ResponsesFormat:
     shape: Shape = "openai"
     named_events = True
 
-    def __init__(self, response: dict, form: tools.Form | None, keep: Callable[[dict], None] | None = None):
+    def __init__(self, response: dict, plan: AnswerPlan, keep: Callable[[dict], None] | None = None):
         self.response, self._keep = response, keep
-        self.form: tools.Form | None = form
-        self._calls = ToolCallStream(form) if form is not None else None
+        self.plan = plan
+        self._answer = plan.stream()
+        self._reasoning: dict | None = None  # the reasoning item still open
+        self._reasoning_index = 0
         self._sequence = 0  # the next event's sequence_number
         self._started = False
         self._message: dict | None = None  # the message item still open
@@ -367,14 +399,42 @@ class ResponsesFormat:
             self._event("response.output_item.done", output_index=index, item=dict(done)),
         ]
 
+    def _reasoning_delta(self, text: str) -> list[dict]:
+        out: list[dict] = []
+        if self._reasoning is None:
+            self._reasoning = _reasoning_item()
+            self._reasoning["content"][0]["text"] = ""
+            self._reasoning_index, added = self._add(self._reasoning)
+            where = {"item_id": self._reasoning["id"], "output_index": self._reasoning_index, "content_index": 0}
+            part = {"type": "reasoning_text", "text": ""}
+            out += [added, self._event("response.content_part.added", **where, part=part)]
+        self._reasoning["content"][0]["text"] += text
+        where = {"item_id": self._reasoning["id"], "output_index": self._reasoning_index, "content_index": 0}
+        return [*out, self._event("response.reasoning_text.delta", **where, delta=text)]
+
+    def _close_reasoning(self, status: str = "completed") -> list[dict]:
+        item, self._reasoning = self._reasoning, None
+        if item is None:
+            return []
+        item["status"] = status
+        part = dict(item["content"][0])
+        where = {"item_id": item["id"], "output_index": self._reasoning_index, "content_index": 0}
+        return [
+            self._event("response.reasoning_text.done", **where, text=part["text"]),
+            self._event("response.content_part.done", **where, part=part),
+            self._event("response.output_item.done", output_index=self._reasoning_index, item=copy.deepcopy(item)),
+        ]
+
     def _deltas(self, deltas: list[dict]) -> list[dict]:
-        """The events of the chat route's deltas (``content``, ``tool_calls``)."""
+        """The events of the chat route's deltas (``reasoning_content``, ``content``, ``tool_calls``)."""
         out: list[dict] = []
         for delta in deltas:
+            if thought := delta.get("reasoning_content"):
+                out += self._close_message("completed") + self._reasoning_delta(thought)
             if text := delta.get("content"):
-                out += self._text_delta(text)
+                out += self._close_reasoning() + self._text_delta(text)
             for call in delta.get("tool_calls") or []:
-                out += self._close_message("completed") + self._call(call)
+                out += self._close_reasoning() + self._close_message("completed") + self._call(call)
         return out
 
     def _finish(self, final: FinalEvent) -> dict:
@@ -388,17 +448,18 @@ class ResponsesFormat:
         return self.response
 
     def chunks(self, text: str, logprobs: tuple = ()) -> list[dict]:
-        deltas = self._calls.feed(text) if self._calls is not None else [{"content": text}]
-        return self._start() + self._deltas(deltas)
+        return self._start() + self._deltas(self._answer.feed(text))
 
     def add(self, logprobs: tuple) -> None:
         """Nothing to keep: Responses answers carry no logprobs."""
 
     def final_chunks(self, final: FinalEvent) -> list[dict]:
-        out = self._start() + self._deltas(self._calls.finish() if self._calls is not None else [])
-        if not self.response["output"]:  # no text and no call: one empty message
+        out = self._start() + self._deltas(self._answer.finish())
+        status = "incomplete" if final.finish_reason is FinishReason.LENGTH else "completed"
+        out += self._close_reasoning(status)
+        if not any(item["type"] != "reasoning" for item in self.response["output"]):  # no text, no call
             out += self._open_message()
-        out += self._close_message("incomplete" if final.finish_reason is FinishReason.LENGTH else "completed")
+        out += self._close_message(status)
         response = self._finish(final)
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         return [*out, self._event(kind, response=response)]
@@ -416,8 +477,10 @@ class ResponsesFormat:
         ]
 
     def body(self, text: str, final: FinalEvent) -> dict:
-        content, calls = tools.parse_tool_calls(text, self.form) if self.form is not None else (text, [])
+        thought, content, calls = self.plan.parse(text)
         status = "incomplete" if final.finish_reason is FinishReason.LENGTH else "completed"
+        if thought is not None:
+            self.response["output"].append(_reasoning_item(thought, "completed" if content or calls else status))
         if content or not calls:
             message = {**_message_item(), "status": status, "content": [_text_part(content or "")]}
             self.response["output"].append(message)
@@ -456,8 +519,9 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
         grammar=pipeline.grammar(engine, response_format, planned.lark, "tools" if planned.lark else "text.format"),
     )
     keep = _keeper(state.responses, turns) if body.store is not False else None
-    fmt = ResponsesFormat(skeleton(body, engine.model.name), planned.form, keep)
-    gen = pipeline.start(state, engine, ids, params)
+    plan = pipeline.answer_plan(state, engine, planned.form, ids)
+    fmt = ResponsesFormat(skeleton(body, engine.model.name), plan, keep)
+    gen = pipeline.start(state, engine, ids, params, keep_special=plan.keep_special)
     return await pipeline.respond(request, gen, fmt, body.stream)
 
 

@@ -391,6 +391,11 @@ class ChatCompletionRequest(OpenAISampling):
     top_logprobs: int | None = Field(None, ge=0, le=20, description="and this many most likely alternatives")
     tools: list[Tool] | None = Field(None, max_length=64)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    reasoning_effort: str | None = Field(
+        None,
+        description="honoured by models that reason (passed to templates that take it; 'none'/'medium' turn "
+        "Qwen3-style thinking off/on); what a model cannot honour answers 400",
+    )
 
     @model_validator(mode="after")
     def _tools(self) -> ChatCompletionRequest:
@@ -515,7 +520,7 @@ class AnthropicToolChoice(BaseModel):
 
 class ThinkingConfig(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str = Field(..., description="'disabled' only: the served models do not think")
+    type: str = Field(..., description="'enabled' (without a budget), 'adaptive' or 'disabled' where the model thinks")
     budget_tokens: int | None = None
 
 
@@ -655,11 +660,20 @@ class FunctionCallOutputItem(BaseModel):
     status: ItemStatus | None = None
 
 
-_ITEMS = ("message", "function_call", "function_call_output")
+class ReasoningItem(BaseModel):
+    """A ``reasoning`` output item sent back (as Codex CLI does); accepted and left out of the
+    prompt, as the served templates leave out the reasoning of finished turns."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["reasoning"]
+
+
+_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
 InputItem = Annotated[
     Annotated[ResponsesMessage, Tag("item:message")]
     | Annotated[FunctionCallItem, Tag("item:function_call")]
     | Annotated[FunctionCallOutputItem, Tag("item:function_call_output")]
+    | Annotated[ReasoningItem, Tag("item:reasoning")]
     | Annotated[UnsupportedItem, Tag("item:other")],
     Discriminator(
         lambda i: f"item:{k}" if (k := _kind(i, "message" if isinstance(i, dict) else None)) in _ITEMS else "item:other"
@@ -722,7 +736,9 @@ class ResponsesTextConfig(BaseModel):
 
 class ReasoningConfig(BaseModel):
     model_config = ConfigDict(extra="allow")
-    effort: str | None = Field(None, description="null or 'none' only: the served models do not reason")
+    effort: str | None = Field(
+        None, description="honoured where the model reasons (reasoning_parser); else null or 'none'"
+    )
     summary: str | None = None
     generate_summary: str | None = None
 
@@ -732,8 +748,8 @@ class ReasoningConfig(BaseModel):
 RESPONSES_NO_OP_FIELDS = frozenset(
     {"service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "stream_options"}
 )
-# ``include`` values that add nothing to an answer stepserve gives: the served models do not
-# reason, so there is no reasoning item to carry encrypted content.
+# ``include`` values that add nothing to an answer stepserve gives: reasoning items carry their
+# text in the clear (``content``), so there is no encrypted content to add.
 RESPONSES_INCLUDABLE = frozenset({"reasoning.encrypted_content"})
 
 

@@ -9,6 +9,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from service.api.reasoning import Parser
 from service.api.response_store import ResponseStore
 from service.config import Settings
 from service.engine.core import Engine
@@ -30,6 +31,7 @@ class AppState:
     draining: bool = False  # SIGTERM received: refuse new work, finish what runs
     ranks: list[RankInfo] | None = None  # a pipeline group's ranks, on its rank 0 (None: one process)
     coverage: dict[str, Coverage] = field(default_factory=dict)  # what each model's warm-up covers, and why
+    reasoning: dict[str, Parser | None] = field(default_factory=dict)  # each model's resolved reasoning_parser
     responses: ResponseStore = field(init=False)  # /v1/responses answers kept (responses_store_bytes)
 
     def __post_init__(self) -> None:

@@ -4,12 +4,12 @@ streamed ``tool_calls`` deltas; the forms and the whole-text parser are in
 
 from __future__ import annotations
 
-from service.api.tools import CLOSE, OPEN, Form, block_calls, may_be_llama3, parse_tool_calls
+from service.api.tools import CLOSE, OPEN, TOOL_CALLS, Form, block_calls, may_be_llama3, parse_tool_calls
 
 
-def _open_prefix(text: str) -> int:
-    """Length of the longest end of ``text`` that is a proper start of ``<tool_call>``."""
-    return next((n for n in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-n:])), 0)
+def _open_prefix(text: str, marker: str = OPEN) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``marker``."""
+    return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-n:])), 0)
 
 
 class ToolCallStream:
@@ -19,24 +19,29 @@ class ToolCallStream:
     [{"index", "id", "type": "function", "function": {"name", "arguments"}}]}``, one call a delta
     with its whole arguments once its block is complete. Text that may begin ``<tool_call>`` is
     held back, so markup never reaches content; so is whitespace that may precede a call. In the
-    Llama 3 form, text that may be calls (it starts with ``{``) is held until :meth:`finish`.
+    Llama 3 form, text that may be calls (it starts with ``{``) is held until :meth:`finish`;
+    in the Mistral forms, the text from ``[TOOL_CALLS]`` on. Qwen's XML blocks stream as
+    Hermes blocks do.
     The deltas add up to :func:`parse_tool_calls` of the whole text, ids aside.
     """
 
     def __init__(self, form: Form):
-        self.form = form
+        self.form: Form = form
         self.calls: list[dict] = []  # parsed so far; finish_reason "tool_calls" when any
         self._buf = ""  # text not yet decided
         self._in_block = False  # hermes: inside <tool_call>, _buf is the body so far
         self._ws = ""  # hermes: whitespace held after content, dropped if a call follows
         self._after_call = False  # hermes: drop whitespace that follows a call
         self._passthrough = False  # llama3: the text is not calls; send it as it comes
+        self._calls_text: str | None = None  # mistral: the text from [TOOL_CALLS] on
 
     def feed(self, text: str) -> list[dict]:
         """Deltas made certain by ``text``, the next piece of the generated text."""
         self._buf += text
         if self.form == "llama3":
             return self._llama3(final=False)
+        if self.form in ("mistral", "mistral_args"):
+            return self._mistral(final=False)
         out: list[dict] = []
         while self._buf:
             if self._in_block:
@@ -61,6 +66,8 @@ class ToolCallStream:
         """The deltas left at the end of the text (an unclosed block, held text)."""
         if self.form == "llama3":
             return self._llama3(final=True)
+        if self.form in ("mistral", "mistral_args"):
+            return self._mistral(final=True)
         out: list[dict] = []
         if self._in_block:
             self._close_block(self._buf, "", out)
@@ -86,7 +93,7 @@ class ToolCallStream:
 
     def _close_block(self, body: str, close: str, out: list[dict]) -> None:
         self._in_block = False
-        calls = block_calls(body)
+        calls = block_calls(body, self.form)
         if calls is None:
             self._text(OPEN + body + close, out)
             return
@@ -109,5 +116,30 @@ class ToolCallStream:
             return [{"tool_calls": [{"index": i, **c}]} for i, c in enumerate(calls)]
         return [{"content": content}] if content else []
 
-
-# ---------------------------------------------------------------- enforcing calls
+    def _mistral(self, final: bool) -> list[dict]:
+        """Text before ``[TOOL_CALLS]`` as it comes (trailing whitespace held); from it on, held
+        and parsed at the end (:func:`parse_tool_calls`)."""
+        out: list[dict] = []
+        if self._calls_text is None:
+            at = self._buf.find(TOOL_CALLS)
+            if at >= 0:
+                self._calls_text, self._buf = self._buf[at:], self._buf[:at]
+            keep = 0 if final or self._calls_text is not None else _open_prefix(self._buf, TOOL_CALLS)
+            self._text(self._buf[: len(self._buf) - keep], out)
+            self._buf = self._buf[len(self._buf) - keep :]
+        else:
+            self._calls_text, self._buf = self._calls_text + self._buf, ""
+        if not final:
+            return out
+        content, calls = parse_tool_calls(self._calls_text or "", self.form)
+        if calls:
+            self._ws = ""
+            for call in calls:
+                out.append({"tool_calls": [{"index": len(self.calls), **call}]})
+                self.calls.append(call)
+        else:
+            self._text(content or "", out)
+        if self._ws:
+            out.append({"content": self._ws})
+            self._ws = ""
+        return out

@@ -12,6 +12,7 @@ import pytest
 from service.api import pipeline
 from service.api.anthropic import MessagesFormat, conversation
 from service.api.errors import ApiError, error_body
+from service.api.reasoning import AnswerPlan
 from service.api.schemas import MessagesInput
 from service.api.tools import hermes_block, parse_tool_calls
 from service.engine.sequence import FinalEvent, FinishReason, TokenEvent
@@ -89,7 +90,7 @@ def _stream(fmt: MessagesFormat, pieces: list[str], final: FinalEvent) -> list[d
 def test_a_streamed_text_and_tool_call_add_up_to_the_whole_message():
     text = "Let me check. " + hermes_block("get_weather", {"city": "Paris"})
     pieces = [text[i : i + 5] for i in range(0, len(text), 5)]  # split inside the markup too
-    events = _stream(MessagesFormat("m", 12, "hermes"), pieces, _final(FinishReason.STOP))
+    events = _stream(MessagesFormat("m", 12, AnswerPlan(None, "hermes")), pieces, _final(FinishReason.STOP))
     kinds = [e["type"] for e in events]
     assert kinds[:2] == ["message_start", "ping"] and kinds[-2:] == ["message_delta", "message_stop"]
     streamed_text = "".join(
@@ -99,7 +100,7 @@ def test_a_streamed_text_and_tool_call_add_up_to_the_whole_message():
     starts = [e for e in events if e["type"] == "content_block_start"]
     assert [s["index"] for s in starts] == [0, 1] and starts[1]["content_block"]["name"] == "get_weather"
     assert [e["index"] for e in events if e["type"] == "content_block_stop"] == [0, 1]  # text closed before the call
-    whole = MessagesFormat("m", 12, "hermes").body(text, _final(FinishReason.STOP))
+    whole = MessagesFormat("m", 12, AnswerPlan(None, "hermes")).body(text, _final(FinishReason.STOP))
     content, calls = parse_tool_calls(text, "hermes")
     assert streamed_text == content == whole["content"][0]["text"]
     assert [json.loads(p) for p in partial] == [json.loads(c["function"]["arguments"]) for c in calls]
@@ -117,8 +118,8 @@ def test_a_streamed_text_and_tool_call_add_up_to_the_whole_message():
     ],
 )
 def test_stop_reasons(final, reason, stop):
-    whole = MessagesFormat("m", 12, None).body("Paris", final)
-    end = MessagesFormat("m", 12, None).final_chunks(final)[-2]
+    whole = MessagesFormat("m", 12, AnswerPlan(None, None)).body("Paris", final)
+    end = MessagesFormat("m", 12, AnswerPlan(None, None)).final_chunks(final)[-2]
     assert (whole["stop_reason"], whole["stop_sequence"]) == (reason, stop)
     assert end["delta"] == {"stop_reason": reason, "stop_sequence": stop}
 
@@ -127,7 +128,8 @@ def test_a_stream_that_fails_ends_with_an_anthropic_error_event():
     gen = FinishedGeneration(_final(FinishReason.ERROR, error="the engine failed"))
 
     async def frames() -> list[str]:
-        return [f async for f in pipeline._sse(gen, MessagesFormat("m", 12, None), TokenEvent("Hi", 1))]  # type: ignore[arg-type]
+        fmt = MessagesFormat("m", 12, AnswerPlan(None, None))
+        return [f async for f in pipeline._sse(gen, fmt, TokenEvent("Hi", 1))]  # type: ignore[arg-type]
 
     out = "".join(asyncio.run(frames())).split("\n\n")
     assert out[0].startswith("event: message_start\n") and out[-1] == ""

@@ -20,6 +20,7 @@ SAMPLES = {
     "model": ("/models/SmolLM2-mlx", Path("/models/SmolLM2-mlx")),
     "model_name": ("tiny", "tiny"),
     "model_impl": ("mlx_lm", "mlx_lm"),
+    "reasoning_parser": ("think", "think"),
     "compile": ("auto", "auto"),
     "dtype": ("bfloat16", "bfloat16"),
     "weights": ("dequantized", "dequantized"),

@@ -11,6 +11,7 @@ import pytest
 
 from service.api import pipeline
 from service.api.errors import ApiError
+from service.api.reasoning import AnswerPlan
 from service.api.response_store import ResponseStore
 from service.api.responses import ResponsesFormat, conversation, output_turns, skeleton
 from service.api.schemas import ResponsesRequest
@@ -59,11 +60,23 @@ def test_items_become_the_chat_routes_turns_in_order():
     assert conversation(_input("Hi")) == [{"role": "user", "content": "Hi"}]
 
 
+def test_reasoning_items_sent_back_are_accepted_and_left_out_of_the_prompt():
+    """Codex CLI sends its reasoning items back; the templates drop past reasoning, so does the route."""
+    items = [
+        {"role": "user", "content": "Hi"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+        {"role": "assistant", "content": "Hello"},
+    ]
+    assert conversation(_input(items)) == [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+    ]
+
+
 @pytest.mark.parametrize(
     "items,param",
     [
         ([{"role": "user", "content": [{"type": "input_image", "image_url": "https://x"}]}], "input.0.content.0.type"),
-        ([{"role": "user", "content": "Hi"}, {"type": "reasoning", "summary": []}], "input.1.type"),
         ([{"type": "item_reference", "id": "msg_1"}], "input.0.type"),
         (
             [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_file"}]}],
@@ -83,7 +96,7 @@ def _stream(fmt: ResponsesFormat, pieces: list[str], final: FinalEvent) -> list[
 
 def _format(body: dict | None = None, form=None, kept: list | None = None) -> ResponsesFormat:
     request = ResponsesRequest.model_validate({"input": "Hi", **(body or {})})
-    return ResponsesFormat(skeleton(request, "m"), form, kept.append if kept is not None else None)
+    return ResponsesFormat(skeleton(request, "m"), AnswerPlan(None, form), kept.append if kept is not None else None)
 
 
 def test_a_streamed_text_and_function_call_add_up_to_the_whole_response():
