@@ -195,7 +195,7 @@ def _check(body: MessagesInput, engine: Engine) -> None:
 async def _prompt(body: MessagesInput, state: AppState) -> tuple[Engine, list[int], tools.ToolPlan]:
     """The engine, the prompt's token ids and the tool plan of a Messages request (the same
     for ``/v1/messages`` and its ``count_tokens``)."""
-    engine = pipeline.resolve_engine(state, body.model)
+    engine = await pipeline.resolve_engine(state, body.model)
     _check(body, engine)
     planned = tool_plan(body, engine)
     ids = await pipeline.prompt_ids(engine, None, conversation(body), planned.rendered, param="messages")

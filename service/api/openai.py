@@ -139,7 +139,7 @@ def _reason(choice: _Choice) -> str:
 async def _generate(body: OpenAISampling, request: Request, state: AppState, chat: bool):
     if (field := body.unsupported()) is not None:
         raise ApiError(400, f"'{field}' is not supported by stepserve", param=field)
-    engine = pipeline.resolve_engine(state, body.model)
+    engine = await pipeline.resolve_engine(state, body.model)
     max_tokens = body.max_completion_tokens or body.max_tokens or state.settings.default_max_tokens
     tool_form: tools.Form | None = None
     lark, rendered_tools, top, echo = None, None, None, False

@@ -202,7 +202,7 @@ def _previous(body: ResponsesRequest, store: ResponseStore) -> list[dict]:
 async def _prompt(body: ResponsesRequest, state: AppState) -> tuple[Engine, list[int], tools.ToolPlan, list[dict]]:
     """The engine, the prompt's token ids, the tool plan and the conversation (without
     ``instructions``: what a follow-up continues) of a request."""
-    engine = pipeline.resolve_engine(state, body.model)
+    engine = await pipeline.resolve_engine(state, body.model)
     _check(body, engine)
     planned = tool_plan(body, engine)
     turns = _previous(body, state.responses) + conversation(body.input)
