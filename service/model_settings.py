@@ -44,7 +44,7 @@ class ModelSettings(BaseModel):
     draft_model: Path | None = None
     speculative_tokens: int | None = Field(default=None, ge=1, le=16)
     speculative_max_batch: int | None = Field(default=None, ge=1)
-    load: Literal["startup", "on_demand"] = "startup"
+    load: Literal["startup", "on_demand"] | None = None  # None: "startup"
     ttl_s: float | None = Field(default=None, gt=0)
     on_demand_wait: Literal["wait", "503"] | None = None
 
