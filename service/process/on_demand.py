@@ -203,11 +203,17 @@ class OnDemandModels:
                     continue
                 if not self.engines[slot.spec.name].idle:
                     slot.last_used = now
-                elif now - slot.last_used >= ttl:  # out of service now: the next request loads it again
-                    engine = self.engines.pop(slot.spec.name)
-                    slot.state, slot.models = ModelState.UNLOADED, {}
-                    self.metrics.set_model_state(slot.spec.name, slot.state)
-                    slot.unloading = asyncio.create_task(self._unload(slot, engine, now - slot.last_used))
+                elif now - slot.last_used >= ttl:
+                    self._retire(slot, now - slot.last_used)
+
+    def _retire(self, slot: _Slot, idle_s: float) -> None:
+        """Take ``slot``'s engine out of service now (the next request loads the model again) and
+        stop it in a task. No local of the reaper's loop may keep the engine: its memory is freed
+        once the task has dropped it."""
+        engine = self.engines.pop(slot.spec.name)
+        slot.state, slot.models = ModelState.UNLOADED, {}
+        self.metrics.set_model_state(slot.spec.name, slot.state)
+        slot.unloading = asyncio.create_task(self._unload(slot, engine, idle_s))
 
     async def _unload(self, slot: _Slot, engine: Engine, idle_s: float) -> None:
         """Stop ``slot``'s engine (out of service already) and free its memory."""
