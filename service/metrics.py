@@ -22,6 +22,7 @@ COMPILE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 TOKENS_PER_STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+MODEL_STATES = ("loaded", "loading", "unloaded")  # stepserve_model_state's states, as GET /v1/models lists them
 
 
 @dataclass(frozen=True)
@@ -282,6 +283,32 @@ class Metrics:
             registry=reg,
             buckets=TOKENS_PER_STEP_BUCKETS,
         )
+        self.model_state = Gauge(
+            "model_state",
+            "1 for a model's current state (loaded, loading, unloaded), 0 for the others; on-demand models load "
+            "on their first request and unload after ttl_s idle",
+            ["model", "state"],
+            namespace=ns,
+            registry=reg,
+        )
+        self.model_loads = Counter(
+            "model_loads_total",
+            "On-demand model loads (weights, memory check, warm-up) by outcome: 'loaded' or 'failed'",
+            ["model", "outcome"],
+            namespace=ns,
+            registry=reg,
+        )
+        self.model_load_seconds = Histogram(
+            "model_load_seconds",
+            "Seconds from an on-demand model's first request to its engine ready",
+            ["model"],
+            namespace=ns,
+            registry=reg,
+            buckets=COMPILE_BUCKETS + (120, 300, 600),
+        )
+        self.model_unloads = Counter(
+            "model_unloads_total", "On-demand models unloaded after ttl_s idle", ["model"], namespace=ns, registry=reg
+        )
         self.active_memory = Gauge("mlx_active_memory_bytes", "MLX memory in use", namespace=ns, registry=reg)
         self.active_memory.set_function(mx.get_active_memory)
         self.peak_memory = Gauge("mlx_peak_memory_bytes", "MLX peak memory since start", namespace=ns, registry=reg)
@@ -317,6 +344,24 @@ class Metrics:
             self.timeouts.labels(model, reason)
         for kind in ("host", "wait"):
             self.engine_seconds.labels(model, kind)
+
+    def set_model_state(self, model: str, state: str) -> None:
+        """Mark ``model``'s ``state`` (``loaded``, ``loading`` or ``unloaded``) as its current one."""
+        for each in MODEL_STATES:
+            self.model_state.labels(model, each).set(int(each == state))
+
+    def init_on_demand(self, model: str) -> None:
+        """An on-demand model's series at zero, unloaded (see :meth:`init_model`)."""
+        self.set_model_state(model, "unloaded")
+        for outcome in ("loaded", "failed"):
+            self.model_loads.labels(model, outcome)
+        self.model_unloads.labels(model)
+
+    def release_model(self, model: str) -> None:
+        """An unloaded model's live gauges read 0 and let go of its engine (whose scheduler
+        they read), so that its weights and caches can be freed."""
+        self.running.labels(model).set_function(lambda: 0)
+        self.waiting.labels(model).set_function(lambda: 0)
 
     def init_speculative(self, model: str, method: str) -> None:
         """Create a speculating model's counters and histograms at zero (see :meth:`init_model`:

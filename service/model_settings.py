@@ -21,7 +21,11 @@ def ascending(values: list[int]) -> list[int]:
 
 class ModelSettings(BaseModel):
     """One served model (a ``[[models]]`` table in the TOML file). Unset fields take the
-    top-level setting of the same meaning (``path`` <- ``model``, ``name`` <- ``model_name``)."""
+    top-level setting of the same meaning (``path`` <- ``model``, ``name`` <- ``model_name``).
+    ``path``: a local GGUF file or model directory, or a Hugging Face repo id
+    (:func:`models.hub.resolve_model_path`). ``load``: ``startup`` (loaded and warmed before
+    ready) or ``on_demand`` (loaded by its first request, unloaded after ``ttl_s`` seconds idle;
+    unset: kept once loaded; :mod:`service.process.on_demand`)."""
 
     model_config = ConfigDict(extra="forbid")
     name: str
@@ -41,6 +45,9 @@ class ModelSettings(BaseModel):
     draft_model: Path | None = None
     speculative_tokens: int | None = Field(default=None, ge=1, le=16)
     speculative_max_batch: int | None = Field(default=None, ge=1)
+    load: Literal["startup", "on_demand"] | None = None  # None: "startup"
+    ttl_s: float | None = Field(default=None, gt=0)
+    on_demand_wait: Literal["wait", "503"] | None = None
 
     @field_validator("batch_buckets", "prompt_buckets", "capacity_buckets")
     @classmethod
@@ -70,6 +77,9 @@ class ServedModel:
     speculative_max_batch: int | None = None  # None: calibrated at warm-up
     model_impl: Literal["auto", "native", "mlx_lm"] = "auto"
     reasoning_parser: Literal["auto", "none", "think", "harmony"] = "auto"
+    load: Literal["startup", "on_demand"] = "startup"
+    ttl_s: float | None = None  # seconds idle before an on-demand model is unloaded (None: kept)
+    on_demand_wait: Literal["wait", "503"] = "wait"  # a request while it loads: waits, or 503 + Retry-After
 
 
 # ModelSettings field -> the top-level Settings field it inherits from.
@@ -91,4 +101,5 @@ INHERITED = {
     "draft_model": "draft_model",
     "speculative_tokens": "speculative_tokens",
     "speculative_max_batch": "speculative_max_batch",
+    "on_demand_wait": "on_demand_wait",
 }

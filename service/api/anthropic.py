@@ -216,8 +216,8 @@ def _check(body: MessagesInput, engine: Engine, parser: reasoning.Parser | None)
 async def _prompt(body: MessagesInput, state: AppState) -> tuple[Engine, list[int], tools.ToolPlan]:
     """The engine, the prompt's token ids and the tool plan of a Messages request (the same
     for ``/v1/messages`` and its ``count_tokens``)."""
-    engine = pipeline.resolve_engine(state, body.model)
-    variables = _check(body, engine, state.reasoning.get(engine.model.name))
+    engine = await pipeline.resolve_engine(state, body.model)
+    variables = _check(body, engine, state.reasoning_of(engine))
     planned = tool_plan(body, engine)
     ids = await pipeline.prompt_ids(
         engine, None, conversation(body), planned.rendered, param="messages", variables=variables

@@ -15,7 +15,7 @@ from models.loader import LoadedModel, device_name
 from service import __version__
 from service.api import anthropic as anthropic_api
 from service.api import openai as openai_api
-from service.api import reasoning, rehearsal, security
+from service.api import rehearsal, security
 from service.api import responses as responses_api
 from service.api.docs import install_docs
 from service.api.errors import install_error_handlers
@@ -27,6 +27,7 @@ from service.engine.core import Engine
 from service.metrics import Metrics
 from service.process.build import build_engine, start_engine, warmup_spec
 from service.process.group import RankInfo
+from service.process.on_demand import OnDemandModels
 from service.process.startup import draft_name, load_models
 from service.process.watchdog import EngineWatchdog
 
@@ -44,7 +45,13 @@ def create_app(
     ``ranks``: a pipeline group's ranks, when this is its rank 0 (``models`` is then its stage)."""
     metrics = Metrics(CollectorRegistry(), version=__version__, device=device_name())
     specs = settings.served_models()
-    state = AppState(settings, metrics, specs[0].name, ranks=ranks)
+    engines: dict[str, Engine] = {}
+
+    def start_on_demand(spec: ServedModel, model: LoadedModel, draft: LoadedModel | None) -> Engine:
+        return _start_engine(settings, spec, model, metrics, None, draft, app)
+
+    on_demand = OnDemandModels(settings, engines, metrics, start_on_demand)
+    state = AppState(settings, metrics, specs[0].name, on_demand, engines, ranks=ranks)
     stall_limit = settings.distributed_timeout_s if ranks else None
     watchdog = EngineWatchdog(state.engines, settings.shutdown_grace_s, stall_limit_s=stall_limit)
 
@@ -52,16 +59,18 @@ def create_app(
     async def lifespan(app: FastAPI):
         loaded = models or load_models(settings)
         for spec in specs:
-            draft = loaded.get(draft_name(spec.name))
-            chat_template = loaded[spec.name].tokenizer.chat_template
-            state.reasoning[spec.name] = reasoning.resolve(spec.reasoning_parser, chat_template)
-            state.engines[spec.name] = _start_engine(settings, spec, loaded[spec.name], metrics, progress, draft, app)
+            if spec.load == "startup":
+                draft = loaded.get(draft_name(spec.name))
+                engine = _start_engine(settings, spec, loaded[spec.name], metrics, progress, draft, app)
+                state.engines[spec.name] = engine
+        on_demand.start(loaded)
         watchdog.start()
         try:
             yield
         finally:
+            on_demand.stop()
             watchdog.stop()
-            for engine in state.engines.values():
+            for engine in list(state.engines.values()):
                 engine.stop()
 
     app = FastAPI(

@@ -137,7 +137,7 @@ def _reason(choice: _Choice) -> str:
 async def _generate(body: OpenAISampling, request: Request, state: AppState, chat: bool):
     if (field := body.unsupported()) is not None:
         raise ApiError(400, f"'{field}' is not supported by stepserve", param=field)
-    engine = pipeline.resolve_engine(state, body.model)
+    engine = await pipeline.resolve_engine(state, body.model)
     max_tokens = body.max_completion_tokens or body.max_tokens or state.settings.default_max_tokens
     tool_form: tools.Form | None = None
     lark, rendered_tools, top, echo, variables = None, None, None, False, None
@@ -150,7 +150,7 @@ async def _generate(body: OpenAISampling, request: Request, state: AppState, cha
             choice = tools.validate_tool_choice(raw_choice, declared or [])
             template = engine.model.tokenizer.chat_template
             planned = tools.plan(declared or [], choice, template)
-            parser = state.reasoning.get(engine.model.name)
+            parser = state.reasoning_of(engine)
             variables = reasoning.template_controls(parser, template, body.reasoning_effort, "reasoning_effort")
         except ValueError as exc:
             raise ApiError(400, str(exc), param=str(exc).split(":", 1)[0]) from exc

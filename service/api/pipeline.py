@@ -30,6 +30,7 @@ from service.engine.grammar import Grammar, GrammarError
 from service.engine.scheduler import DrainingError, QueueFullError
 from service.engine.sequence import Event, FinalEvent, FinishReason, SamplingParams, Sequence, TokenEvent
 from service.process import memory
+from service.process.on_demand import ModelLoadFailed, ModelLoading
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -55,18 +56,29 @@ class ResponseFormat(Protocol):
     def error_chunks(self, error: ApiError) -> list[dict]: ...  # the events that end a failed stream
 
 
-def resolve_engine(state: AppState, name: str | None) -> Engine:
-    """The engine serving ``name`` (default model if None). 404 unknown, 503 not ready/draining."""
-    engine = state.engines.get(name or state.default_model)
-    if engine is None:
+async def resolve_engine(state: AppState, name: str | None) -> Engine:
+    """The engine serving ``name`` (default model if None). 404 unknown, 503 not ready/draining.
+    An on-demand model not loaded is loaded first (:meth:`OnDemandModels.engine`): the request
+    waits for it, or is answered 503 with ``Retry-After`` (``on_demand_wait = "503"``); 503 when
+    its load failed."""
+    name = name or state.default_model
+    if name not in state.model_names:
         raise ApiError(
             404,
-            f"model '{name}' not found; available: {', '.join(state.engines)}",
+            f"model '{name}' not found; available: {', '.join(state.model_names)}",
             type="not_found_error",
             param="model",
         )
     if state.draining:
         raise ApiError(503, "server is shutting down", type="unavailable")
+    if name in state.on_demand and not REHEARSAL.get():  # (its warm-up's own requests come before it is loaded)
+        try:
+            return await state.on_demand.engine(name)
+        except ModelLoading as exc:
+            raise ApiError(503, str(exc), type="unavailable", headers={"Retry-After": str(exc.retry_after_s)}) from exc
+        except ModelLoadFailed as exc:
+            raise ApiError(503, str(exc), type="unavailable") from exc
+    engine = state.engines[name]
     if not engine.ready.is_set() and not REHEARSAL.get():  # (the app's own warm-up requests come before ready)
         raise ApiError(503, f"model '{engine.model.name}' is not ready: {engine.not_ready_reason}", type="unavailable")
     return engine
@@ -141,7 +153,7 @@ def answer_plan(state: AppState, engine: Engine, form, ids: list[int]) -> Answer
     """How the answer to the prompt ``ids`` is read: the model's reasoning parser, the tool
     call ``form`` (:class:`service.api.tools.ToolPlan`'s) and whether the prompt's last tokens
     opened ``<think>`` (the template's generation prompt: DeepSeek-R1's, a forced prefix)."""
-    parser = state.reasoning.get(engine.model.name)
+    parser = state.reasoning_of(engine)
     tail = engine.model.tokenizer.decode(ids[-32:]) if parser == "think" else ""
     return AnswerPlan(parser, form, prompt_opens_thinking(tail))
 

@@ -214,8 +214,8 @@ def _previous(body: ResponsesRequest, store: ResponseStore) -> list[dict]:
 async def _prompt(body: ResponsesRequest, state: AppState) -> tuple[Engine, list[int], tools.ToolPlan, list[dict]]:
     """The engine, the prompt's token ids, the tool plan and the conversation (without
     ``instructions``: what a follow-up continues) of a request."""
-    engine = pipeline.resolve_engine(state, body.model)
-    variables = _check(body, engine, state.reasoning.get(engine.model.name))
+    engine = await pipeline.resolve_engine(state, body.model)
+    variables = _check(body, engine, state.reasoning_of(engine))
     planned = tool_plan(body, engine)
     turns = _previous(body, state.responses) + conversation(body.input)
     system = [_chat(role="system", content=body.instructions).for_template()] if body.instructions else []

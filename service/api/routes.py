@@ -96,7 +96,7 @@ async def infer(body: InferRequest, request: Request, state: State):
     (:class:`InferChunk`). ``finish_reason``: ``stop``, ``length``, and ``timeout`` or
     ``cancelled`` (with ``error``) for a request ended early after its first token; ended
     before it, the request answers 504 or 503."""
-    engine = pipeline.resolve_engine(state, body.model)
+    engine = await pipeline.resolve_engine(state, body.model)
     pipeline.check_messages(body.messages or [])
     messages = [m.for_template() for m in body.messages] if body.messages is not None else None
     ids = await pipeline.prompt_ids(engine, body.prompt, messages)
@@ -120,8 +120,11 @@ async def infer(body: InferRequest, request: Request, state: State):
 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(state: State) -> ModelList:
-    """The served models, in OpenAI's list shape."""
-    return ModelList(data=[ModelCard(id=name, created=state.started) for name in state.engines])
+    """The served models, in OpenAI's list shape, each with its ``state`` (``loaded``,
+    ``loading`` or ``unloaded``: :class:`ModelCard`)."""
+    return ModelList(
+        data=[ModelCard(id=name, created=state.started, state=state.model_state(name)) for name in state.model_names]
+    )
 
 
 @router.get("/healthz")
@@ -132,15 +135,17 @@ async def healthz() -> dict:
 
 @router.get("/readyz", responses={503: {"model": ErrorBody}})
 async def readyz(state: State) -> dict:
-    """200 once every model is warmed up; 503 with the reason before, and while draining.
+    """200 once every model loaded at start-up is warmed up (on-demand models are not waited
+    for; those loaded are listed); 503 with the reason before, and while draining.
     Per model, ``warmup`` says what is warm: prompt tokens, concurrent requests and buckets, and
     whether (``reduced``) and why its extent was sized down for this host
     (:class:`service.process.warm_sizing.Coverage`). On a pipeline group's rank 0, ``group``
     lists each rank's layers and memory."""
     if state.draining:
         raise ApiError(503, "not ready: server is shutting down", type="unavailable")
-    waiting = {name: e.not_ready_reason for name, e in state.engines.items() if not e.ready.is_set()}
-    if not state.engines or waiting:
+    engines = {name: e for name, e in state.engines.items() if name not in state.on_demand or e.ready.is_set()}
+    waiting = {name: e.not_ready_reason for name, e in engines.items() if not e.ready.is_set()}
+    if len(engines) < len(state.model_names) - len(state.on_demand) or waiting:
         reason = "; ".join(f"{n}: {r}" for n, r in waiting.items()) or "loading models"
         raise ApiError(503, f"not ready: {reason}", type="unavailable")
     return {
@@ -156,7 +161,7 @@ async def readyz(state: State) -> dict:
                 "rehearsed": e.rehearsed,
                 "speculative": e.speculator.describe() if e.speculator else None,
             }
-            for name, e in state.engines.items()
+            for name, e in engines.items()
             for choices, coverage in [(e.compile_choices(), state.coverage.get(name))]
         },
         **({"group": [asdict(rank) for rank in state.ranks]} if state.ranks else {}),

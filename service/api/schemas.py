@@ -6,6 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from service.process.on_demand import ModelState
+
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 512
 MAX_TOP_K = 2**31 - 1  # top_k is an int32 in the sampler; the runner clamps it to the vocabulary
@@ -264,6 +266,11 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "stepserve"
+    state: ModelState = Field(
+        description="'loaded': serving; 'loading': warming up (at start-up, or an on-demand model's first "
+        "request); 'unloaded': an on-demand model not loaded yet, or unloaded after ttl_s idle (its next "
+        "request loads it)"
+    )
 
 
 class ModelList(BaseModel):

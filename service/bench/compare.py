@@ -1,7 +1,8 @@
 """``stepserve bench --side-by-side``: stepserve and its peers on the same weights.
 
 Converts the default GGUF (or ``--gguf``) with ``stepserve convert`` into ``OUT_DIR/model-DTYPE``
-(or takes the model directory ``--model``, e.g. one of ``stepserve bench random-model``), then starts each server on loopback in turn — stepserve, then each of ``--peers``
+(or takes the model directory ``--model``, e.g. one of ``stepserve bench random-model``), then
+starts each server on loopback in turn — stepserve, then each of ``--peers``
 (``mlx_lm.server``, ``vllm-mlx``) — on that one directory, runs the identical streamed load of
 ``--workload`` against it (:func:`service.bench.load.run`: essays on ``/v1/completions``, or
 chat-shared-prefix on ``/v1/chat/completions``), stops it, and reports every result and the

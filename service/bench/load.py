@@ -300,7 +300,7 @@ OTHER_FORMS = """other forms (each has --help):
   stepserve bench profile ...                  where a decode step's time goes
   stepserve bench pipeline ...                 one process against pipeline ranks per decode step, in-process
   stepserve bench group ...                    one process against a pipeline group, through the real server
-  stepserve bench random-model ...             mlx-lm's class at a named shape (Llama 3.1 8B, ...) with random weights"""
+  stepserve bench random-model ...             mlx-lm's class at a named shape, random weights"""
 
 
 def table(result: dict, title: str | None = None) -> Table:

@@ -106,7 +106,9 @@ SHAPES: dict[str, dict[str, Any]] = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def write(out: Path, shape: str, tokenizer_from: Path, bits: int = 4, group_size: int = 64, dtype: str = "float16") -> int:
+def write(
+    out: Path, shape: str, tokenizer_from: Path, bits: int = 4, group_size: int = 64, dtype: str = "float16"
+) -> int:
     """Write the random model ``shape`` (:data:`SHAPES`) to the new directory ``out``.
 
     Returns:
@@ -131,7 +133,7 @@ def write(out: Path, shape: str, tokenizer_from: Path, bits: int = 4, group_size
     mx.random.seed(0)
     model = module.Model(module.ModelArgs.from_dict(config))
     model.set_dtype(getattr(mx, dtype))
-    count = sum(v.size for _, v in tree_flatten(model.parameters()))
+    count = sum(v.size for _, v in tree_flatten(model.parameters()) if isinstance(v, mx.array))
     if bits:
         nn.quantize(model, group_size=group_size, bits=bits)
         config["quantization"] = {"group_size": group_size, "bits": bits}
@@ -151,7 +153,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
     parser.add_argument("--out", type=Path, required=True, help="the new model directory")
-    parser.add_argument("--tokenizer-from", type=Path, required=True, help="a model directory to take the tokenizer from")
+    parser.add_argument("--tokenizer-from", type=Path, required=True, help="a model directory (its tokenizer)")
     parser.add_argument("--bits", type=int, choices=(0, 4, 8), default=4, help="0: not quantized")
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16")

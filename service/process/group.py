@@ -34,7 +34,6 @@ from typing import cast
 import mlx.core as mx
 
 from models.adapter import AdapterArgs, StageTraits
-from models.default import default_model_path
 from models.lm_loader import LmLayout, lm_layout, load_lm_dir, uses_mlx_lm
 from models.loader import LoadedModel
 from models.pipeline import Stage, plan_stages
@@ -110,12 +109,12 @@ def start_group(settings: Settings, group: mx.distributed.Group) -> GroupStart:
         GroupStartError: some rank could not start (the same message on every rank).
     """
     spec = settings.served_models()[0]
-    path = spec.path or default_model_path()
     dtype, weights = startup.compute_dtype(spec.dtype), startup.weights_mode(spec.weights)
     budget = startup.memory_budget(settings)
     layout: ModelLayout | LmLayout | None = None
     error = None
     try:
+        path = startup.model_path(spec.path)
         if uses_mlx_lm(Path(path), spec.model_impl):  # mlx-lm's class: its PipelineMixin splits it
             layout = lm_layout(Path(path), dtype, weights)
             error = speculative_error(spec.speculative)
@@ -215,7 +214,7 @@ def _load(
     or an mlx-lm module cut to its layers by its ``PipelineMixin``
     (:func:`models.lm_loader.load_lm_dir`)."""
     spec, stage = settings.served_models()[0], stages[group.rank()]
-    path = Path(spec.path or default_model_path())
+    path = startup.model_path(spec.path)
     startup.log_cpu_blas()
     if uses_mlx_lm(path, spec.model_impl):
         start = time.perf_counter()

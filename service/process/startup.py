@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Literal
 
 import mlx.core as mx
@@ -13,6 +14,7 @@ from models.adapter import AdapterArgs
 from models.blas import OPENBLAS_FIX, cpu_blas
 from models.default import default_model_path
 from models.errors import ModelLoadError
+from models.hub import resolve_model_path
 from models.loader import LoadedModel, WeightsMode, device_name, load_model
 from service.config import ServedModel, Settings
 from service.engine.buckets import BucketTable
@@ -48,51 +50,78 @@ def weights_mode(setting: Literal["auto", "quantized", "dequantized"]) -> Weight
 
 
 def load_models(settings: Settings) -> dict[str, LoadedModel]:
-    """Load every configured model (the default GGUF where no path is set), in order, and the
-    draft model of each that speculates with one, as ``"NAME/draft"`` (:func:`draft_name`).
+    """Load every model with ``load = "startup"`` (:func:`load_served`), in order, and resolve
+    the path of every ``load = "on_demand"`` one (so that a repo id missing offline fails at
+    start-up, and one online is downloaded now, not on its first request).
 
-    Each model is loaded as its ``model_impl`` says (:func:`models.loader.load_model`); a
-    draft model as ``auto`` does.
+    Raises:
+        ModelLoadError: as :func:`load_served`, or an on-demand model's repo id cannot be
+            resolved (:func:`models.hub.resolve_model_path`).
+    """
+    log_cpu_blas()
+    models: dict[str, LoadedModel] = {}
+    for spec in settings.served_models():
+        if spec.load == "on_demand":
+            for path in (spec.path, spec.draft_model):
+                if path is not None:
+                    resolve_model_path(path)
+            log.info("model %s: loaded on demand (%s)", spec.name, spec.path or "the default model")
+            continue
+        models |= load_served(spec)
+    return models
+
+
+def model_path(path: Path | None) -> Path:
+    """The file or directory of a model setting: the default GGUF where unset, a Hugging Face
+    repo id's snapshot directory (:func:`models.hub.resolve_model_path`), else ``path``.
+
+    Raises:
+        ModelLoadError: the default model is not installed, or the repo id cannot be resolved.
+    """
+    return default_model_path() if path is None else resolve_model_path(path)
+
+
+def load_served(spec: ServedModel) -> dict[str, LoadedModel]:
+    """Load one served model (and its draft model, with ``speculative = "draft"``, as
+    ``"NAME/draft"``, :func:`draft_name`), each as its ``model_impl`` says
+    (:func:`models.loader.load_model`; a draft model as ``auto`` does); its path through
+    :func:`model_path`.
 
     Raises:
         ModelLoadError: a file is missing, unreadable or unsupported (the message names it),
-            a draft's vocabulary differs from its model's, a draft keeps a recurrent state, or
-            a model with sliding-window layers or recurrent state is given a draft (with
-            ``speculative = "lookup"`` it decodes plain).
+            a repo id cannot be resolved, a draft's vocabulary differs from its model's, a draft
+            keeps a recurrent state, or a model with sliding-window layers or recurrent state is
+            given a draft (with ``speculative = "lookup"`` it decodes plain).
     """
-    log_cpu_blas()
-    models = {}
-    for spec in settings.served_models():
-        dtype, weights = compute_dtype(spec.dtype), weights_mode(spec.weights)
-        model = load_model(spec.path or default_model_path(), spec.name, dtype, weights, impl=spec.model_impl)
-        models[spec.name] = model
-        log.info(
-            "model %s: %s served by %s (loaded in %.1f s)", spec.name, model.path, _served_by(model), model.load_seconds
+    dtype, weights = compute_dtype(spec.dtype), weights_mode(spec.weights)
+    model = load_model(model_path(spec.path), spec.name, dtype, weights, impl=spec.model_impl)
+    models = {spec.name: model}
+    where = model.path if spec.path is None or Path(spec.path) == model.path else f"{spec.path} ({model.path})"
+    log.info("model %s: %s served by %s (loaded in %.1f s)", spec.name, where, _served_by(model), model.load_seconds)
+    if device_name() == "cpu" and None in (spec.warmup_prompt_tokens, spec.warmup_batch):
+        args = model.args  # the host's matmul rate (warmup_extent), before any engine runs
+        warm_sizing.measure_gflops(args.hidden_size, args.intermediate_size, dtype)
+    if spec.speculative == "lookup" and not model.args.can_verify:
+        log.info("model '%s' has %s: it decodes without speculation", spec.name, _no_verify(model))
+    if spec.speculative == "draft" and not model.args.can_verify:
+        raise ModelLoadError(
+            f"model '{spec.name}': speculative = '{spec.speculative}' is not implemented for models with "
+            f"{_no_verify(model)} (a verify step cannot write a ring nor take back a state); set "
+            f"speculative = 'off' for it"
         )
-        if device_name() == "cpu" and None in (spec.warmup_prompt_tokens, spec.warmup_batch):
-            args = model.args  # the host's matmul rate (warmup_extent), before any engine runs
-            warm_sizing.measure_gflops(args.hidden_size, args.intermediate_size, dtype)
-        if spec.speculative == "lookup" and not model.args.can_verify:
-            log.info("model '%s' has %s: it decodes without speculation", spec.name, _no_verify(model))
-        if spec.speculative == "draft" and not model.args.can_verify:
+    if spec.speculative == "draft" and spec.draft_model is not None:
+        draft = load_model(model_path(spec.draft_model), draft_name(spec.name), dtype, weights)
+        if draft.args.has_states:
             raise ModelLoadError(
-                f"model '{spec.name}': speculative = '{spec.speculative}' is not implemented for models with "
-                f"{_no_verify(model)} (a verify step cannot write a ring nor take back a state); set "
-                f"speculative = 'off' for it"
+                f"draft_model {spec.draft_model}: its model_type '{draft.args.model_type}' keeps a recurrent "
+                "state, which a draft cannot take back when its proposals are rejected; choose another draft"
             )
-        if spec.speculative == "draft" and spec.draft_model is not None:
-            draft = load_model(spec.draft_model, draft_name(spec.name), dtype, weights)
-            if draft.args.has_states:
-                raise ModelLoadError(
-                    f"draft_model {spec.draft_model}: its model_type '{draft.args.model_type}' keeps a recurrent "
-                    "state, which a draft cannot take back when its proposals are rejected; choose another draft"
-                )
-            if draft.args.vocab_size != models[spec.name].args.vocab_size:
-                raise ModelLoadError(
-                    f"draft_model {spec.draft_model}: a vocabulary of {draft.args.vocab_size} tokens, but model "
-                    f"'{spec.name}' has {models[spec.name].args.vocab_size}; a draft must share its model's tokenizer"
-                )
-            models[draft.name] = draft
+        if draft.args.vocab_size != model.args.vocab_size:
+            raise ModelLoadError(
+                f"draft_model {spec.draft_model}: a vocabulary of {draft.args.vocab_size} tokens, but model "
+                f"'{spec.name}' has {model.args.vocab_size}; a draft must share its model's tokenizer"
+            )
+        models[draft.name] = draft
     return models
 
 
@@ -120,21 +149,22 @@ def buckets_of(spec: ServedModel) -> BucketTable:
 
 
 def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> Settings:
-    """Check every model's worst case (:func:`service.process.memory.worst_case`, a draft
-    model's included) against the budget and resolve ``max_sequences`` where it is unset.
+    """Check the worst case of every model in ``models`` (:func:`service.process.memory.worst_case`,
+    a draft model's included; an on-demand model counts once it is loaded) against the budget and
+    resolve ``max_sequences`` where it is unset.
 
     The budget is ``memory_budget_bytes``, else ``mlx_memory_limit_bytes``, else MLX's own
     memory limit (``mx.get_memory_limit()``). A model without ``max_sequences`` gets the
     largest running batch (one of its batch buckets) with which all the models fit.
 
     Returns:
-        ``settings`` with every served model's ``max_sequences`` set.
+        ``settings`` with the ``max_sequences`` of every model in ``models`` set.
 
     Raises:
         MemoryBudgetError: the models cannot fit the budget (even at one sequence each where
             ``max_sequences`` is unset); the message names each model's figures and the fix.
     """
-    specs = settings.served_models()
+    specs = [s for s in settings.served_models() if s.name in models]  # on-demand ones once loaded
     name, budget = _budget(settings)
     limit = budget if budget is not None else mx.get_memory_limit()
     candidates = sorted({b for s in specs if s.max_sequences is None for b in s.batch_buckets}, reverse=True) or [0]
@@ -198,7 +228,7 @@ def _budget(settings: Settings) -> tuple[str, int | None]:
 def _with_max_sequences(settings: Settings, resolved: dict[str, int]) -> Settings:
     if not settings.models:
         return settings.model_copy(update={"max_sequences": resolved[settings.model_name]})
-    models = [m.model_copy(update={"max_sequences": resolved[m.name]}) for m in settings.models]
+    models = [m.model_copy(update={"max_sequences": resolved.get(m.name, m.max_sequences)}) for m in settings.models]
     return settings.model_copy(update={"models": models})
 
 

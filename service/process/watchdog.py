@@ -77,11 +77,11 @@ class EngineWatchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
-            dead = [engine for engine in self.engines.values() if not engine.alive]
+            dead = [engine for engine in list(self.engines.values()) if not engine.alive]  # on-demand ones come and go
             if dead:
                 self._fail(dead)
                 return
-            hung = [engine for engine in self.engines.values() if self._stalled(engine)]
+            hung = [engine for engine in list(self.engines.values()) if self._stalled(engine)]
             if hung:
                 self._fail_hung(hung)
                 return

@@ -42,6 +42,7 @@ SAMPLES = {
     "prefix_cache_bytes": ("0", 0),
     "prefix_block_tokens": ("16", 16),
     "responses_store_bytes": ("1024", 1024),
+    "on_demand_wait": ("503", "503"),
     "request_timeout_s": ("1.5", 1.5),
     "shutdown_grace_s": ("0", 0.0),
     "switch_interval_s": ("0.001", 0.001),
