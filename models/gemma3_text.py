@@ -169,6 +169,11 @@ def decode(params: Params, tokens: mx.array, positions: mx.array, cache: KVCache
     return llama.run_decode(GEMMA3, params, tokens, positions, cache, args)
 
 
+def decode_paged(params: Params, tokens: mx.array, positions: mx.array, table: mx.array, pool, *, args: ModelArgs):
+    """:func:`models.llama.decode_paged` with this family's blocks."""
+    return llama.run_decode_paged(GEMMA3, params, tokens, positions, table, pool, args)
+
+
 #: Norms whose checkpoint weight w multiplies as (1 + w) (mlx-lm's gemma3_text.RMSNorm).
 NORMS = (
     "input_layernorm",

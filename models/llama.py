@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 
@@ -22,6 +22,10 @@ from models.fuse import fuse_projections
 from models.kv_cache import KVCache
 from models.layers import Params, embed, linear
 from models.model_args import ModelArgs
+from models.paged import PagedAttention, PagedKV
+
+#: A static cache or a paged pool: :func:`run_blocks` returns what it was given.
+Cache = TypeVar("Cache", KVCache, PagedKV)
 
 # ---------------------------------------------------------------------------------------
 # Building blocks
@@ -119,17 +123,21 @@ LLAMA = Decoder(embed_tokens, _block, final_logits)
 
 
 def run_blocks(
-    decoder: Decoder, params: Params, x: mx.array, offset, cache: KVCache, attention, args
-) -> tuple[mx.array, KVCache]:
+    decoder: Decoder, params: Params, x: mx.array, offset, cache: Cache, attention, args
+) -> tuple[mx.array, Cache]:
     """Every layer's block in turn, layer i attending with ``attention(args.window(i))`` (an
     :class:`models.attention.PromptAttention` or :class:`models.attention.CacheAttention`) and
     RoPE ``offset`` (int 0, or int32 [B]). x [B, L, H] -> (x [B, L, H], the new cache). The
-    step functions here and a pipeline stage's (:mod:`models.pipeline`) run their layers with it."""
+    step functions here and a pipeline stage's (:mod:`models.pipeline`) run their layers with it.
+    ``cache`` may be a paged pool (:class:`models.paged.PagedKV`, with a
+    :class:`models.paged.PagedAttention`): the result is then the new pools."""
     new_keys, new_values = [], []
     for i, (layer, keys, values) in enumerate(zip(params["layers"], cache.keys, cache.values, strict=True)):
         x, keys, values = decoder.block(layer, x, offset, keys, values, attention(args.window(i)), args, i)
         new_keys.append(keys)
         new_values.append(values)
+    if isinstance(cache, PagedKV):
+        return x, PagedKV(new_keys, new_values)
     return x, KVCache(new_keys, new_values)
 
 
@@ -163,6 +171,16 @@ def run_decode(
     attention = CacheAttention(positions[:, None], args.attention_scale)
     x, cache = run_blocks(decoder, params, x, positions, cache, attention, args)
     return decoder.logits(params, x[:, 0, :], args), cache
+
+
+def run_decode_paged(
+    decoder: Decoder, params: Params, tokens: mx.array, positions: mx.array, table: mx.array, pool: PagedKV, args
+) -> tuple[mx.array, PagedKV]:
+    """:func:`decode_paged` for ``decoder``'s family."""
+    x = decoder.embed(params, tokens[:, None], args)  # [B, 1, H]
+    attention = PagedAttention(table, positions[:, None], args.attention_scale)
+    x, pool = run_blocks(decoder, params, x, positions, pool, attention, args)
+    return decoder.logits(params, x[:, 0, :], args), pool
 
 
 def run_verify(
@@ -277,6 +295,29 @@ def verify(
     return run_verify(LLAMA, params, tokens, positions, cache, args)
 
 
+def decode_paged(
+    params: Params, tokens: mx.array, positions: mx.array, table: mx.array, pool: PagedKV, *, args: ModelArgs
+) -> tuple[mx.array, PagedKV]:
+    """:func:`decode` over a paged KV pool (:mod:`models.paged`): row b's key and value go to
+    offset ``positions[b] % bt`` of block ``table[b, positions[b] // bt]``, and it attends over
+    its blocks in table order (a view of M * bt positions), masked to 0..positions[b] (its last
+    W on a sliding layer).
+
+    Args:
+        params: the model's parameter tree.
+        tokens: int32 [B], each row's newest token.
+        positions: int32 [B], its position; below M * bt. Empty slots pass 0 and a table row of
+            null blocks.
+        table: int32 [B, M], each row's blocks in position order (null-block padded).
+        pool: per layer, keys and values [N, Hkv, bt, D].
+        args: hyper-parameters (static).
+
+    Returns:
+        (logits float32 [B, V], the pools with each row's key and value written).
+    """
+    return run_decode_paged(LLAMA, params, tokens, positions, table, pool, args)
+
+
 def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
     """Drop checkpoint tensors the step functions do not use: precomputed RoPE frequencies,
     and ``lm_head`` when the embeddings are tied (mlx-lm's llama.sanitize does the same)."""
@@ -286,4 +327,4 @@ def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.arra
     return weights
 
 
-__all__ = ["ModelArgs", "decode", "fuse_projections", "prefill", "prefill_chunk", "sanitize"]
+__all__ = ["ModelArgs", "decode", "decode_paged", "fuse_projections", "prefill", "prefill_chunk", "sanitize"]

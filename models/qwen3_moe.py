@@ -153,6 +153,11 @@ def decode(params: Params, tokens: mx.array, positions: mx.array, cache: KVCache
     return llama.run_decode(QWEN3_MOE, params, tokens, positions, cache, args)
 
 
+def decode_paged(params: Params, tokens: mx.array, positions: mx.array, table: mx.array, pool, *, args: ModelArgs):
+    """:func:`models.llama.decode_paged` with this family's blocks."""
+    return llama.run_decode_paged(QWEN3_MOE, params, tokens, positions, table, pool, args)
+
+
 def verify(params: Params, tokens: mx.array, positions: mx.array, cache: KVCache, *, args: ModelArgs):
     """:func:`models.llama.verify` with Qwen3-MoE's blocks (speculative decoding's verify step)."""
     return llama.run_verify(QWEN3_MOE, params, tokens, positions, cache, args)

@@ -159,6 +159,19 @@ class Settings(BaseSettings):
     prefix_block_tokens: int = Field(
         32, ge=1, description="tokens per prefix-cache block: prefixes are reused in whole blocks"
     )
+    kv_cache: Literal["static", "paged"] = Field(
+        "static",
+        description="where decode keeps keys and values: 'static' one buffer per batch at its capacity bucket; "
+        "'paged' a pool of fixed-size blocks each request takes as its tokens need them, preempting the newest "
+        "request when it runs out (hand-written model families in one process, speculative decoding off)",
+    )
+    kv_block_tokens: int = Field(16, ge=1, description="kv_cache = 'paged': token positions per block")
+    kv_pool_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="kv_cache = 'paged': token positions the pool holds; unset: what the memory budget leaves after "
+        "the weights, the largest prefill step and the prefix cache",
+    )
     responses_store_bytes: int = Field(
         64 * 1024 * 1024,
         ge=0,

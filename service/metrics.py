@@ -195,6 +195,20 @@ class Metrics:
             registry=reg,
             buckets=LATENCY_BUCKETS,
         )
+        self.preemptions = Counter(
+            "preemptions_total",
+            "Running requests whose KV blocks were taken back when the paged pool ran out (each resumes first)",
+            ["model"],
+            namespace=ns,
+            registry=reg,
+        )
+        self.kv_blocks = Gauge(
+            "kv_pool_blocks",
+            "Blocks of the paged KV pool by state: used (held by requests), cached (prefix blocks), free, total",
+            ["model", "state"],
+            namespace=ns,
+            registry=reg,
+        )
         self.bucket_moves = Counter(
             "bucket_moves_total", "Decode-cache copies to another bucket", ["model", "kind"], namespace=ns, registry=reg
         )
@@ -334,6 +348,7 @@ class Metrics:
             self.prefix_hits,
             self.prefix_evictions,
             self.prefix_bytes,
+            self.preemptions,
         ):
             metric.labels(model)
         for reason in ("queue_full", "draining", "memory"):

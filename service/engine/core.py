@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from models.loader import LoadedModel
 from service.engine.batch import DecodeBatch
+from service.engine.block_pool import BlockPool
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
 from service.engine.draft import DraftProposer
@@ -32,6 +33,7 @@ from service.engine.grammar import GrammarError, TokenGrammar
 from service.engine.group import GroupLost, executor_for
 from service.engine.lookup import PromptLookup
 from service.engine.outputs import RunnerOutput
+from service.engine.paged_batch import PagedDecodeBatch
 from service.engine.prefill import Prefiller
 from service.engine.prefix_cache import PrefixCache
 from service.engine.runner import ModelRunner
@@ -80,6 +82,8 @@ class Engine:
         proposer: PromptLookup | DraftProposer | None = None,
         speculative_tokens: int = 4,
         speculative_max_batch: int | None = None,
+        kv_pool_tokens: int | None = None,
+        kv_block_tokens: int = 16,
     ):
         self.model, self.buckets, self.metrics = model, buckets, metrics
         chunk_tokens = buckets.chunk_tokens(chunk_tokens)
@@ -88,6 +92,8 @@ class Engine:
         self.prefix = prefix if prefix is not None else PrefixCache(block_tokens=buckets.prompt[0], budget_bytes=0)
         self.prefix.ops = self.executor  # a group's ranks each keep their own layers' blocks
         self.batch = DecodeBatch(buckets, self.executor)
+        if kv_pool_tokens is not None:
+            self.batch = self._paged_batch(kv_pool_tokens, kv_block_tokens, proposer is not None)
         self.runner = ModelRunner(self.executor, self.selector, self.batch)
         whole_tokens = max(max_batched_tokens, chunk_tokens)
         self.prefiller = Prefiller(self.executor, self.selector, buckets, chunk_tokens, whole_tokens)
@@ -97,7 +103,7 @@ class Engine:
                 proposer, self.executor, self.selector, buckets, speculative_tokens, speculative_max_batch
             )
         running = min(max_running or buckets.batch[-1], buckets.batch[-1])
-        self.scheduler = Scheduler(running, max_waiting, chunk_tokens, max_batched_tokens, self.prefix.peek)
+        self.scheduler = Scheduler(running, max_waiting, chunk_tokens, max_batched_tokens, self.prefix.peek, self._fits)
         self.capacity_limit = buckets.capacity[-1]
         self._stop = threading.Event()
         self._abort = threading.Event()
@@ -112,6 +118,32 @@ class Engine:
         metrics.init_model(model.name)
         metrics.running.labels(model.name).set_function(lambda: self.scheduler.num_running)
         metrics.waiting.labels(model.name).set_function(lambda: self.scheduler.num_waiting)
+        if (paged := self.paged) is not None:
+            for state in ("used", "cached", "free", "total"):
+                metrics.kv_blocks.labels(model.name, state).set_function(
+                    lambda state=state: getattr(paged.blocks.stats(), state)
+                )
+
+    def _paged_batch(self, pool_tokens: int, block_tokens: int, speculative: bool) -> PagedDecodeBatch:
+        """The decode batch over a paged pool of ``pool_tokens`` positions (rounded up to whole
+        blocks, plus the null block). Raises ValueError as the class docstring says."""
+        if speculative:
+            raise ValueError("kv_cache = 'paged' does not run speculative decoding yet; set speculative = 'off'")
+        if not self.executor.can_page:
+            raise ValueError(
+                f"kv_cache = 'paged' needs a hand-written model family in one process; model type "
+                f"{self.model.args.model_type!r} here is not one (set kv_cache = 'static')"
+            )
+        if any(c % block_tokens for c in self.buckets.capacity):
+            raise ValueError(f"every capacity bucket must be a multiple of kv_block_tokens ({block_tokens})")
+        num_blocks = -(-pool_tokens // block_tokens) + 1  # + the null block
+        self.executor.use_paged(num_blocks, block_tokens)
+        return PagedDecodeBatch(self.buckets, self.executor, BlockPool(num_blocks, block_tokens))
+
+    @property
+    def paged(self) -> PagedDecodeBatch | None:
+        """The decode batch when it is paged (None: the static cache)."""
+        return self.batch if isinstance(self.batch, PagedDecodeBatch) else None
 
     # -- the API for handlers, shutdown, the watchdog and admission (thread-safe) ----------
 
@@ -280,6 +312,8 @@ class Engine:
         if plan.prefill:
             self._apply(self.prefill(plan.prefill))
             self._record_moves(self.batch.join([s for s in plan.prefill if s.finish_reason is None]))
+        if self.paged is not None:
+            self._make_room(plan.prefill)
         busy = self.runner.busy
         self._apply(self._decode())
         if plan.prefill:  # after the first tokens went out and the decode step is queued
@@ -334,10 +368,10 @@ class Engine:
         a new cache, so each request still prefills into its own. (A pipeline group's rank 0
         names each cache by a handle that its chunk step moves to the result, so there every
         request gathers its own.) None: gather for this request alone."""
-        hit = self.prefix.match(seq.prompt_ids)
+        hit = self.prefix.match(seq.prefill_ids)
         if hit.num_tokens == 0:
             return
-        capacity = self.prefiller.staging_capacity(len(seq.prompt_ids), hit.num_tokens)
+        capacity = self.prefiller.staging_capacity(len(seq.prefill_ids), hit.num_tokens)
         if gathered is None:
             seq.staging = self.prefix.gather(hit, capacity)  # [1, Hkv, C, D] per layer
         else:
@@ -357,6 +391,52 @@ class Engine:
         """
         for prompts, kv in self.prefiller.take_saves():
             self.prefix.insert_rows(prompts, kv)
+
+    # -- the paged pool (engine thread) -------------------------------------------------------
+
+    def _make_room(self, prefilled: list[Sequence]) -> None:
+        """Before a paged decode step: requeue the requests prefilled this step that found no
+        blocks to join, then, while the running rows' next positions need more blocks than the
+        pool has, preempt the most recently arrived running request (vLLM v1's policy: free its
+        blocks, queue it first; on resume it prefills its prompt and output again). A step in
+        flight is read back first, so no preempted row has a token on the way."""
+        batch = self.paged
+        assert batch is not None
+        for seq in prefilled:
+            if seq.prefilled is not None and seq.finish_reason is None:
+                self._preempt(seq)
+        if not batch.blocks_short(batch.live):
+            return
+        if self.runner.in_flight:
+            self._apply(self.runner.drain())
+        while (live := batch.live) and batch.blocks_short(live):
+            self._preempt(max(live, key=lambda s: s.order))
+
+    def _fits(self, seq: Sequence) -> bool:
+        """Whether a waiting request may be admitted: always with a static cache; with a paged
+        pool, when the pool can give its prompt's blocks (and its first decode position) while
+        keeping one block per request already running or prefilling for their next steps
+        (vLLM v1 admits by the blocks a prompt needs, with a small reserve). Called by the
+        scheduler, on the engine thread."""
+        batch = self.paged
+        if batch is None:
+            return True
+        blocks = batch.blocks
+        need = blocks.blocks_for(len(seq.prefill_ids) + 1) + self.scheduler.num_running
+        return need <= blocks.num_available
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Take ``seq``'s slot and blocks back and queue it first (:meth:`Sequence.preempt`)."""
+        batch = self.paged
+        assert batch is not None
+        batch.vacate(seq)
+        batch.free(seq)
+        seq.preempt()
+        self.scheduler.preempt(seq)
+        batch.preemptions += 1
+        log.info("request %s preempted (KV pool full): it resumes first", seq.request_id)
+        if self.ready.is_set():
+            self.metrics.preemptions.labels(self.model.name).inc()
 
     # -- decode and applying outputs (engine thread) ---------------------------------------
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple, TypeVar
 
 import mlx.core as mx
 
@@ -31,6 +32,7 @@ from models.adapter import AdapterArgs
 from models.architectures import architecture
 from models.kv_cache import KVCache, Windows
 from models.loader import LoadedModel
+from models.paged import PagedKV
 from service.engine.compile_cache import CompileCache, StepKey, StepSpec
 from service.engine.kv_blocks import copy_blocks, join_blocks
 
@@ -43,6 +45,20 @@ def batches_last_chunks() -> bool:
     whose steps are compute-bound and where the extra (B, T, C) functions doubled the default
     warm-up (docs/ARCHITECTURE.md, "Last chunks together")."""
     return mx.default_device().type == mx.DeviceType.gpu
+
+
+class PagedTables(NamedTuple):
+    """A paged decode step's view of its rows: their block tables (int32 [batch, capacity /
+    block_tokens], null-block padded) at a batch bucket and a capacity bucket; the pool itself
+    is the executor's (:meth:`Executor.use_paged`)."""
+
+    table: mx.array
+    batch: int
+    capacity: int
+
+
+#: What a decode step runs over: a static cache, or the rows' block tables into the paged pool.
+DecodeCache = TypeVar("DecodeCache", KVCache, PagedTables)
 
 
 class Executor:
@@ -86,6 +102,37 @@ class Executor:
         self.windows: Windows | None = windows if windows and any(w is not None for w in windows) else None
         self.vocab = a.vocab_size
         self.wait_seconds = 0.0  # seconds spent waiting for the device's results (monotonic)
+        self.pool: PagedKV | None = None  # the paged KV pool, once :meth:`use_paged` made one
+
+    # -- the paged KV pool -------------------------------------------------------------------
+
+    @property
+    def can_page(self) -> bool:
+        """Whether this model's decode can read and write a paged KV pool: a hand-written
+        family in one process (an mlx-lm module's caches and a pipeline stage's are static)."""
+        a = self.model.args
+        if isinstance(a, AdapterArgs) or self.model.stage is not None:
+            return False
+        return hasattr(architecture(a.model_type), "decode_paged")
+
+    def use_paged(self, num_blocks: int, block_tokens: int) -> PagedKV:
+        """Allocate the paged KV pool (``num_blocks`` blocks of ``block_tokens`` positions per
+        layer, block 0 the null block) and make ``decode`` run over it
+        (:func:`models.llama.decode_paged`). Returns the pool.
+
+        Raises:
+            ValueError: the model cannot page (:attr:`can_page`).
+        """
+        if not self.can_page:
+            raise ValueError(f"model type {self.model.args.model_type!r} has no paged decode here")
+        a = self.model.args
+        arch = architecture(a.model_type)
+        self._specs["decode"] = StepSpec(partial(arch.decode_paged, args=a))
+        self.pool = PagedKV.allocate(
+            self.model.layers, num_blocks, a.num_key_value_heads, block_tokens, a.dim_per_head, self.model.dtype
+        )
+        mx.eval(self.pool)  # built now, on this thread: a lazy zeros would be evaluated on the engine's
+        return self.pool
 
     # -- compiled functions and buffers of this process -------------------------------------
 
@@ -183,12 +230,42 @@ class Executor:
         real = mx.array(lengths + [1] * (batch - n), mx.int32)
         return fn(self.model.params, ids, at, real, stacked)
 
-    def decode(self, kv: KVCache, tokens: mx.array, positions: list[int]) -> tuple[mx.array, KVCache]:
+    def decode(self, kv: DecodeCache, tokens: mx.array, positions: list[int]) -> tuple[mx.array, DecodeCache]:
         """One decode step of every row of ``kv`` [B, Hkv, C, D]: ``tokens`` int32 [B] (possibly
         still lazy: the previous step's output), written at ``positions`` (B ints < C).
-        Returns (float32 logits [B, V], lazy; the cache)."""
+        Returns (float32 logits [B, V], lazy; the cache).
+
+        ``kv`` may be the rows' block tables (:class:`PagedTables`, int32 [B, C / bt]) instead:
+        the step then reads and writes the paged pool (:meth:`use_paged`), which it replaces."""
         fn = self.step_fn("decode", kv.batch, kv.capacity)
-        return fn(self.model.params, tokens, mx.array(positions, mx.int32), kv)
+        at = mx.array(positions, mx.int32)
+        if isinstance(kv, PagedTables):
+            assert self.pool is not None, "use_paged() first"
+            logits, self.pool = fn(self.model.params, tokens, at, kv.table, self.pool)
+            return logits, kv
+        return fn(self.model.params, tokens, at, kv)
+
+    def write_blocks(self, source: KVCache, row: int, blocks: list[int], length: int) -> None:
+        """Copy positions 0..length-1 of row ``row`` of a linear (prefill or staging) cache
+        [B', Hkv, C', D] into the paged pool's ``blocks`` (position p to offset p % bt of block
+        ``blocks[p // bt]``), one indexed copy per layer for keys and values. Positions past
+        ``length`` in the last block get whatever the source holds there (or zeros), which
+        attention masks by position."""
+        pool = self.pool
+        assert pool is not None, "use_paged() first"
+        bt, n, dtype = pool.block_tokens, len(blocks), pool.keys[0].dtype
+        index = mx.array(blocks, mx.int32)
+
+        def shaped(buf: mx.array) -> mx.array:  # [Hkv, C', D] -> [n, Hkv, bt, D]
+            part = buf[row, :, : n * bt]
+            if part.shape[1] < n * bt:
+                part = mx.pad(part, [(0, 0), (0, n * bt - part.shape[1]), (0, 0)])
+            H, _, D = part.shape
+            return part.reshape(H, n, bt, D).transpose(1, 0, 2, 3).astype(dtype)
+
+        for layer, (keys, values) in enumerate(zip(source.keys, source.values, strict=True)):
+            pool.keys[layer][index] = shaped(keys)
+            pool.values[layer][index] = shaped(values)
 
     def resize(self, kv: KVCache, capacity: int, ring: bool = True) -> KVCache:
         """``kv`` at another capacity (one copy): a decode cache (``ring``: its rings stay rings,
@@ -236,6 +313,9 @@ class Executor:
             return params, mx.zeros((batch, size), mx.int32), mx.ones((batch,), mx.int32), self.new_kv(batch, size)
         if phase == "decode":
             zeros = mx.zeros((batch,), mx.int32)
+            if self.pool is not None:  # every row's table of null blocks; the real pool (no second one)
+                table = mx.zeros((batch, size // self.pool.block_tokens), mx.int32)
+                return params, zeros, zeros, table, self.pool
             return params, zeros, zeros, self.new_kv(batch, size, ring=True)
         if phase == "greedy":
             return (mx.zeros((1, vocab), mx.float32),)
@@ -256,7 +336,11 @@ class Executor:
         args = self.dummy_inputs(phase, batch, size, capacity)
         if self.compiled.policy == "auto":
             return fn.calibrate(args, repeats)
-        mx.eval(fn(*args))
+        out = fn(*args)
+        if phase == "decode" and self.pool is not None:
+            self.pool = out[1]  # the pool is replaced, not copied: the old one is no longer held
+        del args
+        mx.eval(out)
         return fn.compiled
 
     # -- waiting, and the group's life (nothing to do in one process) ----------------------

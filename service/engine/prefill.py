@@ -92,8 +92,8 @@ class Prefiller:
         finals: dict[tuple[int, int], list[Sequence]] = {}  # last chunks, by (chunk bucket T, staging C)
         for seq in seqs:
             try:
-                if seq.num_computed == 0 and self._goes_whole(len(seq.prompt_ids)):
-                    whole.setdefault(self.buckets.prompt_for(len(seq.prompt_ids)), []).append(seq)
+                if seq.num_computed == 0 and self._goes_whole(len(seq.prefill_ids)):
+                    whole.setdefault(self.buckets.prompt_for(len(seq.prefill_ids)), []).append(seq)
                 elif (last := self._last_chunk(seq)) is not None:
                     finals.setdefault(last, []).append(seq)
                 else:
@@ -126,8 +126,8 @@ class Prefiller:
         and the executor can run such chunks of several prompts in one call; else None."""
         if not self.executor.batches_chunks or self.rows_cap < 2:
             return None
-        offset, n, T = self.chunk_plan(len(seq.prompt_ids), seq.num_computed)[0]
-        if offset + n < len(seq.prompt_ids):
+        offset, n, T = self.chunk_plan(len(seq.prefill_ids), seq.num_computed)[0]
+        if offset + n < len(seq.prefill_ids):
             return None
         return T, self.buckets.staging_for(offset + T)
 
@@ -155,14 +155,14 @@ class Prefiller:
     def next_chunk(self, seq: Sequence) -> tuple[KVCache, list[int], int, int]:
         """``seq``'s next chunk: (its staging cache at the capacity the chunk needs, the chunk's
         T tokens right-padded, its offset, its real tokens)."""
-        offset, n, T = self.chunk_plan(len(seq.prompt_ids), seq.num_computed)[0]
+        offset, n, T = self.chunk_plan(len(seq.prefill_ids), seq.num_computed)[0]
         # The staging cache grows with the prompt (a chunk's attention costs its whole capacity).
         capacity = self.buckets.staging_for(offset + T)
         executor = self.executor
         kv: KVCache = executor.alloc(1, capacity) if seq.staging is None else seq.staging
         if kv.capacity < capacity:
             kv = executor.resize(kv, capacity, ring=False)  # linear: a chunk writes position p at index p
-        return kv, seq.prompt_ids[offset : offset + n] + [0] * (T - n), offset, n
+        return kv, seq.prefill_ids[offset : offset + n] + [0] * (T - n), offset, n
 
     def _chunk(self, seq: Sequence) -> None:
         """Prefill ``seq``'s next chunk (:meth:`next_chunk`) and, when it is a one-token chunk,
@@ -197,7 +197,7 @@ class Prefiller:
         B = last_chunk_rows(self.buckets, len(tokens[0]), self.whole_tokens, self.rows_cap)
         logits, kv = self.executor.chunk_rows(kvs, tokens, offsets, lengths, B)
         for seq in group:
-            seq.staging, seq.num_computed = None, len(seq.prompt_ids)
+            seq.staging, seq.num_computed = None, len(seq.prefill_ids)
         stat = ("chunk", f"b{B}x{len(tokens[0])}c{kv.capacity}", len(group), B, start)
         self._queue_first_tokens(group, logits, kv, stat)
 
@@ -206,13 +206,13 @@ class Prefiller:
         request) share one row: one prefill, then each samples its own first token."""
         start = time.perf_counter()
         unique: dict[tuple[int, ...], int] = {}
-        kv_rows = [unique.setdefault(tuple(s.prompt_ids), len(unique)) for s in group]
+        kv_rows = [unique.setdefault(tuple(s.prefill_ids), len(unique)) for s in group]
         logits, prompt_kv = self.prefill([list(p) for p in unique])
         if len(unique) < len(group):  # one logits row per request, padded to a batch bucket
             B = self.buckets.batch_for(len(group))
             logits = logits[mx.array(kv_rows + [0] * (B - len(group)), mx.int32)]
         for seq in group:
-            seq.num_computed = len(seq.prompt_ids)
+            seq.num_computed = len(seq.prefill_ids)
         B, T = prompt_kv.batch, prompt_kv.capacity
         stat = ("prefill", f"b{B}x{T}", len(unique), B, start)
         self._queue_first_tokens(group, logits, prompt_kv, stat, kv_rows)
@@ -248,9 +248,9 @@ class Prefiller:
             token_list = self.executor.read(p.tokens)
             observe(list(p.group), token_list, p.logprobs)
             rows = [p.kv_rows[i] if p.kv_rows else i for i in range(len(p.group))]
-            self._saves.append(([(seq.prompt_ids, row) for seq, row in zip(p.group, rows, strict=True)], p.kv))
+            self._saves.append(([(seq.prefill_ids, row) for seq, row in zip(p.group, rows, strict=True)], p.kv))
             for i, (seq, row) in enumerate(zip(p.group, rows, strict=True)):
-                seq.position = len(seq.prompt_ids)
+                seq.position = len(seq.prefill_ids)
                 seq.prefilled, seq.staging = (p.kv, row), None
                 if (key := p.keys[i]) is not None:
                     out.keys.append((seq, key))
@@ -334,7 +334,7 @@ def _parts(group: list[Sequence], rows: int) -> list[list[Sequence]]:
     parts: list[list[Sequence]] = []
     seen: set[tuple[int, ...]] = set()
     for seq in group:
-        key = tuple(seq.prompt_ids)
+        key = tuple(seq.prefill_ids)
         if not parts or (key not in seen and len(seen) == rows):
             parts.append([])
             seen = set()

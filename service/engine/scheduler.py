@@ -60,6 +60,9 @@ class Scheduler:
             when it alone exceeds the budget.
         cached_tokens: prompt tokens ids -> how many the prefix cache holds (called on the
             engine thread, which schedules; default none).
+        fits: whether the request at the head of the queue may be admitted now (a paged KV
+            pool's blocks, :meth:`service.engine.core.Engine._fits`; default: always). The head
+            waits until it does, and those behind it too (first come, first served).
     """
 
     def __init__(
@@ -69,8 +72,10 @@ class Scheduler:
         chunk_tokens: int = 512,
         max_batched_tokens: int = 2048,
         cached_tokens: Callable[[list[int]], int] = lambda ids: 0,
+        fits: Callable[[Sequence], bool] = lambda seq: True,
     ):
         self.max_running, self.max_waiting = max_running, max_waiting
+        self.fits = fits
         self.chunk_tokens, self.max_batched_tokens = chunk_tokens, max_batched_tokens
         self.cached_tokens = cached_tokens
         self.waiting: deque[Sequence] = deque()
@@ -133,7 +138,7 @@ class Scheduler:
                 if not seq.prompt_done:
                     budget = self._take_chunk(seq, budget, out)
             while self.waiting and len(self.running) < self.max_running:
-                if self._chunk(self.waiting[0]) > budget and out.prefill:
+                if self._chunk(self.waiting[0]) > budget and out.prefill or not self.fits(self.waiting[0]):
                     break
                 seq = self.waiting.popleft()
                 self.running.append(seq)
@@ -144,8 +149,8 @@ class Scheduler:
     def _chunk(self, seq: Sequence) -> int:
         """Tokens ``seq``'s next prefill chunk takes at most (a waiting request's prompt
         counts without what the prefix cache holds of it)."""
-        done = seq.num_computed if seq.started is not None else self.cached_tokens(seq.prompt_ids)
-        return min(self.chunk_tokens, len(seq.prompt_ids) - done)
+        done = seq.num_computed if seq.started is not None else self.cached_tokens(seq.prefill_ids)
+        return min(self.chunk_tokens, len(seq.prefill_ids) - done)
 
     def _take_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         tokens = self._chunk(seq)
@@ -153,6 +158,14 @@ class Scheduler:
             out.prefill.append(seq)
             budget -= tokens
         return budget
+
+    def preempt(self, seq: Sequence) -> None:
+        """Put a running request back at the head of the queue (its KV blocks were taken back:
+        vLLM v1's preemption by recomputation); it is admitted again before any other."""
+        with self._lock:
+            if seq in self.running:
+                self.running.remove(seq)
+            self.waiting.appendleft(seq)
 
     def load(self) -> list[tuple[int, int]]:
         """(prompt tokens, max_tokens) of every running and waiting request, read under the lock."""

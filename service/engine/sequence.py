@@ -138,6 +138,8 @@ class Sequence:
     position: int = 0
     slot: int = -1
     num_computed: int = 0  # prompt tokens whose keys and values are computed (or came from the prefix cache)
+    preemptions: int = 0  # times its KV blocks were taken back (paged KV); it then prefills its output again
+    _prefill: list[int] | None = field(default=None, repr=False)  # prompt + output at the last preemption
     cached_tokens: int = 0  # prompt tokens that came from the prefix cache
     staging: Any = None  # KVCache [1, Hkv, C, D] holding the prompt while it is prefilled in chunks (runner only)
     prefilled: Any = None  # (prompt KVCache, row) between prefill and joining a slot (runner only)
@@ -160,9 +162,25 @@ class Sequence:
             self.matcher = self.params.grammar.matcher()
 
     @property
+    def prefill_ids(self) -> list[int]:
+        """The tokens prefill computes keys and values for: the prompt, or after a preemption
+        the prompt and every token generated before it (whose keys and values were dropped;
+        the last one's is computed now for the first time)."""
+        return self._prefill if self._prefill is not None else self.prompt_ids
+
+    def preempt(self) -> None:
+        """Its KV blocks were taken back: prefill starts over on :attr:`prefill_ids` (the prefix
+        cache's blocks, if any, first) and the next token follows the ones already sent."""
+        self._prefill = self.prompt_ids + self.output_ids
+        self.preemptions += 1
+        self.num_computed = self.position = 0
+        self.prefilled = self.staging = None
+        self.started = None
+
+    @property
     def prompt_done(self) -> bool:
         """Every prompt token's keys and values are computed: the request decodes."""
-        return self.num_computed >= len(self.prompt_ids)
+        return self.num_computed >= len(self.prefill_ids)
 
     @property
     def last_token(self) -> int:

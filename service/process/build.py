@@ -23,8 +23,8 @@ from service.engine.lookup import PromptLookup
 from service.engine.prefix_cache import PrefixCache
 from service.engine.warmup import WarmupSpec
 from service.metrics import Metrics
-from service.process import warmer
-from service.process.startup import buckets_of, warmup_extent
+from service.process import memory, warmer
+from service.process.startup import buckets_of, memory_budget, warmup_extent
 from service.process.warm_sizing import Coverage
 
 log = logging.getLogger("stepserve")
@@ -57,6 +57,8 @@ def build_engine(
         proposer,
         served.speculative_tokens,
         served.speculative_max_batch,
+        paged_pool_tokens(settings, served, model) if settings.kv_cache == "paged" else None,
+        settings.kv_block_tokens,
     )
     if proposer is not None:
         metrics.init_speculative(model.name, proposer.method)
@@ -70,6 +72,23 @@ def build_engine(
         served.compile,
     )
     return engine
+
+
+def paged_pool_tokens(settings: Settings, served: ServedModel, model: LoadedModel) -> int:
+    """Token positions of ``model``'s paged KV pool: ``kv_pool_tokens``, else what the memory
+    budget leaves after the weights, the largest prefill step and the prefix cache
+    (:func:`service.process.memory.paged_pool_tokens`)."""
+    if settings.kv_pool_tokens is not None:
+        return settings.kv_pool_tokens
+    return memory.paged_pool_tokens(
+        model,
+        buckets_of(served),
+        served.max_sequences or served.batch_buckets[-1],
+        settings.prefill_chunk_tokens,
+        settings.max_batched_tokens,
+        prefix_budget(model, settings.prefix_cache_bytes),
+        memory_budget(settings),
+    )
 
 
 def prefix_budget(model: LoadedModel, budget: int) -> int:

@@ -129,6 +129,25 @@ def prefill_bytes(
     return max(whole, chunk)
 
 
+def paged_pool_tokens(
+    model: LoadedModel,
+    buckets: BucketTable,
+    max_running: int,
+    chunk_tokens: int,
+    max_batched_tokens: int,
+    prefix_cache_bytes: int,
+    budget: int,
+) -> int:
+    """Token positions a paged KV pool of ``model`` gets from ``budget`` bytes: what is left after
+    the weights, the largest prefill step (:func:`prefill_bytes`, for ``max_running`` rows) and
+    the prefix cache's budget, at :func:`kv_bytes_per_position` each (every layer's keys and
+    values: a paged pool keeps a sliding layer's positions too). 0 when nothing is left."""
+    C = buckets.capacity[-1]
+    prefill = prefill_bytes(model, buckets, max_running, C, chunk_tokens, max_batched_tokens, batches_last_chunks())
+    left = budget - model.nbytes - prefill - prefix_cache_bytes
+    return max(0, left // kv_bytes_per_position(model))
+
+
 def worst_case(
     model: LoadedModel,
     buckets: BucketTable,
@@ -149,7 +168,8 @@ def load_bytes(engine: Engine, rows: list[tuple[int, int]]) -> int:
     """Bytes ``engine``'s model may hold while serving ``rows`` of (prompt tokens, max_tokens):
     the rows that can run at once at the capacity bucket of the longest prompt + max_tokens,
     and the largest prefill step among them (:func:`prefill_bytes`). Requests may stop early,
-    so this bounds the load from above. The prefix cache is left out: it is evicted first."""
+    so this bounds the load from above. The prefix cache is left out: it is evicted first. A
+    paged engine holds its pool instead of the rows' caches, whatever the rows."""
     if not rows:
         return engine.model.nbytes
     buckets, sched = engine.buckets, engine.scheduler
@@ -161,6 +181,8 @@ def load_bytes(engine: Engine, rows: list[tuple[int, int]]) -> int:
     prefill = prefill_bytes(
         engine.model, buckets, running, longest, sched.chunk_tokens, sched.max_batched_tokens, batched
     )
+    if engine.executor.pool is not None:  # a paged pool is allocated once; its blocks admit the requests
+        return engine.model.nbytes + engine.executor.pool.nbytes + prefill
     return engine.model.nbytes + 2 * decode + prefill
 
 

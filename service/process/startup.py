@@ -167,6 +167,8 @@ def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> Settings
     specs = [s for s in settings.served_models() if s.name in models]  # on-demand ones once loaded
     name, budget = _budget(settings)
     limit = budget if budget is not None else mx.get_memory_limit()
+    if settings.kv_cache == "paged":
+        return _check_paged(settings, models, specs, name, limit)
     candidates = sorted({b for s in specs if s.max_sequences is None for b in s.batch_buckets}, reverse=True) or [0]
     for rows in candidates:
         resolved = {s.name: s.max_sequences or min(rows, s.batch_buckets[-1]) for s in specs}
@@ -208,6 +210,54 @@ def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> Settings
     if total > limit:
         log.warning("the configured max_sequences could need %.2f GB, over %s %.2f GB", total / 1e9, name, limit / 1e9)
     return _with_max_sequences(settings, resolved)
+
+
+def _check_paged(
+    settings: Settings, models: dict[str, LoadedModel], specs: list[ServedModel], name: str, limit: int
+) -> Settings:
+    """:func:`check_memory` with paged KV pools: each model holds its weights, its largest
+    prefill step, its prefix cache and a pool, not a worst-case batch. ``max_sequences``, unset,
+    is the largest batch bucket (a cap on running rows; the pool's blocks decide how many fit);
+    ``kv_pool_tokens``, unset, splits what the budget leaves evenly between the models. Every
+    pool must hold one sequence at the largest capacity bucket.
+
+    Raises:
+        MemoryBudgetError: a pool would hold less than that; the message names the figures and
+            the fix.
+    """
+    resolved = {s.name: s.max_sequences or s.batch_buckets[-1] for s in specs}
+    fixed = {
+        s.name: memory.worst_case(
+            models[s.name],
+            buckets_of(s),
+            resolved[s.name],
+            settings.prefill_chunk_tokens,
+            settings.max_batched_tokens,
+            settings.prefix_cache_bytes if models[s.name].args.prefix_blocks else 0,
+        )
+        for s in specs
+    }
+    rest = limit - sum(e.weights + e.prefill + e.prefix_cache for e in fixed.values())
+    pools = {}
+    for s in specs:
+        per = memory.kv_bytes_per_position(models[s.name])
+        pools[s.name] = settings.kv_pool_tokens or max(0, rest // len(specs) // per)
+        e, C = fixed[s.name], s.capacity_buckets[-1]
+        gb = 1e9
+        log.info(
+            "model %s: paged KV pool of %d tokens (%.2f GB, blocks of %d), up to %d sequences; weights %.2f GB, "
+            "prefill %.2f GB, prefix cache %.2f GB, against %s %.2f GB",
+            s.name, pools[s.name], pools[s.name] * per / gb, settings.kv_block_tokens, resolved[s.name],
+            e.weights / gb, e.prefill / gb, e.prefix_cache / gb, name, limit / gb,
+        )  # fmt: skip
+        if pools[s.name] < C:
+            raise MemoryBudgetError(
+                f"model '{s.name}': its paged KV pool would hold {pools[s.name]} tokens, fewer than one sequence at "
+                f"the largest capacity bucket ({C}), within {name} {limit / gb:.2f} GB; raise the budget, lower "
+                "prefix_cache_bytes or the largest capacity bucket, or set kv_pool_tokens"
+            )
+    settings = _with_max_sequences(settings, resolved)
+    return settings.model_copy(update={"kv_pool_tokens": min(pools.values())})
 
 
 def memory_budget(settings: Settings) -> int:

@@ -5,6 +5,7 @@ exactly the greedy tokens of their own sequence run alone, and nothing else."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -40,9 +41,10 @@ def params():
     return random_params(seed=3)
 
 
-def chunking_engine(params, stop: frozenset[int], prefix_bytes: int) -> tuple[Engine, Metrics]:
+def chunking_engine(params, stop: frozenset[int], prefix_bytes: int, **settings) -> tuple[Engine, Metrics]:
     """An Engine (not started) on the tiny model prefilling in chunks of 8 tokens, 16 tokens a
-    step, with a prefix cache of ``prefix_bytes`` in blocks of 4 tokens, and its metrics."""
+    step, with a prefix cache of ``prefix_bytes`` in blocks of 4 tokens (``settings``: more
+    :class:`~service.config.Settings`), and its metrics."""
     model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(stop), mx.float32, "dequantized", 0.0)
     metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
     engine = engine_at(
@@ -53,6 +55,7 @@ def chunking_engine(params, stop: frozenset[int], prefix_bytes: int) -> tuple[En
         max_batched_tokens=16,
         prefix_block_tokens=4,
         prefix_cache_bytes=prefix_bytes,
+        **settings,
     )
     engine.executor.batches_chunks = True  # as on a GPU (the CPU's default runs them one by one)
     return engine, metrics
@@ -66,13 +69,25 @@ def run_engine(
     one_at_a_time: bool = False,
     warm_batch: int = 1,
     alone_first: int = 0,
+    check: Callable[[Engine], None] | None = None,
+    **settings,
 ) -> tuple[list[tuple[list[int], FinalEvent]], Metrics]:
     """Submit ``(prompt, max_tokens)`` requests at once (or each after the previous ended; or
     the first ``alone_first`` so, then the rest at once) to a real Engine thread prefilling in
     chunks of 8 tokens, warmed for ``warm_batch`` requests, with a prefix cache of
-    ``prefix_bytes`` (blocks of 4 tokens); returns each request's (tokens, final event) and
-    the engine's metrics."""
-    engine, metrics = chunking_engine(params, stop, prefix_bytes)
+    ``prefix_bytes`` (blocks of 4 tokens) and ``settings``; returns each request's (tokens, final
+    event) and the engine's metrics. ``check``: called with the engine after each of its steps,
+    on its thread (an assertion there fails the request being served)."""
+    engine, metrics = chunking_engine(params, stop, prefix_bytes, **settings)
+    if check is not None:
+        step = engine.step
+
+        def checked() -> bool:
+            worked = step()
+            check(engine)
+            return worked
+
+        engine.step = checked  # type: ignore[method-assign]
     model = engine.model
     start_engine(engine, WarmupSpec(prompt_tokens=8, batch=warm_batch))
     assert engine.ready.wait(60)
@@ -354,3 +369,130 @@ def test_the_rehearsal_fits_a_waiting_queue_shorter_than_its_bursts(params):
     finally:
         engine.stop()
     assert any("sent twice" in line for line in engine.rehearsed)
+
+
+# -- the paged KV pool (kv_cache = "paged") ------------------------------------------------------
+
+STAGGERED = [
+    ([1, 2, 3], 9),
+    ([7, 8, 9, 10, 11], 4),
+    ([20, 21], 30),
+    ([30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], 30),
+    ([50], 1),
+    ([60, 61, 62, 63], 12),
+]
+
+
+def pool_is_consistent(engine: Engine) -> None:
+    """After every step: the block pool's bookkeeping holds (:meth:`BlockPool.check`), each
+    decoding row holds blocks for every position it has written, and an idle engine holds no
+    block at all (every block is back: no leak)."""
+    paged = engine.paged
+    assert paged is not None
+    paged.blocks.check()
+    for seq in paged.live:
+        assert paged.blocks.num_tokens(id(seq)) >= seq.position
+    if engine.idle:
+        assert paged.blocks.stats().used == 0, paged.blocks.stats()
+
+
+@pytest.mark.parametrize("prefix_bytes", [0, 10**6], ids=["no-prefix-cache", "prefix-cache"])
+@pytest.mark.parametrize("pool_tokens", [4 * 32, 40], ids=["room-for-all", "preempting"])
+def test_paged_requests_get_their_own_greedy_tokens(params, pool_tokens, prefix_bytes):
+    """Mixed lengths sharing batches through the paged pool, prompts prefilled in chunks: each
+    request gets exactly its tokens alone. With a pool of 40 positions (one 32-token sequence and
+    a few blocks more), requests are preempted mid-generation and resume from a prefill of
+    prompt and output (from the prefix cache's blocks, when it is on)."""
+    limit = BUCKETS.capacity[-1]
+    first = reference(params, STAGGERED[0][0], STAGGERED[0][1], frozenset(), limit)
+    stop = frozenset({first[5]})
+    results, metrics = run_engine(
+        params,
+        stop,
+        STAGGERED,
+        prefix_bytes,
+        check=pool_is_consistent,
+        kv_cache="paged",
+        kv_block_tokens=4,
+        kv_pool_tokens=pool_tokens,
+    )
+    for (prompt, m), (tokens, final) in zip(STAGGERED, results, strict=True):
+        expected = reference(params, prompt, m, stop, limit)
+        assert tokens == expected, f"prompt {prompt}: got {tokens}, alone it gives {expected}"
+        assert final.completion_tokens == len(expected)
+    preempted = sample_value(metrics, "stepserve_preemptions_total", model="tiny")
+    assert (preempted > 0) == (pool_tokens == 40), preempted
+    steps = sample_value(metrics, "stepserve_batch_size_count", model="tiny", phase="decode")
+    single = sample_value(metrics, "stepserve_batch_size_bucket", model="tiny", phase="decode", le="1.0")
+    assert steps > single > 0, "no decode step ran more than one row"
+
+
+def test_paged_pool_refuses_speculation_and_off_block_buckets(params):
+    model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
+    with pytest.raises(ValueError, match="speculative"):
+        engine_at(model, BUCKETS, kv_cache="paged", kv_pool_tokens=64, speculative="lookup")
+    with pytest.raises(ValueError, match="multiple of kv_block_tokens"):
+        engine_at(model, BUCKETS, kv_cache="paged", kv_pool_tokens=64, kv_block_tokens=5)
+
+
+def test_paged_fuzz_of_arrivals_cancellations_and_lengths_leaks_no_block(params):
+    """40 requests of random lengths arrive at random times against a pool of 48 positions
+    (prefix cache on), and a fifth are cancelled at random: each finished request has its tokens
+    alone (a cancelled one a prefix of them), the pool's bookkeeping holds after every step and
+    once idle every block is back."""
+    import random
+
+    rng = random.Random(7)
+    limit = BUCKETS.capacity[-1]
+    engine, metrics = chunking_engine(
+        params, frozenset(), 10**6, kv_cache="paged", kv_block_tokens=4, kv_pool_tokens=48
+    )
+    step = engine.step
+
+    def checked() -> bool:
+        worked = step()
+        pool_is_consistent(engine)
+        return worked
+
+    engine.step = checked  # type: ignore[method-assign]
+    start_engine(engine, WarmupSpec(prompt_tokens=8, batch=1))
+    assert engine.ready.wait(60)
+    finals: dict[int, FinalEvent] = {}
+    done = threading.Semaphore(0)
+    seqs: list[Sequence] = []
+    try:
+        for i in range(40):
+            prompt = [rng.randrange(1, 90) for _ in range(rng.randint(1, 20))]
+
+            def emit(event, i=i):
+                if isinstance(event, FinalEvent):
+                    finals[i] = event
+                    done.release()
+
+            seq = Sequence(
+                prompt, SamplingParams(max_tokens=rng.randint(1, 25)), engine.model.tokenizer.detokenizer(), emit
+            )
+            seqs.append(seq)
+            engine.submit(seq)
+            if rng.random() < 0.2:
+                engine.cancel(seqs[rng.randrange(len(seqs))])
+            if rng.random() < 0.3:
+                done.acquire(timeout=60)
+                done.release()
+        for _ in range(40):
+            assert done.acquire(timeout=120), "a request never finished"
+        deadline = threading.Event()
+        while not engine.idle and not deadline.wait(0.05):
+            pass
+        assert engine.paged is not None and engine.paged.blocks.stats().used == 0
+    finally:
+        engine.stop()
+    assert engine.paged.blocks.stats().used == 0
+    for i, seq in enumerate(seqs):
+        expected = reference(params, seq.prompt_ids, seq.params.max_tokens, frozenset(), limit)
+        if finals[i].finish_reason is FinishReason.CANCELLED:
+            assert seq.output_ids == expected[: len(seq.output_ids)]
+        else:
+            assert finals[i].finish_reason is FinishReason.LENGTH, finals[i]
+            assert seq.output_ids == expected, f"request {i}"
+    assert sample_value(metrics, "stepserve_preemptions_total", model="tiny") > 0
