@@ -140,7 +140,8 @@ async def readyz(state: State) -> dict:
     Per model, ``warmup`` says what is warm: prompt tokens, concurrent requests and buckets, and
     whether (``reduced``) and why its extent was sized down for this host
     (:class:`service.process.warm_sizing.Coverage`). On a pipeline group's rank 0, ``group``
-    lists each rank's layers and memory."""
+    lists each rank's layers and memory. ``kv`` says how the KV cache is kept and, for a paged
+    pool, how many tokens of KV it holds and how they are used now."""
     if state.draining:
         raise ApiError(503, "not ready: server is shutting down", type="unavailable")
     engines = {name: e for name, e in state.engines.items() if name not in state.on_demand or e.ready.is_set()}
@@ -160,6 +161,7 @@ async def readyz(state: State) -> dict:
                 "buckets": choices,
                 "rehearsed": e.rehearsed,
                 "speculative": e.speculator.describe() if e.speculator else None,
+                "kv": e.kv_summary(),
             }
             for name, e in engines.items()
             for choices, coverage in [(e.compile_choices(), state.coverage.get(name))]

@@ -140,6 +140,22 @@ class Engine:
         self.executor.use_paged(num_blocks, block_tokens)
         return PagedDecodeBatch(self.buckets, self.executor, BlockPool(num_blocks, block_tokens))
 
+    def kv_summary(self) -> dict:
+        """How this engine keeps its KV cache, for ``/readyz``: ``{"cache": "static"}``, or for a
+        paged pool its size in tokens and blocks, the blocks used now (held by requests), cached
+        and free, and the preemptions so far."""
+        paged = self.paged
+        if paged is None:
+            return {"cache": "static"}
+        stats, bt = paged.blocks.stats(), paged.blocks.block_tokens
+        return {
+            "cache": "paged",
+            "tokens": stats.total * bt,
+            "block_tokens": bt,
+            "blocks": {"total": stats.total, "used": stats.used, "cached": stats.cached, "free": stats.free},
+            "preemptions": paged.preemptions,
+        }
+
     @property
     def paged(self) -> PagedDecodeBatch | None:
         """The decode batch when it is paged (None: the static cache)."""

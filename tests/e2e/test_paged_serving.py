@@ -1,0 +1,63 @@
+"""The paged KV pool on the real default model through a real server (``--kv-cache paged``): a
+burst of concurrent requests that outgrows a small pool is served with preemptions, every answer
+the one the static cache's server gives, and ``/readyz`` and ``/metrics`` say what the pool holds."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.support import ServerProcess
+
+POOL_TOKENS = 256
+PROMPTS = [f"Write a short story about a {thing} who learns to {skill}." for thing, skill in [
+    ("lighthouse keeper", "paint"),
+    ("river otter", "count"),
+    ("retired pilot", "bake bread"),
+    ("small robot", "whistle"),
+    ("city pigeon", "read maps"),
+    ("night baker", "sing"),
+]]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def paged():
+    """The default model with a 256-token pool (one capacity bucket of 256, so one sequence fits
+    alone) in blocks of 16: six 96-token answers to ~15-token prompts need ~670."""
+    proc = ServerProcess.start(
+        [
+            "--kv-cache", "paged", "--kv-pool-tokens", str(POOL_TOKENS), "--kv-block-tokens", "16",
+            "--capacity-buckets", "[256]", "--prompt-buckets", "[32, 64]", "--warmup-batch", "8",
+            "--warmup-prompt-tokens", "64",
+            "--prefix-cache-bytes", "0",
+        ]
+    )  # fmt: skip
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def complete(proc: ServerProcess, prompt: str) -> str:
+    with proc.client() as http:
+        body = {"prompt": prompt, "max_tokens": 96, "temperature": 0, "ignore_eos": True}
+        reply = http.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 96
+    return reply.json()["choices"][0]["text"]
+
+
+def test_a_burst_past_the_pool_is_preempted_and_answers_as_the_static_cache(paged, server):
+    with paged.client() as http:
+        kv = http.get("/readyz").json()["models"]["SmolLM2-135M-Instruct"]["kv"]
+    assert kv["cache"] == "paged" and kv["tokens"] >= POOL_TOKENS and kv["block_tokens"] == 16
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(lambda p: complete(paged, p), PROMPTS))
+        expected = list(pool.map(lambda p: complete(server, p), PROMPTS))  # the static cache
+    assert got == expected
+    assert paged.metric("stepserve_preemptions_total", model="SmolLM2-135M-Instruct") > 0
+    assert paged.metric("stepserve_kv_pool_blocks", model="SmolLM2-135M-Instruct", state="used") == 0
+    total = paged.metric("stepserve_kv_pool_blocks", model="SmolLM2-135M-Instruct", state="total")
+    assert total * 16 == kv["tokens"]
