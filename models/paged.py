@@ -75,23 +75,6 @@ def copy_blocks(pool: mx.array, src: mx.array, dst: mx.array) -> mx.array:
     return out
 
 
-def slot_rows(block_table: mx.array, positions: mx.array, kv_heads: int, block_tokens: int) -> mx.array:
-    """Each (row, head, token)'s row in a pool seen as [N * Hkv * bt, D].
-
-    Args:
-        block_table: int32 [B, M].
-        positions: int32 [B, L], each below M * bt.
-
-    Returns:
-        int32 [B, Hkv, L]: ``(block * Hkv + head) * bt + offset`` with block ``table[b, p // bt]``
-        and offset ``p % bt`` (the row-major index of [N, Hkv, bt] for a [N, Hkv, bt, D] pool).
-    """
-    p = positions.astype(mx.int32)
-    block = mx.take_along_axis(block_table.astype(mx.int32), p // block_tokens, axis=1)  # [B, L]
-    heads = mx.arange(kv_heads, dtype=mx.int32)[None, :, None]  # [1, Hkv, 1]
-    return (block[:, None, :] * kv_heads + heads) * block_tokens + (p % block_tokens)[:, None, :]
-
-
 def write(pool: mx.array, block_table: mx.array, positions: mx.array, new: mx.array) -> mx.array:
     """Scatter new keys or values into a layer's pool.
 
@@ -105,12 +88,17 @@ def write(pool: mx.array, block_table: mx.array, positions: mx.array, new: mx.ar
         The pool [N, Hkv, bt, D] with row b's token l at offset ``p % bt`` of block
         ``block_table[b, p // bt]`` (p = positions[b, l]). Two tokens writing one slot (padding
         into the null block) leave one of them there, unspecified which.
+
+    One scatter indexed on the pool itself (block, head, offset), not on a reshaped view of it: a
+    view shares the pool's buffer, so MLX could not donate it to the scatter and would copy the
+    whole pool every step (MLX updates an input in place only when nothing else holds it).
     """
-    N, H, bt, D = pool.shape
-    rows = slot_rows(block_table, positions, H, bt).reshape(-1)  # [B * Hkv * L]
-    flat = pool.reshape(N * H * bt, D)
-    flat[rows] = new.astype(pool.dtype).reshape(-1, D)
-    return flat.reshape(N, H, bt, D)
+    H, bt = pool.shape[1], pool.shape[2]
+    p = positions.astype(mx.int32)
+    block = mx.take_along_axis(block_table.astype(mx.int32), p // bt, axis=1)  # [B, L]
+    heads = mx.arange(H, dtype=mx.int32)[None, :, None]  # [1, Hkv, 1]
+    pool[block[:, None, :], heads, (p % bt)[:, None, :]] = new.astype(pool.dtype)  # index [B, Hkv, L]
+    return pool
 
 
 def gather(pool: mx.array, block_table: mx.array) -> mx.array:
