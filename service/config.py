@@ -166,6 +166,13 @@ class Settings(BaseSettings):
         "request when it runs out (hand-written model families in one process, speculative decoding off)",
     )
     kv_block_tokens: int = Field(16, ge=1, description="kv_cache = 'paged': token positions per block")
+    max_model_len: int | None = Field(
+        None,
+        ge=1,
+        description="kv_cache = 'paged': tokens one sequence may hold (prompt + output) at most; unset: the model's "
+        "max_position_embeddings; either way bounded by the pool; unless capacity_buckets is set, its ladder is "
+        "extended by doubling up to this limit",
+    )
     kv_pool_tokens: int | None = Field(
         None,
         ge=1,

@@ -212,24 +212,47 @@ def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> Settings
     return _with_max_sequences(settings, resolved)
 
 
+def context_ladder(buckets: list[int], limit: int, block_tokens: int) -> list[int]:
+    """``buckets`` (ascending capacity buckets) extended by doubling up to ``limit`` positions,
+    the last one ``limit`` itself rounded down to whole blocks of ``block_tokens``; buckets above
+    ``limit`` are dropped. E.g. [256, …, 8192] to 45,330 in blocks of 16: …, 8192, 16384, 32768,
+    45328."""
+    top = limit // block_tokens * block_tokens
+    ladder = [b for b in buckets if b <= top]
+    while not ladder or ladder[-1] < top:
+        ladder.append(min(top, 2 * ladder[-1]) if ladder else top)
+    return ladder
+
+
 def _check_paged(
     settings: Settings, models: dict[str, LoadedModel], specs: list[ServedModel], name: str, limit: int
 ) -> Settings:
     """:func:`check_memory` with paged KV pools: each model holds its weights, its largest
     prefill step, its prefix cache and a pool, not a worst-case batch. ``max_sequences``, unset,
     is the largest batch bucket (a cap on running rows; the pool's blocks decide how many fit);
-    ``kv_pool_tokens``, unset, splits what the budget leaves evenly between the models. Every
-    pool must hold one sequence at the largest capacity bucket.
+    ``kv_pool_tokens``, unset, splits what the budget leaves evenly between the models.
+
+    A sequence may grow to the model's context (``max_model_len``, else its
+    ``max_position_embeddings``) where the pool holds that much: unless the capacity buckets
+    are set, the ladder is extended by doubling up to that limit (:func:`context_ladder`), or to
+    the pool's size where the pool is smaller, and the log says which.
 
     Raises:
-        MemoryBudgetError: a pool would hold less than that; the message names the figures and
-            the fix.
+        MemoryBudgetError: a pool would hold less than the smallest capacity bucket; the message
+            names the figures and the fix.
     """
     resolved = {s.name: s.max_sequences or s.batch_buckets[-1] for s in specs}
+    bt, gb = settings.kv_block_tokens, 1e9
+    ladders = {s.name: list(s.capacity_buckets) for s in specs}
+    chosen = "capacity_buckets" in settings.model_fields_set
+    for s in specs:
+        context = settings.max_model_len or getattr(models[s.name].args, "max_position_embeddings", None)
+        if context and not chosen and not _per_model(settings, s.name, "capacity_buckets"):
+            ladders[s.name] = context_ladder(ladders[s.name], context, bt)
     fixed = {
         s.name: memory.worst_case(
             models[s.name],
-            buckets_of(s),
+            BucketTable(tuple(s.batch_buckets), tuple(s.prompt_buckets), tuple(ladders[s.name])),
             resolved[s.name],
             settings.prefill_chunk_tokens,
             settings.max_batched_tokens,
@@ -241,23 +264,38 @@ def _check_paged(
     pools = {}
     for s in specs:
         per = memory.kv_bytes_per_position(models[s.name])
-        pools[s.name] = settings.kv_pool_tokens or max(0, rest // len(specs) // per)
-        e, C = fixed[s.name], s.capacity_buckets[-1]
-        gb = 1e9
+        pools[s.name] = pool = settings.kv_pool_tokens or max(0, rest // len(specs) // per)
+        if pool < ladders[s.name][0]:
+            raise MemoryBudgetError(
+                f"model '{s.name}': its paged KV pool would hold {pool} tokens, fewer than the smallest capacity "
+                f"bucket ({ladders[s.name][0]}), within {name} {limit / gb:.2f} GB; raise the budget, lower "
+                "prefix_cache_bytes, or set kv_pool_tokens"
+            )
+        if pool < ladders[s.name][-1]:  # one sequence can hold at most the pool
+            ladders[s.name] = context_ladder(ladders[s.name], pool, bt)
+        e = fixed[s.name]
         log.info(
-            "model %s: paged KV pool of %d tokens (%.2f GB, blocks of %d), up to %d sequences; weights %.2f GB, "
-            "prefill %.2f GB, prefix cache %.2f GB, against %s %.2f GB",
-            s.name, pools[s.name], pools[s.name] * per / gb, settings.kv_block_tokens, resolved[s.name],
+            "model %s: paged KV pool of %d tokens (%.2f GB, blocks of %d), up to %d sequences, each up to %d tokens "
+            "(capacity buckets %s); weights %.2f GB, prefill %.2f GB, prefix cache %.2f GB, against %s %.2f GB",
+            s.name, pool, pool * per / gb, bt, resolved[s.name], ladders[s.name][-1], ladders[s.name],
             e.weights / gb, e.prefill / gb, e.prefix_cache / gb, name, limit / gb,
         )  # fmt: skip
-        if pools[s.name] < C:
-            raise MemoryBudgetError(
-                f"model '{s.name}': its paged KV pool would hold {pools[s.name]} tokens, fewer than one sequence at "
-                f"the largest capacity bucket ({C}), within {name} {limit / gb:.2f} GB; raise the budget, lower "
-                "prefix_cache_bytes or the largest capacity bucket, or set kv_pool_tokens"
-            )
     settings = _with_max_sequences(settings, resolved)
+    settings = _with_model_values(settings, "capacity_buckets", ladders)
     return settings.model_copy(update={"kv_pool_tokens": min(pools.values())})
+
+
+def _per_model(settings: Settings, model: str, key: str) -> bool:
+    """Whether ``model``'s ``[[models]]`` entry sets ``key`` itself."""
+    return any(m.name == model and getattr(m, key) is not None for m in settings.models)
+
+
+def _with_model_values(settings: Settings, key: str, values: dict) -> Settings:
+    """``settings`` with each model's ``key`` set to ``values[name]`` (the top level's, for one model)."""
+    if not settings.models:
+        return settings.model_copy(update={key: values[settings.model_name]})
+    models = [m.model_copy(update={key: values.get(m.name, getattr(m, key))}) for m in settings.models]
+    return settings.model_copy(update={"models": models})
 
 
 def memory_budget(settings: Settings) -> int:
@@ -276,10 +314,7 @@ def _budget(settings: Settings) -> tuple[str, int | None]:
 
 
 def _with_max_sequences(settings: Settings, resolved: dict[str, int]) -> Settings:
-    if not settings.models:
-        return settings.model_copy(update={"max_sequences": resolved[settings.model_name]})
-    models = [m.model_copy(update={"max_sequences": resolved.get(m.name, m.max_sequences)}) for m in settings.models]
-    return settings.model_copy(update={"models": models})
+    return _with_model_values(settings, "max_sequences", resolved)
 
 
 CPU_WARMUP_PROMPT_TOKENS = 512  # the CPU ceiling: warming every prompt length there takes minutes
