@@ -39,7 +39,7 @@ class StepStat:
     """One engine step: its bucket, live rows out of the bucket's rows, and seconds."""
 
     model: str
-    phase: str  # "prefill" or "decode"
+    phase: str  # "prefill", "decode" or "embed"
     bucket: str
     rows: int
     bucket_rows: int
@@ -83,6 +83,15 @@ class PrefixCacheStat:
     hit_tokens: int  # of those, tokens whose KV was cached
     evicted_blocks: int
     nbytes: int  # keys and values held now
+
+
+@dataclass(frozen=True)
+class EmbeddingStat:
+    """One embedding request, as handed to the embedding engine."""
+
+    model: str
+    inputs: int
+    tokens: int
 
 
 class Metrics:
@@ -193,6 +202,26 @@ class Metrics:
             namespace=ns,
             registry=reg,
             buckets=LATENCY_BUCKETS,
+        )
+        self.embedding_requests = Counter(
+            "embedding_requests_total",
+            "Requests to /v1/embeddings handed to an embedding model",
+            ["model"],
+            namespace=ns,
+            registry=reg,
+        )
+        self.embedding_inputs = Counter(
+            "embedding_inputs_total", "Inputs (texts or token lists) embedded", ["model"], namespace=ns, registry=reg
+        )
+        self.embedding_tokens = Counter(
+            "embedding_tokens_total", "Tokens of the inputs embedded", ["model"], namespace=ns, registry=reg
+        )
+        self.embedding_steps = Counter(
+            "embedding_steps_total",
+            "Encoder steps run, each embedding a padded batch of inputs from one or more requests",
+            ["model"],
+            namespace=ns,
+            registry=reg,
         )
         self.bucket_moves = Counter(
             "bucket_moves_total", "Decode-cache copies to another bucket", ["model", "kind"], namespace=ns, registry=reg
@@ -317,6 +346,17 @@ class Metrics:
             self.timeouts.labels(model, reason)
         for kind in ("host", "wait"):
             self.engine_seconds.labels(model, kind)
+
+    def init_embedding(self, model: str) -> None:
+        """Create an embedding model's counters at zero (see :meth:`init_model`)."""
+        for metric in (self.embedding_requests, self.embedding_inputs, self.embedding_tokens, self.embedding_steps):
+            metric.labels(model)
+
+    def record_embedding(self, stat: EmbeddingStat) -> None:
+        """Count one embedding request, its inputs and their tokens."""
+        self.embedding_requests.labels(stat.model).inc()
+        self.embedding_inputs.labels(stat.model).inc(stat.inputs)
+        self.embedding_tokens.labels(stat.model).inc(stat.tokens)
 
     def init_speculative(self, model: str, method: str) -> None:
         """Create a speculating model's counters and histograms at zero (see :meth:`init_model`:

@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from models.sentence import is_embedding_model
+
 
 def ascending(values: list[int]) -> list[int]:
     """``values`` when they are a non-empty ascending list of distinct positive integers (a
@@ -68,6 +70,12 @@ class ServedModel:
     speculative_tokens: int = 4
     speculative_max_batch: int | None = None  # None: calibrated at warm-up
     model_impl: Literal["auto", "native", "mlx_lm"] = "auto"
+
+    @property
+    def embedding(self) -> bool:
+        """Whether this is an embedding model (served on ``/v1/embeddings`` only): its path is a
+        sentence-transformers directory or a BERT checkpoint (:func:`models.sentence.is_embedding_model`)."""
+        return self.path is not None and is_embedding_model(self.path)
 
 
 # ModelSettings field -> the top-level Settings field it inherits from.

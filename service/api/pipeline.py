@@ -57,6 +57,13 @@ class ResponseFormat(Protocol):
 def resolve_engine(state: AppState, name: str | None) -> Engine:
     """The engine serving ``name`` (default model if None). 404 unknown, 503 not ready/draining."""
     engine = state.engines.get(name or state.default_model)
+    if engine is None and (name or state.default_model) in state.embedders:
+        raise ApiError(
+            400,
+            f"model '{name or state.default_model}' is an embedding model: it answers POST /v1/embeddings only; "
+            f"chat models: {', '.join(state.engines) or 'none'}",
+            param="model",
+        )
     if engine is None:
         raise ApiError(
             404,

@@ -121,7 +121,7 @@ async def infer(body: InferRequest, request: Request, state: State):
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(state: State) -> ModelList:
     """The served models, in OpenAI's list shape."""
-    return ModelList(data=[ModelCard(id=name, created=state.started) for name in state.engines])
+    return ModelList(data=[ModelCard(id=name, created=state.started) for name in (*state.engines, *state.embedders)])
 
 
 @router.get("/healthz")
@@ -139,8 +139,12 @@ async def readyz(state: State) -> dict:
     lists each rank's layers and memory."""
     if state.draining:
         raise ApiError(503, "not ready: server is shutting down", type="unavailable")
-    waiting = {name: e.not_ready_reason for name, e in state.engines.items() if not e.ready.is_set()}
-    if not state.engines or waiting:
+    waiting = {
+        name: e.not_ready_reason
+        for name, e in (*state.engines.items(), *state.embedders.items())
+        if not e.ready.is_set()
+    }
+    if not (state.engines or state.embedders) or waiting:
         reason = "; ".join(f"{n}: {r}" for n, r in waiting.items()) or "loading models"
         raise ApiError(503, f"not ready: {reason}", type="unavailable")
     return {
@@ -159,6 +163,22 @@ async def readyz(state: State) -> dict:
             for name, e in state.engines.items()
             for choices, coverage in [(e.compile_choices(), state.coverage.get(name))]
         },
+        **(
+            {
+                "embedding_models": {
+                    name: {
+                        "warmup_s": e.warmup_seconds,
+                        "warmed": e.warmup_buckets,
+                        "max_tokens": e.max_tokens,
+                        "dimensions": e.model.dimensions,
+                        "buckets": e.compile_choices(),
+                    }
+                    for name, e in state.embedders.items()
+                }
+            }
+            if state.embedders
+            else {}
+        ),
         **({"group": [asdict(rank) for rank in state.ranks]} if state.ranks else {}),
     }
 

@@ -12,6 +12,7 @@ from fastapi import Depends, Request
 from service.api.response_store import ResponseStore
 from service.config import Settings
 from service.engine.core import Engine
+from service.engine.embedder import Embedder
 from service.metrics import Metrics
 from service.process.group import RankInfo
 from service.process.warm_sizing import Coverage
@@ -19,13 +20,14 @@ from service.process.warm_sizing import Coverage
 
 @dataclass
 class AppState:
-    """Settings, metrics, one engine per served model (the first is the default) and the kept
-    ``/v1/responses`` answers."""
+    """Settings, metrics, one engine per served chat model (the first is the default), one
+    embedder per embedding model and the kept ``/v1/responses`` answers."""
 
     settings: Settings
     metrics: Metrics
     default_model: str
     engines: dict[str, Engine] = field(default_factory=dict)
+    embedders: dict[str, Embedder] = field(default_factory=dict)  # the embedding models (/v1/embeddings)
     started: int = field(default_factory=lambda: int(time.time()))  # Unix seconds, /v1/models' ``created``
     draining: bool = False  # SIGTERM received: refuse new work, finish what runs
     ranks: list[RankInfo] | None = None  # a pipeline group's ranks, on its rank 0 (None: one process)

@@ -14,6 +14,7 @@ from models.blas import OPENBLAS_FIX, cpu_blas
 from models.default import default_model_path
 from models.errors import ModelLoadError
 from models.loader import LoadedModel, WeightsMode, device_name, load_model
+from models.sentence import EmbeddingModel, load_embedding_model
 from service.config import ServedModel, Settings
 from service.engine.buckets import BucketTable
 from service.engine.warmup import WarmupSpec
@@ -62,7 +63,7 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
     """
     log_cpu_blas()
     models = {}
-    for spec in settings.served_models():
+    for spec in settings.chat_models():
         dtype, weights = compute_dtype(spec.dtype), weights_mode(spec.weights)
         model = load_model(spec.path or default_model_path(), spec.name, dtype, weights, impl=spec.model_impl)
         models[spec.name] = model
@@ -93,6 +94,22 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
                     f"'{spec.name}' has {models[spec.name].args.vocab_size}; a draft must share its model's tokenizer"
                 )
             models[draft.name] = draft
+    return models
+
+
+def load_embedders(settings: Settings) -> dict[str, EmbeddingModel]:
+    """Load every served embedding model (:meth:`Settings.embedding_models`), in order, in its
+    compute dtype (:func:`compute_dtype`).
+
+    Raises:
+        ModelLoadError: a file is missing or unreadable, or the encoder is not implemented.
+    """
+    models = {}
+    for spec in settings.embedding_models():
+        assert spec.path is not None  # an embedding model is found by its path
+        model = load_embedding_model(spec.path, spec.name, compute_dtype(spec.dtype))
+        log.info("embedding model %s: %s (loaded in %.1f s)", spec.name, model.path, model.load_seconds)
+        models[spec.name] = model
     return models
 
 
@@ -134,7 +151,9 @@ def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> Settings
         MemoryBudgetError: the models cannot fit the budget (even at one sequence each where
             ``max_sequences`` is unset); the message names each model's figures and the fix.
     """
-    specs = settings.served_models()
+    specs = settings.chat_models()
+    if not specs:  # embedding models only: no KV cache to size
+        return settings
     name, budget = _budget(settings)
     limit = budget if budget is not None else mx.get_memory_limit()
     candidates = sorted({b for s in specs if s.max_sequences is None for b in s.batch_buckets}, reverse=True) or [0]
@@ -198,7 +217,9 @@ def _budget(settings: Settings) -> tuple[str, int | None]:
 def _with_max_sequences(settings: Settings, resolved: dict[str, int]) -> Settings:
     if not settings.models:
         return settings.model_copy(update={"max_sequences": resolved[settings.model_name]})
-    models = [m.model_copy(update={"max_sequences": resolved[m.name]}) for m in settings.models]
+    models = [
+        m.model_copy(update={"max_sequences": resolved[m.name]}) if m.name in resolved else m for m in settings.models
+    ]
     return settings.model_copy(update={"models": models})
 
 
