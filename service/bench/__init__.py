@@ -28,6 +28,8 @@ def main(argv: list[str]) -> int:
       decode step (:mod:`service.bench.hit_profile`);
     * ``moe …``: a random Qwen3-MoE's decode step against mlx-lm's (:mod:`service.bench.moe`);
     * ``gguf-storage …``: a K-quant GGUF kept dense or re-quantized (:mod:`service.bench.gguf_storage`);
+    * ``embeddings …``: the embedding engine's texts/s per batch size against
+      sentence-transformers, in-process (:mod:`service.bench.embeddings`);
     * ``… --micro …``: plain against compiled, in-process (:mod:`service.bench.micro`);
     * ``… --side-by-side …``: stepserve against its peers (:mod:`service.bench.compare`);
     * ``… --workload long-arrival …``: stalls while a long prompt prefills
@@ -40,6 +42,10 @@ def main(argv: list[str]) -> int:
         from service.bench.steps import main as steps
 
         return steps(argv[1:])
+    if argv[:1] == ["embeddings"]:
+        from service.bench.embeddings import main as embeddings
+
+        return embeddings(argv[1:])
     if argv[:1] == ["ab"]:
         from service.bench.ab import main as ab
 
