@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import numpy as np
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI, UnprocessableEntityError
@@ -121,7 +122,7 @@ def test_bad_requests_name_the_field(client, kwargs, error, param):
     assert raised.value.body["param"] == param, raised.value.body  # type: ignore[index]
 
 
-def test_chat_is_served_alongside(client):
+def test_chat_is_served_alongside(client, served):
     reply = client.chat.completions.create(
         model="smol", messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=8
     )
@@ -131,4 +132,6 @@ def test_chat_is_served_alongside(client):
     assert raised.value.body["param"] == "model"  # type: ignore[index]
     listed = [m.id for m in client.models.list().data]
     assert listed == ["smol", "minilm"]
+    ready = httpx.get(f"{served.url}/readyz").json()["embedding_models"]["minilm"]
+    assert ready["max_tokens"] == 256 and ready["dimensions"] == 384 and ready["buckets"]["b64x32"] == "compiled"
     assert client.embeddings.create(model="minilm", input="still here", dimensions=384).data[0].embedding
