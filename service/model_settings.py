@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from models.sentence import is_embedding_model
+from models.embedding_dir import is_embedding_model
 
 
 def ascending(values: list[int]) -> list[int]:
@@ -74,7 +74,7 @@ class ServedModel:
     @property
     def embedding(self) -> bool:
         """Whether this is an embedding model (served on ``/v1/embeddings`` only): its path is a
-        sentence-transformers directory or a BERT checkpoint (:func:`models.sentence.is_embedding_model`)."""
+        sentence-transformers directory or a BERT checkpoint (:func:`models.embedding_dir.is_embedding_model`)."""
         return self.path is not None and is_embedding_model(self.path)
 
 

@@ -1,6 +1,6 @@
 """``POST /v1/embeddings`` (OpenAI's shape): texts or token ids in, one vector each out.
 
-An embedding model (a sentence-transformers directory, :func:`models.sentence.is_embedding_model`)
+An embedding model (a sentence-transformers directory, :func:`models.embedding_dir.is_embedding_model`)
 is served beside the chat models by its own :class:`service.engine.embedder.Embedder`, which
 batches the inputs of concurrent requests into compiled (batch, length) buckets. Errors name
 the field: ``model`` (unknown: 404; a chat model: 400), ``input`` (longer than the model's

@@ -4,17 +4,20 @@ against sentence-transformers on the same texts and threads when it is installed
 stepserve's figure is the served path without HTTP: tokenize, hand the batch to a running
 :class:`service.engine.embedder.Embedder` (compiled per (batch, length) bucket, warmed before
 timing) and wait for the vectors. sentence-transformers' is ``SentenceTransformer.encode(texts,
-batch_size=B)`` (tokenize, forward, pool, normalize). Each figure is the median of ``--rounds``
-rounds of ``max(B, --texts)`` texts cut into batches of B; the two alternate round by round.
+batch_size=B)`` (tokenize, forward, pool, normalize), measured afterwards in a child process (torch
+loaded beside MLX slowed MLX about tenfold on a 2-core CPU). Each figure is the median of
+``--rounds`` rounds of ``max(B, --texts)`` texts cut into batches of B.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import multiprocessing
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from rich.table import Table
@@ -57,11 +60,33 @@ def _stepserve(model_dir: Path, batches: list[int]):
     return embedder
 
 
-def _rate(run, batch: list[list[str]]) -> float:
+def _rate(run, batches: list[list[str]]) -> float:
+    """Texts per second of ``run`` over ``batches``, one call per batch."""
     start = time.perf_counter()
-    for chunk in batch:
+    for chunk in batches:
         run(chunk)
-    return sum(map(len, batch)) / (time.perf_counter() - start)
+    return sum(map(len, batches)) / (time.perf_counter() - start)
+
+
+def _rates(run, batches: list[int], n: int, rounds: int) -> dict[int, float]:
+    """Per batch size B: the median over ``rounds`` of :func:`_rate` on ``max(B, n)`` texts cut
+    into batches of B, after one untimed batch."""
+    out = {}
+    for b in batches:
+        corpus = texts(max(b, n))
+        chunks = [corpus[i : i + b] for i in range(0, len(corpus), b)]
+        _rate(run, chunks[:1])
+        out[b] = statistics.median(_rate(run, chunks) for _ in range(rounds))
+    return out
+
+
+def sentence_transformers_rates(model_dir: str, batches: list[int], n: int, rounds: int) -> dict[int, float]:
+    """:func:`_rates` of ``SentenceTransformer.encode(texts, batch_size=B)`` (run in a child
+    process: torch loaded beside MLX's OpenBLAS slowed MLX's matmuls about tenfold here)."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(model_dir, device="cpu")
+    return _rates(lambda c: model.encode(c, batch_size=len(c)), batches, n, rounds)  # one batch per call
 
 
 def main(argv: list[str]) -> int:
@@ -75,42 +100,29 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     batches = sorted(int(b) for b in args.batches.split(","))
     with tempfile.TemporaryDirectory() as tmp:
-        from models.sentence import packaged_minilm
+        from models.embedding_dir import packaged_minilm
 
         model_dir = args.model or packaged_minilm(Path(tmp))
         embedder = _stepserve(model_dir, batches)
-        reference = None
-        if importlib.util.find_spec("sentence_transformers") is not None:
-            from sentence_transformers import SentenceTransformer
-
-            reference = SentenceTransformer(str(model_dir), device="cpu")
-        rows, table = [], Table("batch", "stepserve texts/s", "sentence-transformers texts/s", "ratio")
         try:
-            for b in batches:
-                corpus = texts(max(b, args.texts))
-                chunks = [corpus[i : i + b] for i in range(0, len(corpus), b)]
-                ours = lambda c: embedder.submit(embedder.model.tokenize(c)).result()  # noqa: E731
-                theirs = None if reference is None else (lambda c, b=b: reference.encode(c, batch_size=b))
-                _rate(ours, chunks[:1])  # one untimed batch each
-                if theirs is not None:
-                    _rate(theirs, chunks[:1])
-                mine, ref = [], []
-                for _ in range(args.rounds):
-                    mine.append(_rate(ours, chunks))
-                    if theirs is not None:
-                        ref.append(_rate(theirs, chunks))
-                row = {"batch": b, "stepserve_texts_per_s": statistics.median(mine)}
-                if ref:
-                    row["sentence_transformers_texts_per_s"] = statistics.median(ref)
-                    row["ratio"] = row["stepserve_texts_per_s"] / row["sentence_transformers_texts_per_s"]
-                rows.append(row)
-                table.add_row(
-                    str(b),
-                    f"{row['stepserve_texts_per_s']:.1f}",
-                    f"{row.get('sentence_transformers_texts_per_s', 0):.1f}" if ref else "-",
-                    f"{row['ratio']:.2f}x" if ref else "-",
-                )
+            ours = _rates(
+                lambda c: embedder.submit(embedder.model.tokenize(c)).result(), batches, args.texts, args.rounds
+            )
         finally:
             embedder.stop()
+        theirs: dict[int, float] = {}
+        if importlib.util.find_spec("sentence_transformers") is not None:
+            spawn = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+                job = pool.submit(sentence_transformers_rates, str(model_dir), batches, args.texts, args.rounds)
+                theirs = job.result()
+    rows, table = [], Table("batch", "stepserve texts/s", "sentence-transformers texts/s", "ratio")
+    for b in batches:
+        row = {"batch": b, "stepserve_texts_per_s": ours[b]}
+        if b in theirs:
+            row |= {"sentence_transformers_texts_per_s": theirs[b], "ratio": ours[b] / theirs[b]}
+        rows.append(row)
+        ref = f"{theirs[b]:.1f}" if b in theirs else "-"
+        table.add_row(str(b), f"{ours[b]:.1f}", ref, f"{ours[b] / theirs[b]:.2f}x" if b in theirs else "-")
     result = {"model": model_dir.name, "texts_per_round": args.texts, "rounds": args.rounds, "results": rows}
     return report(result, ["embeddings", *argv], [table], args.out)

@@ -6,6 +6,8 @@ base64, refusals naming the field, and chat still served."""
 from __future__ import annotations
 
 import base64
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -14,7 +16,7 @@ import pytest
 from openai import BadRequestError, NotFoundError, OpenAI, UnprocessableEntityError
 
 from models.default import default_model_path
-from models.sentence import packaged_minilm
+from models.embedding_dir import packaged_minilm
 from tests.support import SMALL_BUCKETS, ServerProcess
 
 TEXTS = [
@@ -135,3 +137,10 @@ def test_chat_is_served_alongside(client, served):
     ready = httpx.get(f"{served.url}/readyz").json()["embedding_models"]["minilm"]
     assert ready["max_tokens"] == 256 and ready["dimensions"] == 384 and ready["buckets"]["b64x32"] == "compiled"
     assert client.embeddings.create(model="minilm", input="still here", dimensions=384).data[0].embedding
+
+
+def test_the_cli_and_settings_import_no_mlx_before_openblas_is_bound():
+    """The settings find embedding models by their files: importing them (as `stepserve` does
+    before it binds OpenBLAS) must not import MLX, or MLX binds the reference BLAS (~10x slower)."""
+    code = "import sys, service.cli, service.config; print('mlx.core' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"

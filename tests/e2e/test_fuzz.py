@@ -24,7 +24,7 @@ import pytest
 import schemathesis
 
 from models.default import default_model_path
-from models.sentence import packaged_minilm
+from models.embedding_dir import packaged_minilm
 from service.api.errors import is_anthropic
 from service.config import DEFAULT_MODEL_NAME
 from tests.support import ServerProcess

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from models.embedding_dir import packaged_minilm
 from models.errors import ModelLoadError
-from models.sentence import load_embedding_model, packaged_minilm
+from models.sentence import load_embedding_model
 from service.engine.compile_cache import CompileCache
 from service.engine.embedder import Embedder, length_buckets
 from service.metrics import Metrics
