@@ -325,6 +325,14 @@ class Settings(BaseSettings):
             )
         return self
 
+    def chat_models(self) -> list[ServedModel]:
+        """The served models that generate (every one but the embedding models), in order."""
+        return [m for m in self.served_models() if not m.embedding]
+
+    def embedding_models(self) -> list[ServedModel]:
+        """The served embedding models (:attr:`ServedModel.embedding`), in order."""
+        return [m for m in self.served_models() if m.embedding]
+
     def served_models(self) -> list[ServedModel]:
         """One entry per model to serve, each field resolved (its own value, else the top-level one;
         ``speculative = "lookup"`` is off in a distributed group)."""

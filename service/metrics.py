@@ -40,7 +40,7 @@ class StepStat:
     """One engine step: its bucket, live rows out of the bucket's rows, and seconds."""
 
     model: str
-    phase: str  # "prefill" or "decode"
+    phase: str  # "prefill", "decode" or "embed"
     bucket: str
     rows: int
     bucket_rows: int
@@ -84,6 +84,15 @@ class PrefixCacheStat:
     hit_tokens: int  # of those, tokens whose KV was cached
     evicted_blocks: int
     nbytes: int  # keys and values held now
+
+
+@dataclass(frozen=True)
+class EmbeddingStat:
+    """One embedding request, as handed to the embedding engine."""
+
+    model: str
+    inputs: int
+    tokens: int
 
 
 class Metrics:
@@ -202,10 +211,30 @@ class Metrics:
             namespace=ns,
             registry=reg,
         )
+        self.embedding_requests = Counter(
+            "embedding_requests_total",
+            "Requests to /v1/embeddings handed to an embedding model",
+            ["model"],
+            namespace=ns,
+            registry=reg,
+        )
         self.kv_blocks = Gauge(
             "kv_pool_blocks",
             "Blocks of the paged KV pool by state: used (held by requests), cached (prefix blocks), free, total",
             ["model", "state"],
+            namespace=ns,
+            registry=reg,
+        )
+        self.embedding_inputs = Counter(
+            "embedding_inputs_total", "Inputs (texts or token lists) embedded", ["model"], namespace=ns, registry=reg
+        )
+        self.embedding_tokens = Counter(
+            "embedding_tokens_total", "Tokens of the inputs embedded", ["model"], namespace=ns, registry=reg
+        )
+        self.embedding_steps = Counter(
+            "embedding_steps_total",
+            "Encoder steps run, each embedding a padded batch of inputs from one or more requests",
+            ["model"],
             namespace=ns,
             registry=reg,
         )
@@ -377,6 +406,17 @@ class Metrics:
         they read), so that its weights and caches can be freed."""
         self.running.labels(model).set_function(lambda: 0)
         self.waiting.labels(model).set_function(lambda: 0)
+
+    def init_embedding(self, model: str) -> None:
+        """Create an embedding model's counters at zero (see :meth:`init_model`)."""
+        for metric in (self.embedding_requests, self.embedding_inputs, self.embedding_tokens, self.embedding_steps):
+            metric.labels(model)
+
+    def record_embedding(self, stat: EmbeddingStat) -> None:
+        """Count one embedding request, its inputs and their tokens."""
+        self.embedding_requests.labels(stat.model).inc()
+        self.embedding_inputs.labels(stat.model).inc(stat.inputs)
+        self.embedding_tokens.labels(stat.model).inc(stat.tokens)
 
     def init_speculative(self, model: str, method: str) -> None:
         """Create a speculating model's counters and histograms at zero (see :meth:`init_model`:

@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from models.embedding_dir import is_embedding_model
+
 
 def ascending(values: list[int]) -> list[int]:
     """``values`` when they are a non-empty ascending list of distinct positive integers (a
@@ -80,6 +82,12 @@ class ServedModel:
     load: Literal["startup", "on_demand"] = "startup"
     ttl_s: float | None = None  # seconds idle before an on-demand model is unloaded (None: kept)
     on_demand_wait: Literal["wait", "503"] = "wait"  # a request while it loads: waits, or 503 + Retry-After
+
+    @property
+    def embedding(self) -> bool:
+        """Whether this is an embedding model (served on ``/v1/embeddings`` only): its path is a
+        sentence-transformers directory or a BERT checkpoint (:func:`models.embedding_dir.is_embedding_model`)."""
+        return self.path is not None and is_embedding_model(self.path)
 
 
 # ModelSettings field -> the top-level Settings field it inherits from.

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from models.loader import LoadedModel, device_name
 from service import __version__
 from service.api import anthropic as anthropic_api
+from service.api import embeddings as embeddings_api
 from service.api import openai as openai_api
 from service.api import rehearsal, security
 from service.api import responses as responses_api
@@ -25,10 +26,10 @@ from service.api.state import AppState
 from service.config import ServedModel, Settings
 from service.engine.core import Engine
 from service.metrics import Metrics
-from service.process.build import build_engine, start_engine, warmup_spec
+from service.process.build import build_embedder, build_engine, embed_warmup, start_engine, warmup_spec
 from service.process.group import RankInfo
 from service.process.on_demand import OnDemandModels
-from service.process.startup import draft_name, load_models
+from service.process.startup import draft_name, load_embedders, load_models
 from service.process.watchdog import EngineWatchdog
 
 log = logging.getLogger("stepserve")
@@ -44,14 +45,14 @@ def create_app(
     ``/healthz`` answers at once and ``/readyz`` turns 200 when every warm-up is done.
     ``ranks``: a pipeline group's ranks, when this is its rank 0 (``models`` is then its stage)."""
     metrics = Metrics(CollectorRegistry(), version=__version__, device=device_name())
-    specs = settings.served_models()
+    specs = settings.chat_models()
     engines: dict[str, Engine] = {}
 
     def start_on_demand(spec: ServedModel, model: LoadedModel, draft: LoadedModel | None) -> Engine:
         return _start_engine(settings, spec, model, metrics, None, draft, app)
 
     on_demand = OnDemandModels(settings, engines, metrics, start_on_demand)
-    state = AppState(settings, metrics, specs[0].name, on_demand, engines, ranks=ranks)
+    state = AppState(settings, metrics, (specs or settings.served_models())[0].name, on_demand, engines, ranks=ranks)
     stall_limit = settings.distributed_timeout_s if ranks else None
     watchdog = EngineWatchdog(state.engines, settings.shutdown_grace_s, stall_limit_s=stall_limit)
 
@@ -64,6 +65,10 @@ def create_app(
                 engine = _start_engine(settings, spec, loaded[spec.name], metrics, progress, draft, app)
                 state.engines[spec.name] = engine
         on_demand.start(loaded)
+        encoders = load_embedders(settings)
+        for spec in settings.embedding_models():
+            embedder = state.embedders[spec.name] = build_embedder(spec, encoders[spec.name], metrics)
+            embedder.start(embed_warmup(spec, embedder))
         watchdog.start()
         try:
             yield
@@ -72,6 +77,8 @@ def create_app(
             watchdog.stop()
             for engine in list(state.engines.values()):
                 engine.stop()
+            for embedder in state.embedders.values():
+                embedder.stop()
 
     app = FastAPI(
         title="stepserve",
@@ -88,6 +95,7 @@ def create_app(
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(responses_api.router)
+    app.include_router(embeddings_api.router)
     install_docs(app)
     # The middleware added last runs first: CORS, request counting, API key, body bounds.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.read_timeout_s)

@@ -14,7 +14,7 @@ from service.api.errors import Shape, send_error, shape_of
 from service.api.rehearsal import REHEARSAL
 from service.metrics import Metrics
 
-COUNTED_PATHS = ("/infer", "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
+COUNTED_PATHS = ("/infer", "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/embeddings")
 _DISCONNECT = {"type": "http.disconnect"}
 _CLOSE = (b"connection", b"close")  # the body was not read to its end: the connection cannot be reused
 

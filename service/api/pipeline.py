@@ -62,6 +62,13 @@ async def resolve_engine(state: AppState, name: str | None) -> Engine:
     waits for it, or is answered 503 with ``Retry-After`` (``on_demand_wait = "503"``); 503 when
     its load failed."""
     name = name or state.default_model
+    if name in state.embedders:
+        raise ApiError(
+            400,
+            f"model '{name}' is an embedding model: it answers POST /v1/embeddings only; "
+            f"chat models: {', '.join(n for n in state.model_names if n not in state.embedders) or 'none'}",
+            param="model",
+        )
     if name not in state.model_names:
         raise ApiError(
             404,
@@ -143,7 +150,9 @@ async def prompt_ids(
     if len(ids) > engine.capacity_limit:
         raise ApiError(
             400,
-            f"prompt is {len(ids)} tokens, over the largest KV capacity bucket ({engine.capacity_limit})",
+            f"prompt is {len(ids)} tokens, over this server's context limit of {engine.capacity_limit} tokens (its "
+            f"largest KV capacity bucket; the model's max_position_embeddings is "
+            f"{getattr(engine.model.args, 'max_position_embeddings', None) or 'not given'})",
             param=param,
         )
     return ids

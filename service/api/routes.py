@@ -145,8 +145,10 @@ async def readyz(state: State) -> dict:
     if state.draining:
         raise ApiError(503, "not ready: server is shutting down", type="unavailable")
     engines = {name: e for name, e in state.engines.items() if name not in state.on_demand or e.ready.is_set()}
-    waiting = {name: e.not_ready_reason for name, e in engines.items() if not e.ready.is_set()}
-    if len(engines) < len(state.model_names) - len(state.on_demand) or waiting:
+    waiting = {
+        name: e.not_ready_reason for name, e in (*engines.items(), *state.embedders.items()) if not e.ready.is_set()
+    }
+    if len(engines) + len(state.embedders) < len(state.model_names) - len(state.on_demand) or waiting:
         reason = "; ".join(f"{n}: {r}" for n, r in waiting.items()) or "loading models"
         raise ApiError(503, f"not ready: {reason}", type="unavailable")
     return {
@@ -166,6 +168,22 @@ async def readyz(state: State) -> dict:
             for name, e in engines.items()
             for choices, coverage in [(e.compile_choices(), state.coverage.get(name))]
         },
+        **(
+            {
+                "embedding_models": {
+                    name: {
+                        "warmup_s": e.warmup_seconds,
+                        "warmed": e.warmup_buckets,
+                        "max_tokens": e.max_tokens,
+                        "dimensions": e.model.dimensions,
+                        "buckets": e.compile_choices(),
+                    }
+                    for name, e in state.embedders.items()
+                }
+            }
+            if state.embedders
+            else {}
+        ),
         **({"group": [asdict(rank) for rank in state.ranks]} if state.ranks else {}),
     }
 

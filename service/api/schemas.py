@@ -798,3 +798,62 @@ class ResponsesRequest(BaseModel):
     def unsupported(self) -> str | None:
         """The first field of the body that stepserve does not implement, or None."""
         return next((k for k in (self.model_extra or {}) if k not in RESPONSES_NO_OP_FIELDS), None)
+
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on inputs per /v1/embeddings request
+
+
+class EmbeddingRequest(BaseModel):
+    """``POST /v1/embeddings`` (OpenAI's shape). ``input``: a text, texts, token ids or lists of
+    token ids (ids are the encoder's input as given: include [CLS] and [SEP] for parity with the
+    same text). ``user`` is accepted and ignored; any other unknown field answers 422 naming it."""
+
+    model_config = ConfigDict(extra="forbid")
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="a text, a list of texts, token ids, or a list of token-id lists"
+    )
+    model: str | None = Field(None, description="an embedding model's name; unset: the first embedding model")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="'float': lists of numbers; 'base64': little-endian float32 bytes, base64-encoded"
+    )
+    dimensions: int | None = Field(
+        None, ge=1, description="only the model's own dimension is accepted (no Matryoshka truncation)"
+    )
+    user: str | None = Field(None, description="accepted; ignored")
+
+    @field_validator("input")
+    @classmethod
+    def _inputs(cls, value):
+        if value == "" or value == [] or (isinstance(value, list) and any(v in ("", []) for v in value)):
+            raise ValueError("input must not be empty (nor hold an empty string or list)")
+        if isinstance(value, list) and len(value) > MAX_EMBEDDING_INPUTS and not isinstance(value[0], int):
+            raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request")
+        return value
+
+    @property
+    def inputs(self) -> list[str | list[int]]:
+        """Each input: a text, or token ids."""
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if all(isinstance(x, int) for x in value):
+            return [list(value)]  # type: ignore[arg-type]
+        return list(value)  # type: ignore[arg-type]
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str = Field(..., description="floats, or base64 of little-endian float32 bytes")
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage

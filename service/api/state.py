@@ -14,6 +14,7 @@ from service.api.reasoning import Parser
 from service.api.response_store import ResponseStore
 from service.config import Settings
 from service.engine.core import Engine
+from service.engine.embedder import Embedder
 from service.metrics import Metrics
 from service.process.group import RankInfo
 from service.process.on_demand import ModelState, OnDemandModels
@@ -22,14 +23,16 @@ from service.process.warm_sizing import Coverage
 
 @dataclass
 class AppState:
-    """Settings, metrics, one engine per served model (the first is the default; an on-demand
-    model's only while loaded) and the kept ``/v1/responses`` answers."""
+    """Settings, metrics, one engine per served chat model (the first is the default; an
+    on-demand model's only while loaded), one embedder per embedding model and the kept
+    ``/v1/responses`` answers."""
 
     settings: Settings
     metrics: Metrics
     default_model: str
     on_demand: OnDemandModels  # the models loaded on demand (its ``engines`` are these)
     engines: dict[str, Engine] = field(default_factory=dict)
+    embedders: dict[str, Embedder] = field(default_factory=dict)  # the embedding models (/v1/embeddings)
     started: int = field(default_factory=lambda: int(time.time()))  # Unix seconds, /v1/models' ``created``
     draining: bool = False  # SIGTERM received: refuse new work, finish what runs
     ranks: list[RankInfo] | None = None  # a pipeline group's ranks, on its rank 0 (None: one process)
@@ -57,7 +60,7 @@ class AppState:
         warm-up is over."""
         if name in self.on_demand:
             return self.on_demand.state(name)
-        engine = self.engines.get(name)
+        engine = self.engines.get(name) or self.embedders.get(name)
         return ModelState.LOADED if engine is not None and engine.ready.is_set() else ModelState.LOADING
 
 

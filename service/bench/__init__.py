@@ -45,6 +45,8 @@ def main(argv: list[str]) -> int:
     * ``gguf-storage …``: a K-quant GGUF kept dense or re-quantized (:mod:`service.bench.gguf_storage`);
     * ``random-model …``: a model directory of mlx-lm's class at a named shape with random weights
       (:mod:`service.bench.random_model`);
+    * ``embeddings …``: the embedding engine's texts/s per batch size against
+      sentence-transformers, in-process (:mod:`service.bench.embeddings`);
     * ``… --micro …``: plain against compiled, in-process (:mod:`service.bench.micro`);
     * ``… --side-by-side …``: stepserve against its peers (:mod:`service.bench.compare`);
     * ``… --workload long-arrival …``: stalls while a long prompt prefills

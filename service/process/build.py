@@ -14,11 +14,13 @@ from functools import partial
 from prometheus_client import CollectorRegistry
 
 from models.loader import LoadedModel, device_name
+from models.sentence import EmbeddingModel
 from service import __version__
 from service.config import ServedModel, Settings, load_settings
 from service.engine.compile_cache import CompileCache
 from service.engine.core import Engine
 from service.engine.draft import DraftProposer
+from service.engine.embedder import Embedder, length_buckets
 from service.engine.lookup import PromptLookup
 from service.engine.prefix_cache import PrefixCache
 from service.engine.warmup import WarmupSpec
@@ -152,3 +154,30 @@ def engine_for(
     if metrics is None:
         metrics = Metrics(CollectorRegistry(), version=__version__, device=device_name())
     return build_engine(settings, settings.served_models()[0], model, metrics, draft)
+
+
+CPU_EMBED_WARMUP_TOKENS = 4096  # on the CPU, buckets up to this many padded tokens are warmed by default
+
+
+def build_embedder(served: ServedModel, model: EmbeddingModel, metrics: Metrics) -> Embedder:
+    """An embedding model's engine, not started: its own compile cache (``served.compile``),
+    batch buckets ``served.batch_buckets`` and length buckets from ``served.prompt_buckets`` up
+    to the model's longest input (:func:`service.engine.embedder.length_buckets`)."""
+    cache = CompileCache(served.compile, metrics.record_lookup, metrics.record_compile)
+    lengths = length_buckets(served.prompt_buckets, model.max_tokens)
+    return Embedder(model, tuple(served.batch_buckets), lengths, cache, metrics)
+
+
+def embed_warmup(served: ServedModel, embedder: Embedder) -> list[tuple[int, int]]:
+    """The (batch, length) buckets warm-up compiles: those within ``warmup_batch`` and
+    ``warmup_prompt_tokens`` where set; where unset, every bucket on a GPU and, on the CPU,
+    those of at most ``CPU_EMBED_WARMUP_TOKENS`` padded tokens (others run eagerly)."""
+    cpu = device_name() == "cpu"
+    return [
+        (b, t)
+        for b in embedder.batch_buckets
+        for t in embedder.lengths
+        if (served.warmup_batch is None or b <= served.warmup_batch)
+        and (served.warmup_prompt_tokens is None or t <= served.warmup_prompt_tokens)
+        and not (cpu and None in (served.warmup_batch, served.warmup_prompt_tokens) and b * t > CPU_EMBED_WARMUP_TOKENS)
+    ]

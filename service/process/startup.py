@@ -16,6 +16,7 @@ from models.default import default_model_path
 from models.errors import ModelLoadError
 from models.hub import resolve_model_path
 from models.loader import LoadedModel, WeightsMode, device_name, load_model
+from models.sentence import EmbeddingModel, load_embedding_model
 from service.config import ServedModel, Settings
 from service.engine.buckets import BucketTable
 from service.engine.warmup import WarmupSpec
@@ -60,7 +61,7 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
     """
     log_cpu_blas()
     models: dict[str, LoadedModel] = {}
-    for spec in settings.served_models():
+    for spec in settings.chat_models():
         if spec.load == "on_demand":
             for path in (spec.path, spec.draft_model):
                 if path is not None:
@@ -125,6 +126,22 @@ def load_served(spec: ServedModel) -> dict[str, LoadedModel]:
     return models
 
 
+def load_embedders(settings: Settings) -> dict[str, EmbeddingModel]:
+    """Load every served embedding model (:meth:`Settings.embedding_models`), in order, in its
+    compute dtype (:func:`compute_dtype`).
+
+    Raises:
+        ModelLoadError: a file is missing or unreadable, or the encoder is not implemented.
+    """
+    models = {}
+    for spec in settings.embedding_models():
+        assert spec.path is not None  # an embedding model is found by its path
+        model = load_embedding_model(spec.path, spec.name, compute_dtype(spec.dtype))
+        log.info("embedding model %s: %s (loaded in %.1f s)", spec.name, model.path, model.load_seconds)
+        models[spec.name] = model
+    return models
+
+
 def _served_by(model: LoadedModel) -> str:
     """Which implementation runs ``model``: mlx-lm's class (through the cache adapter) or a
     hand-written module, as a noun phrase naming it."""
@@ -164,7 +181,9 @@ def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> Settings
         MemoryBudgetError: the models cannot fit the budget (even at one sequence each where
             ``max_sequences`` is unset); the message names each model's figures and the fix.
     """
-    specs = [s for s in settings.served_models() if s.name in models]  # on-demand ones once loaded
+    specs = [s for s in settings.chat_models() if s.name in models]  # on-demand ones once loaded
+    if not specs:  # embedding models only: no KV cache to size
+        return settings
     name, budget = _budget(settings)
     limit = budget if budget is not None else mx.get_memory_limit()
     if settings.kv_cache == "paged":

@@ -24,6 +24,7 @@ import pytest
 import schemathesis
 
 from models.default import default_model_path
+from models.embedding_dir import packaged_minilm
 from service.api.errors import is_anthropic
 from service.config import DEFAULT_MODEL_NAME
 from tests.support import ServerProcess
@@ -53,7 +54,15 @@ ROUTES = {
     "POST /v1/messages/count_tokens",
     "POST /v1/responses",
     "GET /v1/responses/{response_id}",
+    "POST /v1/embeddings",
 }
+EMBEDDER = "minilm"  # the fuzz server's embedding model, beside its chat model
+
+
+def fuzz_env(tmp: Path) -> dict[str, str]:
+    """FUZZ_ENV plus all-MiniLM-L6-v2 (extracted under ``tmp``) served beside the default model."""
+    models = [{"name": DEFAULT_MODEL_NAME}, {"name": EMBEDDER, "path": str(packaged_minilm(tmp))}]
+    return {**FUZZ_ENV, "STEPSERVE_MODELS": json.dumps(models)}
 
 
 SERVED = DEFAULT_MODEL_NAME  # the fuzz server's one model
@@ -66,9 +75,9 @@ def map_body(context, body):
     template, the grammar and generation there too, not only the 404 (likewise on
     ``/v1/responses``, where the OpenAI client always sends a model)."""
     path = context.operation.path if context.operation is not None else ""
-    remapped = is_anthropic(path) or path == "/v1/responses"
+    remapped = is_anthropic(path) or path in ("/v1/responses", "/v1/embeddings")
     if remapped and isinstance(body, dict) and isinstance(body.get("model"), str) and len(body["model"]) % 4:
-        body["model"] = SERVED
+        body["model"] = EMBEDDER if path == "/v1/embeddings" else SERVED
     return body
 
 
@@ -147,8 +156,8 @@ def summarize(ndjson: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def fuzz_server():
-    proc = ServerProcess.start(FUZZ_ARGS, env=FUZZ_ENV)
+def fuzz_server(tmp_path_factory):
+    proc = ServerProcess.start(FUZZ_ARGS, env=fuzz_env(tmp_path_factory.mktemp("minilm")))
     try:
         proc.wait_ready()
         yield proc
@@ -201,14 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=["all", "positive", "negative"], default="all")
     parser.add_argument("--out", help="write the summary JSON here")
     args = parser.parse_args(argv)
-    server = ServerProcess.start(FUZZ_ARGS, env=FUZZ_ENV)
-    try:
-        server.wait_ready()
-        with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
+        server = ServerProcess.start(FUZZ_ARGS, env=fuzz_env(Path(tmp)))
+        try:
+            server.wait_ready()
             code, output, summary = fuzz(server.url, args.examples, args.workers, Path(tmp), args.seed, args.mode)
-        normal = server.client().post("/infer", json={"prompt": "The sky is", "max_tokens": 4}).status_code
-    finally:
-        server.stop()
+            normal = server.client().post("/infer", json={"prompt": "The sky is", "max_tokens": 4}).status_code
+        finally:
+            server.stop()
     report = {
         "exit_code": code,
         "requests": sum(r["requests"] for r in summary.values()),

@@ -1,0 +1,54 @@
+"""Start-up with a paged KV pool: the pool gets what the budget leaves, ``max_sequences`` is a cap,
+and a sequence may grow to the model's context (its capacity ladder extended by doubling), or to
+the pool where the pool is smaller; a pool smaller than one bucket is refused, naming the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from models.loader import LoadedModel
+from service.config import Settings
+from service.process.memory import kv_bytes_per_position
+from service.process.startup import MemoryBudgetError, check_memory, context_ladder
+from tests.support import TINY, WordTokenizer, random_params
+
+
+@pytest.fixture(scope="module")
+def model() -> LoadedModel:
+    params = random_params(seed=1)
+    return LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
+
+
+def settings(**keys) -> Settings:
+    base = dict(model_name="tiny", kv_cache="paged", prefix_cache_bytes=0, batch_buckets=[1, 2, 4])
+    return Settings(prompt_buckets=[16, 32], **{**base, **keys})
+
+
+def test_context_ladder_doubles_to_the_limit_in_whole_blocks():
+    assert context_ladder([256, 512, 8192], 45_330, 16) == [256, 512, 8192, 16384, 32768, 45328]
+    assert context_ladder([256, 512, 8192], 600, 16) == [256, 512, 592]
+    assert context_ladder([256, 512], 512, 16) == [256, 512]
+
+
+def test_the_ladder_grows_to_the_models_context_when_the_pool_holds_it(model):
+    resolved = check_memory(settings(memory_budget_bytes=10**9), {"tiny": model}).served_models()[0]
+    assert resolved.capacity_buckets[-1] == TINY.max_position_embeddings  # 512
+    assert resolved.max_sequences == 4  # the largest batch bucket: a cap, not a worst case
+
+
+def test_max_model_len_and_set_buckets_bound_the_ladder(model):
+    short = check_memory(settings(memory_budget_bytes=10**9, max_model_len=100), {"tiny": model})
+    assert short.served_models()[0].capacity_buckets[-1] == 96  # whole blocks of 16
+    chosen = check_memory(settings(memory_budget_bytes=10**9, capacity_buckets=[64, 128]), {"tiny": model})
+    assert chosen.served_models()[0].capacity_buckets == [64, 128]
+
+
+def test_a_pool_smaller_than_the_context_bounds_a_sequence_and_one_smaller_than_a_bucket_is_refused(model):
+    per = kv_bytes_per_position(model)
+    resolved = check_memory(settings(memory_budget_bytes=10**9, kv_pool_tokens=300), {"tiny": model})
+    assert resolved.served_models()[0].capacity_buckets[-1] == 288 and resolved.kv_pool_tokens == 300
+    with pytest.raises(MemoryBudgetError, match="kv_pool_tokens"):
+        check_memory(settings(memory_budget_bytes=model.nbytes + 8 * per, capacity_buckets=[16, 32]), {"tiny": model})
