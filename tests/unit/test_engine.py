@@ -80,14 +80,7 @@ def run_engine(
     on its thread (an assertion there fails the request being served)."""
     engine, metrics = chunking_engine(params, stop, prefix_bytes, **settings)
     if check is not None:
-        step = engine.step
-
-        def checked() -> bool:
-            worked = step()
-            check(engine)
-            return worked
-
-        engine.step = checked  # type: ignore[method-assign]
+        check_each_step(engine, check)
     model = engine.model
     start_engine(engine, WarmupSpec(prompt_tokens=8, batch=warm_batch))
     assert engine.ready.wait(60)
@@ -112,6 +105,18 @@ def run_engine(
     finally:
         engine.stop()
     return results, metrics  # type: ignore[return-value]
+
+
+def check_each_step(engine: Engine, check: Callable[[Engine], None]) -> None:
+    """Have ``engine`` call ``check(engine)`` after each of its steps, on its thread."""
+    step = engine.step
+
+    def checked() -> bool:
+        worked = step()
+        check(engine)
+        return worked
+
+    engine.step = checked  # type: ignore[method-assign]
 
 
 def sample_value(metrics: Metrics, name: str, **labels) -> float:
@@ -447,14 +452,7 @@ def test_paged_fuzz_of_arrivals_cancellations_and_lengths_leaks_no_block(params)
     engine, metrics = chunking_engine(
         params, frozenset(), 10**6, kv_cache="paged", kv_block_tokens=4, kv_pool_tokens=48
     )
-    step = engine.step
-
-    def checked() -> bool:
-        worked = step()
-        pool_is_consistent(engine)
-        return worked
-
-    engine.step = checked  # type: ignore[method-assign]
+    check_each_step(engine, pool_is_consistent)
     start_engine(engine, WarmupSpec(prompt_tokens=8, batch=1))
     assert engine.ready.wait(60)
     finals: dict[int, FinalEvent] = {}
