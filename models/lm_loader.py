@@ -38,33 +38,11 @@ from mlx_lm.utils import load_model as lm_load_model
 
 from models.adapter import AdapterArgs
 from models.adapter.support import PIPELINE_SPLITS, REFUSED, check_supported
-from models.architectures import ARCHITECTURES
 from models.errors import ModelLoadError
 from models.gguf.convert import gguf_checkpoint
 from models.hf import tokenizer_from_dir
 from models.pipeline import Stage, plan_stages
 from models.tokenizer import ChatTokenizer
-
-#: Which implementation serves a model: ``auto`` (the hand-written module where one exists for
-#: the directory's ``model_type``, else mlx-lm's class), ``native`` or ``mlx_lm``.
-ModelImpl = Literal["auto", "native", "mlx_lm"]
-
-
-def uses_mlx_lm(path: Path, impl: ModelImpl) -> bool:
-    """Whether ``path`` is served through mlx-lm's class (see :data:`ModelImpl`). A GGUF file
-    is served through it with ``mlx_lm`` only: ``auto`` keeps both GGUF architectures
-    stepserve reads (Llama-family, Gemma 3) on their hand-written modules."""
-    if impl == "native":
-        return False
-    if impl == "mlx_lm":
-        return True
-    if not path.is_dir():
-        return False
-    try:
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
-        return False  # the native loader names the problem
-    return model_type not in ARCHITECTURES
 
 
 def module_name(config: dict) -> str:

@@ -12,12 +12,12 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
 from models.adapter import AdapterArgs
+from models.architectures import ModelImpl, uses_mlx_lm
 from models.errors import ModelLoadError
 from models.fuse import fuse_projections
 from models.gguf.reader import load_gguf
 from models.hf import load_dir
 from models.layers import Params, quantized_bits
-from models.lm_loader import ModelImpl, load_lm_dir, load_lm_gguf, uses_mlx_lm
 from models.model_args import ModelArgs
 from models.pipeline import Stage
 from models.tokenizer import ChatTokenizer
@@ -129,7 +129,7 @@ def load_model(
         weights: keep quantized weights ("quantized") or expand them ("dequantized").
         fuse: concatenate Q/K/V and gate/up projections (:func:`models.llama.fuse_projections`;
             hand-written architectures only).
-        impl: which implementation serves the model (:data:`models.lm_loader.ModelImpl`):
+        impl: which implementation serves the model (:data:`models.architectures.ModelImpl`):
             through mlx-lm's class (:func:`models.lm_loader.load_lm_dir`, or
             :func:`models.lm_loader.load_lm_gguf` for a GGUF file), the model's args are
             :class:`models.adapter.AdapterArgs` and its params the module's ``parameters()``.
@@ -140,6 +140,8 @@ def load_model(
     start = time.perf_counter()
     path = Path(path)
     if uses_mlx_lm(path, impl):
+        from models.lm_loader import load_lm_dir, load_lm_gguf  # imports mlx-lm: only for its models
+
         adapter, module, tok = (
             load_lm_dir(path, dtype, weights) if path.is_dir() else load_lm_gguf(path, dtype, weights)
         )

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import mlx.core as mx
-from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
 from models.attention import Attend, cache_layout
 
@@ -230,6 +229,9 @@ class QuantizedPagedAttention:
 
     def __call__(self, window: int | None) -> QuantizedAttend:
         """The :data:`QuantizedAttend` of a layer with sliding ``window`` (None: full attention)."""
+        # mlx-lm's import pulls in transformers (and torch where installed): only here, for kv_bits
+        from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
         table, positions, bits, group = self.paged.block_table, self.paged.positions, self.bits, self.group_size
 
         def attend(q, k, v, keys: Quantized, values: Quantized) -> tuple[mx.array, Quantized, Quantized]:

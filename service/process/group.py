@@ -29,12 +29,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 
 from models.adapter import AdapterArgs, StageTraits
-from models.lm_loader import LmLayout, lm_layout, load_lm_dir, uses_mlx_lm
+from models.architectures import uses_mlx_lm
 from models.loader import LoadedModel
 from models.pipeline import Stage, plan_stages
 from models.stage_loader import ModelLayout, load_stage, model_layout
@@ -46,6 +46,9 @@ from service.engine.follower import Follower
 from service.engine.group import GroupLost, Progress
 from service.process import startup
 from service.process.watchdog import ENGINE_DIED_EXIT, WARMUP_STALL_FACTOR
+
+if TYPE_CHECKING:
+    from models.lm_loader import LmLayout
 
 log = logging.getLogger("stepserve.group")
 
@@ -116,6 +119,8 @@ def start_group(settings: Settings, group: mx.distributed.Group) -> GroupStart:
     try:
         path = startup.model_path(spec.path)
         if uses_mlx_lm(Path(path), spec.model_impl):  # mlx-lm's class: its PipelineMixin splits it
+            from models.lm_loader import lm_layout  # imports mlx-lm: only for its models
+
             layout = lm_layout(Path(path), dtype, weights)
             error = speculative_error(spec.speculative)
         else:
@@ -192,7 +197,7 @@ def split(
     their weights only (its caches' shapes are learnt once a stage is loaded; each rank's
     start-up check then counts them), and every rank holds its embedding, norm and head."""
     capacities = budgets if min(budgets) > 0 else None
-    if isinstance(layout, LmLayout):
+    if not isinstance(layout, ModelLayout):  # an mlx-lm module's
         return layout.split(size, capacities)
     spec, a = settings.served_models()[0], layout.args
     rows = spec.max_sequences or spec.batch_buckets[-1]
@@ -218,6 +223,8 @@ def _load(
     startup.log_cpu_blas()
     if uses_mlx_lm(path, spec.model_impl):
         start = time.perf_counter()
+        from models.lm_loader import load_lm_dir  # imports mlx-lm: only for its models
+
         layers = [s.stop - s.start for s in stages]
         args, module, tokenizer = load_lm_dir(path, dtype, weights, group, layers)
         params = cast(dict, module.parameters())

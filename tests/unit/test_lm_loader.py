@@ -15,7 +15,7 @@ import pytest
 from mlx_lm.models import llama as mlx_lm_llama
 from mlx_lm.utils import load_model as lm_load_model
 
-from models import lm_loader
+from models import architectures
 from models.adapter import AdapterArgs, prefill
 from models.adapter.support import REFUSED, SUPPORTED
 from models.default import default_model_path
@@ -110,8 +110,8 @@ def test_recurrent_layers_that_ignore_padding_load_and_are_served_exactly(tmp_pa
 
 
 def test_a_gguf_file_is_native_under_auto_and_mlx_lms_llama_under_mlx_lm():
-    assert not lm_loader.uses_mlx_lm(default_model_path(), "auto")
-    assert lm_loader.uses_mlx_lm(default_model_path(), "mlx_lm")
+    assert not architectures.uses_mlx_lm(default_model_path(), "auto")
+    assert architectures.uses_mlx_lm(default_model_path(), "mlx_lm")
     model = load_model(default_model_path(), "m", mx.float32, impl="mlx_lm")
     assert isinstance(model.args, AdapterArgs) and isinstance(model.args.module, mlx_lm_llama.Model)
     assert model.args.module.args.rope_traditional  # llama.cpp's permuted Q/K rows, kept
