@@ -32,6 +32,13 @@ median tok/s over rounds, each round's ratio and order, and each side's TTFT and
 over rounds; the target, when there is one, applies to the geometric mean. Both servers get
 SIGTERM and have exited when the tool returns, also after an error.
 
+``--lifetimes N`` (with ``--together``): start both servers N times, ``--rounds`` paired rounds
+in each lifetime, and pool every round. A host-bound step's speed is set largely per process
+(on a GPU host, two processes of the same code measured 0.75-1.0x of each other's host time
+per decode step): rounds within one lifetime average out round-to-round noise, lifetimes
+average out the luck of the process; the geometric mean of each lifetime's rounds is reported
+beside the pooled one.
+
 Workloads (``--workload``):
 
 * ``chat``: the load tool's chat-shared-prefix: ``/v1/chat/completions``, a shared system prompt
@@ -85,7 +92,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -370,24 +377,33 @@ def paired_statistics(a: Sequence[float | None], b: Sequence[float | None]) -> d
 
 
 def measure_together(sides: dict[str, Side], args: argparse.Namespace) -> tuple[list[dict], dict[str, list[dict]]]:
-    """Start A, then B beside it (each until ``/readyz`` answers 200), run ``args.rounds``
-    paired rounds of every workload at every level (:func:`paired_level`), then stop both
-    (SIGTERM, waited: :func:`~service.bench.servers.serving`), also on an error.
+    """``args.lifetimes`` times: start A, then B beside it (each until ``/readyz`` answers 200),
+    run ``args.rounds`` paired rounds of every workload at every level (:func:`paired_rounds`),
+    then stop both (SIGTERM, waited: :func:`~service.bench.servers.serving`), also on an error.
 
-    Returns (the two servers' records, :func:`_server_record` with round None; {workload: one
-    :func:`paired_level` row per level}). Raises SystemExit when a server does not get ready;
-    for B, saying when its log points to memory (the two do not fit together)."""
+    Returns (every server's record, :func:`_server_record` with round None, two per lifetime;
+    {workload: one :func:`paired_summary` row per level, over the rounds of all lifetimes}).
+    Raises SystemExit when a server does not get ready; for B, saying when its log points to
+    memory (the two do not fit together)."""
     rng = random.Random(args.seed)
-    servers: dict[str, dict] = {}
-    with ExitStack() as stack:
-        for key in ("a", "b"):
-            servers[key] = _start_beside(stack, sides[key], args, servers.get("a"))
-        urls = {key: s["url"] for key, s in servers.items()}
-        paired = {}
-        for name, make in workloads(args).items():
-            loads = {key: make() for key in sides}  # one per side: the same requests in the same order
-            paired[name] = [paired_level(urls, loads, level, args, rng) for level in args.concurrency]
-    return list(servers.values()), paired
+    servers: list[dict] = []
+    rounds: dict[tuple[str, int], PairedRounds] = {}
+    for _ in range(args.lifetimes):
+        with ExitStack() as stack:
+            up: dict[str, dict] = {}
+            for key in ("a", "b"):
+                up[key] = _start_beside(stack, sides[key], args, up.get("a"))
+            servers += up.values()
+            urls = {key: s["url"] for key, s in up.items()}
+            for name, make in workloads(args).items():
+                loads = {key: make() for key in sides}  # one per side: the same requests in the same order
+                for level in args.concurrency:
+                    paired_rounds(urls, loads, level, args, rng, rounds.setdefault((name, level), PairedRounds()))
+    paired = {
+        name: [paired_summary(rounds[(name, level)], level, args.target) for level in args.concurrency]
+        for name in workloads(args)
+    }
+    return servers, paired
 
 
 def _start_beside(stack: ExitStack, side: Side, args: argparse.Namespace, other: dict | None) -> dict:
@@ -414,47 +430,76 @@ def _start_beside(stack: ExitStack, side: Side, args: argparse.Namespace, other:
     return _server_record(side, None, command, url, pid, time.perf_counter() - start, log)
 
 
-def paired_level(
-    urls: dict[str, str], loads: dict[str, Workload], level: int, args: argparse.Namespace, rng: random.Random
-) -> dict:
-    """One workload at one level on both servers (``urls``, ``loads``: by side key): each side's
-    untimed warm-up (``args.warmup_requests`` per stream), then ``args.rounds`` rounds, each a
-    burst of ``level`` streams of ``args.requests`` requests (:func:`service.bench.load.run`)
-    to A and to B, one server at a time, in an order ``rng`` shuffles per round.
+@dataclass
+class PairedRounds:
+    """One workload at one level, both sides' rounds so far (over every lifetime): the timed
+    streams (by side key, by level), each round's figures per side, its order ("ab" or "ba")
+    and the lifetime it ran in."""
 
-    Returns the level's :func:`paired_statistics` of aggregate tok/s (all completion tokens of
-    a burst over its wall time: at one stream and one request, that request's tok/s), each
-    round's order ("ab" or "ba") and figures per side, each side's figures pooled over rounds
-    (:func:`~service.bench.common.level_figures`) and whether the geometric mean meets
-    ``args.target`` (None without one)."""
+    records: dict[str, dict[int, list[Stream]]] = field(default_factory=lambda: {"a": {}, "b": {}})
+    by_round: dict[str, list[dict]] = field(default_factory=lambda: {"a": [], "b": []})
+    orders: list[str] = field(default_factory=list)
+    lifetimes: list[int] = field(default_factory=list)
+
+
+def paired_rounds(
+    urls: dict[str, str],
+    loads: dict[str, Workload],
+    level: int,
+    args: argparse.Namespace,
+    rng: random.Random,
+    into: PairedRounds,
+) -> None:
+    """One workload at one level on both servers of one lifetime (``urls``, ``loads``: by side
+    key): each side's untimed warm-up (``args.warmup_requests`` per stream), then
+    ``args.rounds`` rounds, each a burst of ``level`` streams of ``args.requests`` requests
+    (:func:`service.bench.load.run`) to A and to B, one server at a time, in an order ``rng``
+    shuffles per round; appended to ``into``."""
     for key, url in urls.items():
         if args.warmup_requests:
             run(url, [level], args.warmup_requests, loads[key])
-    records: dict[str, dict[int, list[Stream]]] = {key: {} for key in urls}
-    by_round: dict[str, list[dict]] = {key: [] for key in urls}
-    orders = []
+    lifetime = max(into.lifetimes, default=-1) + 1
     for _ in range(args.rounds):
         order = ["a", "b"]
         rng.shuffle(order)
-        orders.append("".join(order))
+        into.orders.append("".join(order))
+        into.lifetimes.append(lifetime)
         for key in order:
-            (figures,) = run(urls[key], [level], args.requests, loads[key], 0, records[key])["levels"]
-            by_round[key].append(figures)
+            (figures,) = run(urls[key], [level], args.requests, loads[key], 0, into.records[key])["levels"]
+            into.by_round[key].append(figures)
+
+
+def paired_summary(rounds: PairedRounds, level: int, target: float | None) -> dict:
+    """The level's row: :func:`paired_statistics` of aggregate tok/s (all completion tokens of
+    a burst over its wall time: at one stream and one request, that request's tok/s) over all
+    rounds, the geometric mean of each lifetime's rounds alone (``paired_ratio_by_lifetime``:
+    how far one pair of server lifetimes strays), each round's order, lifetime and figures per
+    side, each side's figures pooled over rounds (:func:`~service.bench.common.level_figures`),
+    and whether the overall geometric mean meets ``target`` (None without one)."""
     pooled = {
         key: level_figures(
-            records[key].get(level, []), sum(f["errors"] for f in rounds), sum(f["elapsed_s"] for f in rounds)
+            rounds.records[key].get(level, []), sum(f["errors"] for f in figs), sum(f["elapsed_s"] for f in figs)
         )
-        for key, rounds in by_round.items()
+        for key, figs in rounds.by_round.items()
     }
-    stats = paired_statistics(*([f["aggregate_tok_s"] for f in by_round[key]] for key in ("a", "b")))
+    tok_s = {key: [f["aggregate_tok_s"] for f in rounds.by_round[key]] for key in ("a", "b")}
+    stats = paired_statistics(tok_s["a"], tok_s["b"])
+    by_lifetime = []
+    for life in sorted(set(rounds.lifetimes)):
+        picked = [i for i, x in enumerate(rounds.lifetimes) if x == life]
+        by_lifetime.append(
+            paired_statistics([tok_s["a"][i] for i in picked], [tok_s["b"][i] for i in picked])["paired_ratio_geomean"]
+        )
     geomean = stats["paired_ratio_geomean"]
-    met = None if args.target is None or geomean is None else geomean >= args.target
+    met = None if target is None or geomean is None else geomean >= target
     return {
         "concurrency": level,
         **stats,
-        "order_by_round": orders,
-        "a_by_round": by_round["a"],
-        "b_by_round": by_round["b"],
+        "paired_ratio_by_lifetime": by_lifetime,
+        "order_by_round": rounds.orders,
+        "lifetime_by_round": rounds.lifetimes,
+        "a_by_round": rounds.by_round["a"],
+        "b_by_round": rounds.by_round["b"],
         **pooled,
         "target_met": met,
     }
@@ -462,7 +507,8 @@ def paired_level(
 
 def _paired_table(name: str, rows: list[dict], a: Side, b: Side, title: str) -> Table:
     table = Table(title=f"{title}: {name} (both up, paired rounds; B = {b.name}, A = {a.name})")
-    columns = ("streams", "rounds", "tok/s median A/B", "B/A geomean", "B/A min-max", "B/A by round (order)")
+    columns = ("streams", "rounds", "tok/s median A/B", "B/A geomean", "B/A min-max", "B/A by lifetime")
+    columns += ("B/A by round (order)",)
     for col in (*columns, "TTFT p50 ms A/B", "ITL p50 ms A/B", "tokens A/B", "errors A/B", "target met"):
         table.add_column(col, justify="right")
     for r in rows:
@@ -474,6 +520,7 @@ def _paired_table(name: str, rows: list[dict], a: Side, b: Side, title: str) -> 
             f"{fmt(r['a_tok_s_median'], digits=1)}/{fmt(r['b_tok_s_median'], digits=1)}",
             fmt(r["paired_ratio_geomean"]),
             f"{fmt(r['paired_ratio_min'])}-{fmt(r['paired_ratio_max'])}",
+            " ".join(fmt(q) for q in r["paired_ratio_by_lifetime"]),
             " ".join(f"{fmt(q)}({order})" for q, order in by_round),
             f"{fmt(fa['ttft_s_p50'], 1e3, 1)}/{fmt(fb['ttft_s_p50'], 1e3, 1)}",
             f"{fmt(fa['itl_s_p50'], 1e3, 2)}/{fmt(fb['itl_s_p50'], 1e3, 2)}",
@@ -515,6 +562,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--requests", type=int, help="timed requests per stream, level and round (default 3; with --together 1)"
     )
+    parser.add_argument(
+        "--lifetimes",
+        type=int,
+        default=1,
+        help="--together: start both servers this many times, --rounds paired rounds each (default 1)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="--together: the seed of each round's A/B order")
     parser.add_argument("--warmup-requests", type=int, default=1, help="untimed requests per stream before each level")
     parser.add_argument("--system-tokens", type=int, default=450, help="chat: the shared system prompt's tokens, about")
@@ -543,6 +596,8 @@ def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple
         parser.error(f"A and B are both named '{sides['a'].name}'")
     args.concurrency = list(dict.fromkeys(args.concurrency or (preset.concurrency if preset else (1,))))
     args.target = args.target if args.target is not None else (preset.target if preset else None)
+    if args.lifetimes < 1 or (args.lifetimes > 1 and not args.together):
+        parser.error("--lifetimes takes a positive count, and more than 1 only with --together")
     args.rounds = args.rounds or (12 if args.together else 2)
     args.requests = args.requests or (1 if args.together else 3)
     args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="stepserve-settings-ab-"))
@@ -582,6 +637,7 @@ def main(argv: list[str]) -> int:
         "rounds": args.rounds,
         "requests_per_stream": args.requests,
         "warmup_requests_per_stream": args.warmup_requests,
+        "lifetimes": args.lifetimes if args.together else None,
         "seed": args.seed if args.together else None,
         "target": args.target,
         **figures,

@@ -190,6 +190,33 @@ def test_together_starts_both_alternates_and_pairs_each_round(monkeypatch, tmp_p
     assert orders == {"ab", "ba"}  # the order was shuffled, not fixed
 
 
+def test_together_lifetimes_restart_both_and_pool_every_round(monkeypatch, tmp_path: Path):
+    """--lifetimes 2 --rounds 2: both servers start, serve two paired rounds per level, stop, and
+    start afresh for two more; the row pools all four rounds and gives each lifetime's own."""
+    fake = FakeServers()
+    servers, paired = together(monkeypatch, tmp_path, fake, "--lifetimes", "2", "--rounds", "2")
+    starts = [i for i, e in enumerate(fake.events) if e[0] == "start"]
+    stops = [i for i, e in enumerate(fake.events) if e[0] == "stop"]
+    assert len(starts) == len(stops) == 4 and stops[1] < starts[2]  # the first pair is gone before the second
+    assert [s["side"] for s in servers] == ["a", "b", "a", "b"]
+    expected = [b / a for a, b in zip(SPEEDS["off"], SPEEDS["on"], strict=True)]
+    for rows in paired.values():
+        for row in rows:
+            assert row["rounds"] == 4 and row["lifetime_by_round"] == [0, 0, 1, 1]
+            assert row["ratio_by_round"] == pytest.approx(expected)
+            assert row["paired_ratio_geomean"] == pytest.approx(math.prod(expected) ** (1 / 4))
+            assert row["paired_ratio_by_lifetime"] == pytest.approx(
+                [math.sqrt(expected[0] * expected[1]), math.sqrt(expected[2] * expected[3])]
+            )
+
+
+def test_lifetimes_need_together(tmp_path: Path):
+    parser = settings_ab._parser()
+    args = parser.parse_args(["--a", "x=", "--b", "y=", "--lifetimes", "2", "--log-dir", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        settings_ab._resolve(parser, args)
+
+
 def row_workload(name: str) -> str:
     return {"chat": "chat-shared-prefix", "long": "long"}[name]
 
