@@ -155,7 +155,12 @@ class DecodeBatch:
         self.kv = None
 
     def cache(self) -> KVCache:
-        """The decode cache. Raises RuntimeError before the first :meth:`fit`."""
+        """The decode cache: what a decode or verify step runs over ([B, Hkv, C, D] per layer).
+        Raises RuntimeError before the first :meth:`fit`."""
         if self.kv is None:
             raise RuntimeError("no decode cache: fit() the batch first")
         return self.kv
+
+    def keep_cache(self, kv: KVCache) -> None:
+        """Keep the decode cache a step over :meth:`cache` returned (the step wrote new buffers)."""
+        self.kv = kv

@@ -8,6 +8,10 @@ row the blocks its next positions need, then runs over the rows' block tables
 static batch does; a finished request's blocks go back to the pool. A bucket move is a wider or
 narrower table: nothing is copied. When a step's blocks cannot be had, the engine preempts
 (:meth:`Engine._make_room`). Called only from the engine thread.
+
+The table is kept between steps (a host copy and the device array made from it) and changed only
+where a row changed: a join, a row's next block, a vacated slot (finished or preempted), a bucket
+move. A row takes blocks whole, so a steady decode step touches no row's table.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import mlx.core as mx
+import numpy as np
 
 from service.engine.batch import DecodeBatch
 from service.engine.block_pool import NULL_BLOCK, BlockPool, NoFreeBlocks
@@ -33,42 +38,42 @@ class PagedDecodeBatch(DecodeBatch):
     """
 
     def __init__(self, buckets: BucketTable, executor: Executor, blocks: BlockPool):
-        self.tables: PagedTables | None = None  # the rows' block tables at the current buckets
         super().__init__(buckets, executor)
         self.blocks = blocks
         self.preemptions = 0  # requests preempted so far (the engine counts them)
         self._growing = True  # fit() gives the rows their next blocks (not while requests join)
-
-    @property
-    def kv(self) -> PagedTables | None:  # type: ignore[override]
-        """The rows' block tables (what a decode step runs over; None before the first fit)."""
-        return self.tables
-
-    @kv.setter
-    def kv(self, tables: PagedTables | None) -> None:  # a step hands its tables back; reset() drops them
-        self.tables = tables
+        self._bucket: tuple[int, int] | None = None  # (batch, capacity) buckets; None: no batch
+        self._host = np.zeros((0, 0), np.int32)  # the table on the host, int32 [B, C / bt]
+        self._tables: PagedTables | None = None  # the table on the device; None: remake from _host
+        self._rebuild = True  # every row of _host must be rewritten (a bucket move, slots renumbered)
+        self._stale: set[int] = set()  # slots whose row of _host must be rewritten
 
     # -- blocks ------------------------------------------------------------------------------
 
     def blocks_short(self, live: Iterable[Sequence], extra: int = 0) -> int:
         """New blocks the next step of ``live`` needs (each row's position and ``extra`` more)
         beyond those the pool can give now (0: it fits)."""
-        bt, need = self.blocks.block_tokens, 0
+        pool, need = self.blocks, 0
         for seq in live:
-            have = len(self.blocks.block_table(id(seq))) if id(seq) in self.blocks else 0
-            need += max(0, -(-min(seq.position + 1 + extra, self.capacity_limit) // bt) - have)
-        return max(0, need - self.blocks.num_available)
+            have = pool.blocks_for(pool.num_tokens(id(seq))) if id(seq) in pool else 0
+            need += max(0, pool.blocks_for(min(seq.position + 1 + extra, self.capacity_limit)) - have)
+        return max(0, need - pool.num_available)
 
     def _grow(self, seq: Sequence, extra: int) -> None:
-        """Give ``seq`` blocks for positions up to ``position + extra`` (at most the capacity
-        limit). Raises NoFreeBlocks (nothing changed for this row)."""
-        want = min(seq.position + 1 + extra, self.capacity_limit)
-        have = self.blocks.num_tokens(id(seq))
+        """Give ``seq`` whole blocks for positions up to ``position + extra`` (at most the
+        capacity limit, a multiple of the block size), its table row rewritten at the next
+        :meth:`cache` when it took one. Raises NoFreeBlocks (nothing changed for this row)."""
+        pool, bt = self.blocks, self.blocks.block_tokens
+        have = pool.num_tokens(id(seq))
+        if seq.position + 1 + extra <= have:
+            return  # the steady step: its blocks hold the next positions already
+        want = min(pool.blocks_for(seq.position + 1 + extra) * bt, self.capacity_limit)
         if want > have:
-            self.blocks.append_slots(id(seq), [0] * (want - have))
+            pool.append_slots(id(seq), [0] * (want - have))
+            self._stale.add(seq.slot)
 
     def free(self, seq: Sequence) -> None:
-        """Give ``seq``'s blocks back (idempotent)."""
+        """Give ``seq``'s blocks back (idempotent; vacate its slot first)."""
         if id(seq) in self.blocks:
             self.blocks.free(id(seq))
 
@@ -100,6 +105,7 @@ class PagedDecodeBatch(DecodeBatch):
             self.executor.write_blocks(kv, row, self.blocks.block_table(id(seq)), seq.position)
             slot = next(free)
             seq.slot, self.slots[slot], seq.prefilled = slot, seq, None
+            self._stale.add(slot)
         return moves
 
     def fit(self, live: Iterable[Sequence], joining: Iterable[Sequence] = (), extra: int = 0) -> list[str]:
@@ -114,33 +120,68 @@ class PagedDecodeBatch(DecodeBatch):
         C = self.buckets.capacity_for(min(need + extra, max(need, self.capacity_limit)))
         for seq in live if self._growing else ():
             self._grow(seq, extra if seq.position + 1 + extra <= C else 0)
-        before, moves = self.tables, []
-        if before is not None and (B < before.batch or any(s.slot >= B for s in live)):
-            for i, s in enumerate(live):
-                s.slot = i
-        if before is not None and before.capacity != C:
-            moves.append("capacity")
-        if before is not None and before.batch != B:
-            moves.append("batch")
-        self.tables = PagedTables(mx.zeros((B, C // self.blocks.block_tokens), mx.int32), B, C)
+        before, moves = self._bucket, []
+        if before is None:
+            self._rebuild = True
+        else:
+            if B < before[0] or any(s.slot >= B for s in live):
+                for i, s in enumerate(live):
+                    s.slot = i
+                self._rebuild = True
+            if before[1] != C:
+                moves.append("capacity")
+            if before[0] != B:
+                moves.append("batch")
+            self._rebuild |= bool(moves)
+        self._bucket = (B, C)
         return moves
 
     def cache(self) -> PagedTables:  # type: ignore[override]
-        """The rows' block tables at the current buckets (int32 [B, C / bt], null-block padded).
+        """The rows' block tables at the current buckets (int32 [B, C / bt], null-block padded):
+        the table of the last call, with the rows changed since rewritten.
 
         Raises:
             RuntimeError: before the first :meth:`fit`.
         """
-        if self.tables is None:
+        if self._bucket is None:
             raise RuntimeError("no decode batch: fit() the batch first")
-        B, C = self.tables.batch, self.tables.capacity
-        M = C // self.blocks.block_tokens
-        rows = []
-        for seq in self.slots + [None] * (B - len(self.slots)):
-            table = self.blocks.block_table(id(seq))[:M] if seq is not None else []
-            rows.append(table + [NULL_BLOCK] * (M - len(table)))
-        self.tables = PagedTables(mx.array(rows, mx.int32), B, C)
-        return self.tables
+        B, C = self._bucket
+        rows: dict[int, Sequence | None] | None = None  # the rows to rewrite: slot -> its request
+        if self._rebuild:
+            self._host = np.full((B, C // self.blocks.block_tokens), NULL_BLOCK, np.int32)
+            rows = {s.slot: s for s in self.slots if s is not None}  # by seq.slot: fit may have renumbered
+        elif self._stale:
+            rows = {i: self.slots[i] if i < len(self.slots) else None for i in self._stale}
+        if rows is not None:
+            for slot, seq in rows.items():
+                if 0 <= slot < B:
+                    self._write_row(slot, seq)
+            self._rebuild, self._stale, self._tables = False, set(), None
+        if self._tables is None:
+            self._tables = PagedTables(mx.array(self._host), B, C)
+        return self._tables
+
+    def _write_row(self, slot: int, seq: Sequence | None) -> None:
+        """Row ``slot`` of the host table: ``seq``'s blocks (None: the null block throughout)."""
+        row = self._host[slot]
+        table = self.blocks.block_table(id(seq))[: len(row)] if seq is not None and id(seq) in self.blocks else []
+        row[: len(table)] = table
+        row[len(table) :] = NULL_BLOCK
+
+    def keep_cache(self, kv: PagedTables) -> None:  # type: ignore[override]
+        """A paged step wrote the executor's pool; its block tables are unchanged: nothing to keep."""
+
+    def vacate(self, seq: Sequence) -> None:
+        """Free ``seq``'s slot; its table row becomes null blocks at the next :meth:`cache` (an
+        empty slot's padded write must land in no block a request holds)."""
+        if 0 <= seq.slot < len(self.slots) and self.slots[seq.slot] is seq:
+            self._stale.add(seq.slot)
+        super().vacate(seq)
+
+    def reset(self) -> None:
+        """Drop the block tables (no sequences left); the blocks stay with their requests."""
+        super().reset()
+        self._bucket, self._tables, self._rebuild, self._stale = None, None, True, set()
 
     def release(self, seq: Sequence) -> None:
         """Free a finished request's slot, key and blocks."""

@@ -152,5 +152,6 @@ class ModelRunner:
             raise ValueError(f"position {max(positions_list)} is beyond the KV capacity {kv.capacity}")
         if tokens is None:
             tokens = mx.array([s.last_token if s else 0 for s in slots], mx.int32)
-        logits, self.batch.kv = self.executor.decode(kv, tokens, positions_list)
+        logits, kv = self.executor.decode(kv, tokens, positions_list)
+        self.batch.keep_cache(kv)
         return logits

@@ -262,8 +262,7 @@ class Speculator:
         self.plain_steps = 0
         W = K + 1
         out.moves += batch.refit(live, extra=K)
-        rows, kv = list(batch.slots), batch.kv
-        assert kv is not None
+        rows, kv = list(batch.slots), batch.cache()
         B, C = kv.batch, kv.capacity
         keys = [batch.key_of(s) for s in rows]
         greedy = all(s.params.temperature == 0 for s in live)
@@ -283,9 +282,10 @@ class Speculator:
             q = None if greedy else self._no_draft(B, ex.vocab)
         last = mx.array([s.last_token if s else 0 for s in rows], mx.int32)
         positions = [s.position if s else 0 for s in rows]
-        logits, batch.kv = ex.step_fn("verify", B, W, C)(
+        logits, kv = ex.step_fn("verify", B, W, C)(
             ex.model.params, mx.concatenate([last[:, None], proposals], axis=1), mx.array(positions, mx.int32), kv
         )
+        batch.keep_cache(kv)
         if greedy:
             y, accept, residual = ex.step_fn("greedy")(logits.reshape(B * W, -1)).reshape(B, W), None, None
         else:

@@ -432,6 +432,63 @@ def test_paged_requests_get_their_own_greedy_tokens(params, pool_tokens, prefix_
     assert steps > single > 0, "no decode step ran more than one row"
 
 
+def test_paged_steps_read_each_rows_own_blocks(params):
+    """Through joins, a row's next blocks, batch-bucket moves, preemptions and finished
+    requests, every paged decode step reads in each slot exactly the blocks its request holds
+    then, in position order, with a block for the position it writes and null blocks past them,
+    and null blocks throughout an empty slot (whose padded write must land in no request's block)."""
+    engine, metrics = chunking_engine(params, frozenset(), 0, kv_cache="paged", kv_block_tokens=4, kv_pool_tokens=40)
+    paged = engine.paged
+    assert paged is not None
+    start_engine(engine, WarmupSpec(prompt_tokens=8, batch=1))
+    assert engine.ready.wait(60)
+    decode, bt = engine.executor.decode, paged.blocks.block_tokens
+    wrong: list[str] = []
+    held: dict[int, list[int]] = {}  # request -> blocks per step it decoded in
+
+    def checked(kv, tokens, positions):
+        table = kv.table.tolist()
+        width = kv.capacity // bt
+        if len(table) != kv.batch or any(len(row) != width for row in table):
+            wrong.append(f"table shape {kv.table.shape} at bucket ({kv.batch}, {kv.capacity})")
+        slots = paged.slots + [None] * (kv.batch - len(paged.slots))
+        for slot, (seq, row) in enumerate(zip(slots, table, strict=True)):
+            blocks = paged.blocks.block_table(id(seq)) if seq is not None else []
+            if row != blocks + [0] * (width - len(blocks)):
+                wrong.append(f"slot {slot}: table row {row}, request holds {blocks}")
+            if seq is not None:
+                held.setdefault(seq.order, []).append(len(blocks))
+                if positions[slot] >= len(blocks) * bt:
+                    wrong.append(f"slot {slot}: position {positions[slot]} past its blocks {blocks}")
+        return decode(kv, tokens, positions)
+
+    engine.executor.decode = checked  # type: ignore[method-assign]
+    done = threading.Semaphore(0)
+    finals: list[FinalEvent] = []
+
+    def emit(event):
+        if isinstance(event, FinalEvent):
+            finals.append(event)
+            done.release()
+
+    try:
+        for prompt, max_tokens in STAGGERED:
+            engine.submit(
+                Sequence(prompt, SamplingParams(max_tokens=max_tokens), engine.model.tokenizer.detokenizer(), emit)
+            )
+        for _ in STAGGERED:
+            assert done.acquire(timeout=60), "a request never finished"
+    finally:
+        engine.stop()
+    assert not wrong, wrong[:5]
+    assert all(f.finish_reason is FinishReason.LENGTH for f in finals), finals
+    assert sample_value(metrics, "stepserve_preemptions_total", model="tiny") > 0
+    assert any(len(set(counts)) > 1 for counts in held.values()), "no row took a block while decoding"
+    steps = sample_value(metrics, "stepserve_batch_size_count", model="tiny", phase="decode")
+    single = sample_value(metrics, "stepserve_batch_size_bucket", model="tiny", phase="decode", le="1.0")
+    assert steps > single > 0, "no step ran more than one row, or none ran one alone"
+
+
 def test_paged_pool_refuses_speculation_and_off_block_buckets(params):
     model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
     with pytest.raises(ValueError, match="speculative"):
