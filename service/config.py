@@ -205,7 +205,8 @@ class Settings(BaseSettings):
     memory_budget_bytes: int | None = Field(
         None,
         ge=1,
-        description="bytes; refuse to start when weights plus the largest KV caches of all models exceed this",
+        description="bytes; refuse to start when weights plus the largest KV caches of all models (and the largest "
+        "steps of the embedding models) exceed this",
     )
     mlx_memory_limit_bytes: int | None = Field(
         None,
