@@ -2,20 +2,25 @@
 another rank gone (:meth:`EngineWatchdog.peer_lost`): a wait on the group stuck past
 LOST_RANK_STALL_S fails the requests with an error naming the rank, long before the stall
 limit; without that report the same wait is within the limit. An embedding model's thread that
-dies is failed as an engine's: not ready, its requests ended naming it, the process stopped."""
+dies is failed as an engine's: the request it held answers 500 naming it, the next 503 (not
+ready), and the process is stopped."""
 
 from __future__ import annotations
 
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
+from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
+from service.api.app import create_app
+from service.config import Settings
 from service.engine.compile_cache import CompileCache
-from service.engine.embedder import Embedder, EmbedderFailed
+from service.engine.embedder import Embedder
 from service.metrics import Metrics
 from service.process import watchdog as wd
 
@@ -63,6 +68,7 @@ class BlockingEncoder:
     """An encoder whose call signals ``entered``, waits for ``go``, then raises ``crash``."""
 
     name, dimensions, dtype = "emb", 4, mx.float32
+    args = SimpleNamespace(vocab_size=100)
 
     def __init__(self, crash: BaseException):
         self.entered, self.go, self.crash = threading.Event(), threading.Event(), crash
@@ -99,19 +105,25 @@ def test_a_dead_embedding_thread_fails_its_requests_and_stops_the_server(monkeyp
     signals, stopped = [], threading.Event()
     monkeypatch.setattr(wd.os, "kill", lambda pid, sig: (signals.append(sig), stopped.set()))
     monkeypatch.setattr(wd.os, "_exit", lambda code: None)  # the drain's backstop
+    app = create_app(Settings.model_validate({}))  # its lifespan does not run: the embedder is put in by hand
     encoder = BlockingEncoder(ThreadDeath())
-    embedder = started_embedder(encoder)
-    watchdog = wd.EngineWatchdog({}, shutdown_grace_s=0, poll_s=0.01, linger_s=0, embedders={"emb": embedder})
+    embedders = app.state.stepserve.embedders
+    embedders["emb"] = embedder = started_embedder(encoder)
+    watchdog = wd.EngineWatchdog({}, shutdown_grace_s=0, poll_s=0.01, linger_s=0, embedders=embedders)
     watchdog.start()
+    client = TestClient(app)
     try:
-        held = embedder.submit([[1, 2, 3]])
-        assert encoder.entered.wait(30)
-        encoder.go.set()  # the thread dies mid-step, the request still held
-        assert stopped.wait(30)
-        with pytest.raises(EmbedderFailed, match="embedding thread died"):
-            held.result(0)
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(client.post, "/v1/embeddings", json={"model": "emb", "input": [[1, 2, 3]]})
+            assert encoder.entered.wait(30)
+            encoder.go.set()  # the thread dies mid-step, the request still held
+            assert stopped.wait(30)
+            reply = held.result(30)
+        later = client.post("/v1/embeddings", json={"model": "emb", "input": [[1, 2, 3]]})
     finally:
         watchdog.stop()
         embedder.stop()
+    assert reply.status_code == 500 and "embedding thread died" in reply.json()["error"]["message"]
+    assert later.status_code == 503 and "embedding thread died" in later.json()["error"]["message"]
     assert signals == [signal.SIGTERM] and watchdog.exit_code == wd.ENGINE_DIED_EXIT
     assert not embedder.ready.is_set() and embedder.not_ready_reason == "embedding thread died"
