@@ -315,6 +315,11 @@ class Settings(BaseSettings):
                 raise ValueError(
                     f"model '{spec.name}': ttl_s unloads an on-demand model; set load = 'on_demand' or remove ttl_s"
                 )
+            if spec.load == "on_demand" and spec.embedding:
+                raise ValueError(
+                    f"model '{spec.name}': load = 'on_demand' is not implemented for embedding models (they are "
+                    "loaded at start-up and counted in its memory check); remove load"
+                )
             if spec.load == "on_demand" and self.distributed:
                 raise ValueError(f"model '{spec.name}': distributed serves its model from start-up; remove load")
         if self.distributed and len(self.served_models()) > 1:

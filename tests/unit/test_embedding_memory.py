@@ -154,3 +154,8 @@ def test_an_on_demand_load_counts_the_embedding_models(minilm_dir, minilm, tiny,
     assert load(need + embed) == 1
     with pytest.raises(MemoryBudgetError, match="embedding model 'minilm'"):
         load(need + embed - 1)
+
+
+def test_an_on_demand_embedding_model_is_refused(minilm_dir):
+    with pytest.raises(ValueError, match="model 'minilm': load = 'on_demand' is not implemented for embedding models"):
+        Settings.model_validate({"models": [{"name": "minilm", "path": str(minilm_dir), "load": "on_demand"}]})
