@@ -56,15 +56,17 @@ class BertArgs:
         Every intermediate of one layer is counted live together, per position: 14 H-wide tensors
         (queries, keys and values and their per-head copies, the context and its copy, the
         projections, residual sums and norms of both blocks) and 4 I-wide ones (the feed-forward's
-        input to GELU and GELU's temporaries) in the compute dtype, plus the attention scores and
-        their softmax, ``batch`` x heads x ``length`` x ``length`` float32 each (MLX's fallback
-        attention materializes them; :data:`ATTENTION_SCORE_BYTES`), plus the float32 copy the
-        pooling reads (``batch`` x ``length`` x H). Layers run one after another, so the count
-        does not grow with the number of layers. Measured on all-MiniLM-L6-v2 on the CPU
-        (tests/unit/test_embedding_memory.py), the compiled call's peak stays below it."""
+        input to GELU and GELU's temporaries), at ``itemsize`` but at least 4 bytes an element (on
+        the CPU a float16 call peaked at 0.55 to 0.65 of the float32 one, not half), plus the
+        attention scores and their softmax, ``batch`` x heads x ``length`` x ``length`` float32
+        each (MLX's fallback attention materializes them; :data:`ATTENTION_SCORE_BYTES`), plus the
+        float32 copy the pooling reads (``batch`` x ``length`` x H). Layers run one after
+        another, so the count does not grow with the number of layers. Measured on
+        all-MiniLM-L6-v2 on the CPU (tests/unit/test_embedding_memory.py), the compiled call's
+        peak stays below it."""
         h, i = self.hidden_size, self.intermediate_size
         positions = batch * length
-        layer = positions * (14 * h + 4 * i) * itemsize
+        layer = positions * (14 * h + 4 * i) * max(itemsize, 4)
         scores = 2 * batch * self.num_attention_heads * length * length * ATTENTION_SCORE_BYTES
         return layer + scores + positions * h * 4
 

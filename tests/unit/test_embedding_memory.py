@@ -67,10 +67,11 @@ def peak_of_compiled_step(model: EmbeddingModel, batch: int, length: int) -> int
     return mx.get_peak_memory() - before
 
 
-@pytest.mark.parametrize("batch, length", [(8, 128), (2, 256)])
-def test_the_step_estimate_bounds_the_measured_peak_of_a_compiled_step(minilm, batch, length):
-    estimate = minilm.args.step_bytes(batch, length, minilm.dtype.size)
-    measured = peak_of_compiled_step(minilm, batch, length)
+@pytest.mark.parametrize("dtype, batch, length", [("float32", 8, 128), ("float32", 2, 256), ("float16", 4, 64)])
+def test_the_step_estimate_bounds_the_measured_peak_of_a_compiled_step(minilm_dir, minilm, dtype, batch, length):
+    model = minilm if dtype == "float32" else load_embedding_model(minilm_dir, "minilm", getattr(mx, dtype))
+    estimate = model.args.step_bytes(batch, length, model.dtype.size)
+    measured = peak_of_compiled_step(model, batch, length)
     assert measured <= estimate < 2 * measured  # a bound, and close enough not to waste the budget
 
 
