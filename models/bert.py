@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 Params = dict[str, Any]
+ATTENTION_SCORE_BYTES = 4  # attention scores counted as float32: a bound for any compute dtype
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,28 @@ class BertArgs:
         if args.hidden_act != "gelu":
             raise ValueError(f"hidden_act '{args.hidden_act}' is not implemented for BERT encoders; only 'gelu'")
         return args
+
+    def step_bytes(self, batch: int, length: int, itemsize: int) -> int:
+        """Bytes of the activations one encoder call on a padded [``batch``, ``length``] batch may
+        hold at once, beside the weights, for :func:`encode` then a pooling (a bound, not a
+        measurement; ``itemsize``: the compute dtype's size in bytes).
+
+        Every intermediate of one layer is counted live together, per position: 14 H-wide tensors
+        (queries, keys and values and their per-head copies, the context and its copy, the
+        projections, residual sums and norms of both blocks) and 4 I-wide ones (the feed-forward's
+        input to GELU and GELU's temporaries), at ``itemsize`` but at least 4 bytes an element (on
+        the CPU a float16 call peaked at 0.55 to 0.65 of the float32 one, not half), plus the
+        attention scores and their softmax, ``batch`` x heads x ``length`` x ``length`` float32
+        each (MLX's fallback attention materializes them; :data:`ATTENTION_SCORE_BYTES`), plus the
+        float32 copy the pooling reads (``batch`` x ``length`` x H). Layers run one after
+        another, so the count does not grow with the number of layers. Measured on
+        all-MiniLM-L6-v2 on the CPU (tests/unit/test_embedding_memory.py), the compiled call's
+        peak stays below it."""
+        h, i = self.hidden_size, self.intermediate_size
+        positions = batch * length
+        layer = positions * (14 * h + 4 * i) * max(itemsize, 4)
+        scores = 2 * batch * self.num_attention_heads * length * length * ATTENTION_SCORE_BYTES
+        return layer + scores + positions * h * 4
 
 
 def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:

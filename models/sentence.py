@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 from tokenizers import Tokenizer
 
 from models import bert
@@ -58,6 +58,11 @@ class EmbeddingModel:
     def dimensions(self) -> int:
         """Length of one embedding."""
         return self.args.hidden_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the parameters in memory (``dtype``; the pooler head is not loaded)."""
+        return sum(v.nbytes for _, v in tree_flatten(self.params) if isinstance(v, mx.array))
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text with the model's special tokens ([CLS] ... [SEP]), untruncated."""

@@ -149,8 +149,8 @@ def serve(settings: Settings) -> int:
     loaded = _load(settings)
     if isinstance(loaded, int):
         return loaded
-    settings, models, ranks = loaded
-    app = create_app(settings, models=models, progress=_progress(), ranks=ranks)
+    settings, models, embedders, ranks = loaded
+    app = create_app(settings, models=models, progress=_progress(), ranks=ranks, embedders=embedders)
     if ranks is not None and settings.pid_file:  # rank 0 of a group that `stepserve launch` started
         _on_lost_rank(settings.pid_file, app.state.watchdog)
     if settings.pid_file:
@@ -185,12 +185,12 @@ def _on_lost_rank(pid_file: Path, watchdog: EngineWatchdog) -> None:
 
 
 def _load(settings: Settings):
-    """(settings with max_sequences resolved, the models, a group's ranks or None), after
-    logging is set up; or the exit status: 2 when this process (or any rank) cannot serve, a
-    follower's status once rank 0 stopped the group."""
+    """(settings with max_sequences resolved, the models, the embedding models (None in a
+    group), a group's ranks or None), after logging is set up; or the exit status: 2 when this
+    process (or any rank) cannot serve, a follower's status once rank 0 stopped the group."""
     from models.errors import ModelLoadError
     from service.process.group import GroupStartError, follow, init_group, start_group
-    from service.process.startup import MemoryBudgetError, check_memory, load_models
+    from service.process.startup import MemoryBudgetError, check_memory, load_embedders, load_models
 
     try:
         group = init_group(settings) if settings.distributed else None
@@ -208,15 +208,15 @@ def _load(settings: Settings):
         mx.set_memory_limit(settings.mlx_memory_limit_bytes)
     try:
         if group is None:
-            models = load_models(settings)
-            return check_memory(settings, models), models, None
+            models, embedders = load_models(settings), load_embedders(settings)
+            return check_memory(settings, models, embedders), models, embedders, None
         start = start_group(settings, group)
     except (ModelLoadError, MemoryBudgetError, GroupStartError) as exc:
         print(f"stepserve: {where}cannot serve: {exc}", file=sys.stderr)
         return 2
     if group.rank() != 0:
         _exit_now(follow(start))
-    return start.settings, {start.model.name: start.model}, start.ranks
+    return start.settings, {start.model.name: start.model}, None, start.ranks
 
 
 def _exit_now(code: int) -> None:

@@ -205,7 +205,8 @@ class Settings(BaseSettings):
     memory_budget_bytes: int | None = Field(
         None,
         ge=1,
-        description="bytes; refuse to start when weights plus the largest KV caches of all models exceed this",
+        description="bytes; refuse to start when weights plus the largest KV caches of all models (and the largest "
+        "steps of the embedding models) exceed this",
     )
     mlx_memory_limit_bytes: int | None = Field(
         None,
@@ -313,6 +314,11 @@ class Settings(BaseSettings):
             if spec.ttl_s is not None and spec.load != "on_demand":
                 raise ValueError(
                     f"model '{spec.name}': ttl_s unloads an on-demand model; set load = 'on_demand' or remove ttl_s"
+                )
+            if spec.load == "on_demand" and spec.embedding:
+                raise ValueError(
+                    f"model '{spec.name}': load = 'on_demand' is not implemented for embedding models (they are "
+                    "loaded at start-up and counted in its memory check); remove load"
                 )
             if spec.load == "on_demand" and self.distributed:
                 raise ValueError(f"model '{spec.name}': distributed serves its model from start-up; remove load")

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from models.loader import LoadedModel, device_name
+from models.sentence import EmbeddingModel
 from service import __version__
 from service.api import anthropic as anthropic_api
 from service.api import embeddings as embeddings_api
@@ -40,10 +41,12 @@ def create_app(
     models: dict[str, LoadedModel] | None = None,
     progress: Callable[[int, str], None] | None = None,
     ranks: list[RankInfo] | None = None,
+    embedders: dict[str, EmbeddingModel] | None = None,
 ) -> FastAPI:
-    """Build the app. Models are loaded (unless given) and warmed up in the lifespan;
-    ``/healthz`` answers at once and ``/readyz`` turns 200 when every warm-up is done.
-    ``ranks``: a pipeline group's ranks, when this is its rank 0 (``models`` is then its stage)."""
+    """Build the app. Models and embedding models are loaded (unless given: ``models``,
+    ``embedders``) and warmed up in the lifespan; ``/healthz`` answers at once and ``/readyz``
+    turns 200 when every warm-up is done. ``ranks``: a pipeline group's ranks, when this is its
+    rank 0 (``models`` is then its stage). The watchdog watches the engine and embedding threads."""
     metrics = Metrics(CollectorRegistry(), version=__version__, device=device_name())
     specs = settings.chat_models()
     engines: dict[str, Engine] = {}
@@ -54,7 +57,9 @@ def create_app(
     on_demand = OnDemandModels(settings, engines, metrics, start_on_demand)
     state = AppState(settings, metrics, (specs or settings.served_models())[0].name, on_demand, engines, ranks=ranks)
     stall_limit = settings.distributed_timeout_s if ranks else None
-    watchdog = EngineWatchdog(state.engines, settings.shutdown_grace_s, stall_limit_s=stall_limit)
+    watchdog = EngineWatchdog(
+        state.engines, settings.shutdown_grace_s, stall_limit_s=stall_limit, embedders=state.embedders
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -64,8 +69,8 @@ def create_app(
                 draft = loaded.get(draft_name(spec.name))
                 engine = _start_engine(settings, spec, loaded[spec.name], metrics, progress, draft, app)
                 state.engines[spec.name] = engine
-        on_demand.start(loaded)
-        encoders = load_embedders(settings)
+        encoders = embedders if embedders is not None else load_embedders(settings)
+        on_demand.start(loaded, encoders)  # each on-demand load's memory check counts them
         for spec in settings.embedding_models():
             embedder = state.embedders[spec.name] = build_embedder(spec, encoders[spec.name], metrics)
             embedder.start(embed_warmup(spec, embedder))

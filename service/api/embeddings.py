@@ -5,7 +5,9 @@ is served beside the chat models by its own :class:`service.engine.embedder.Embe
 batches the inputs of concurrent requests into compiled (batch, length) buckets. Errors name
 the field: ``model`` (unknown: 404; a chat model: 400), ``input`` (longer than the model's
 ``max_seq_length``, or a token id outside its vocabulary: 400; inputs are never truncated, as
-OpenAI's API), ``dimensions`` (anything but the model's own dimension: 400).
+OpenAI's API), ``dimensions`` (anything but the model's own dimension: 400). A request held by
+an embedder whose thread died answers 500 naming the failure (the watchdog then restarts the
+server, :mod:`service.process.watchdog`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from fastapi import APIRouter
 from service.api.errors import ERRORS, ApiError
 from service.api.schemas import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from service.api.state import AppState, State
-from service.engine.embedder import Embedder, EmbedderStopped
+from service.engine.embedder import Embedder, EmbedderFailed, EmbedderStopped
 
 router = APIRouter(prefix="/v1")
 
@@ -96,6 +98,8 @@ async def embeddings(body: EmbeddingRequest, state: State) -> EmbeddingResponse:
         vectors = await asyncio.wrap_future(embedder.submit(rows))
     except EmbedderStopped as exc:
         raise ApiError(503, str(exc), type="unavailable") from exc
+    except EmbedderFailed as exc:  # its thread died: the watchdog restarts the server
+        raise ApiError(500, str(exc), type="server_error") from exc
     tokens = sum(map(len, rows))
     return EmbeddingResponse(
         data=[Embedding(index=i, embedding=_encode(v, body.encoding_format)) for i, v in enumerate(vectors)],

@@ -31,6 +31,11 @@ class EmbedderStopped(RuntimeError):
     """The embedder stopped before the request was embedded (shutdown or a failed step)."""
 
 
+class EmbedderFailed(RuntimeError):
+    """The embedder's thread died (:meth:`Embedder.fail`, called by the watchdog): the request
+    will never be embedded (HTTP 500); the message names the failure."""
+
+
 @dataclass
 class _Job:
     """One request: its inputs, the embeddings filled in as steps finish, and its future."""
@@ -81,6 +86,7 @@ class Embedder:
         self.warmup_seconds: float | None = None
         self.warmup_buckets = 0
         self._jobs: deque[_Job] = deque()
+        self._in_step: list[_Job] = []  # the requests of the step running now
         self._wake = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -123,6 +129,24 @@ class Embedder:
         if self._thread is not None:
             self._thread.join(timeout)
         self._fail_all(EmbedderStopped("the embedding model is shutting down"))
+
+    @property
+    def alive(self) -> bool:
+        """The embedding thread is running (False before :meth:`start` and once it ended)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def fail(self, message: str, reason: str = "embedding thread died") -> None:
+        """The embedding thread is gone: mark the model not ready (``reason``), refuse new work
+        and end every request it held, queued or in the step that was running, with
+        :class:`EmbedderFailed` (``message``; HTTP 500). Called by the watchdog, never while the
+        thread runs."""
+        self.not_ready_reason = reason
+        self.ready.clear()
+        with self._wake:
+            self._stopping = True
+            self._jobs.extend(self._in_step)
+            self._in_step = []
+        self._fail_all(EmbedderFailed(message))
 
     def compile_choices(self) -> dict[str, str]:
         """Per bucket label: "compiled" or "eager"."""
@@ -178,6 +202,7 @@ class Embedder:
         taken = self._take()
         if not taken:
             return 0
+        self._in_step = list({id(job): job for job, _ in taken}.values())
         start = time.perf_counter()
         longest = max(len(job.rows[i]) for job, i in taken)
         batch, length = pick(self.batch_buckets, len(taken)), pick(self.lengths, longest)
@@ -193,12 +218,14 @@ class Embedder:
             for job, _ in taken:
                 if not job.future.done():
                     job.future.set_exception(exc)
+            self._in_step = []
             raise
         for r, (job, i) in enumerate(taken):
             job.out[i] = out[r]
             job.done += 1
             if job.done == len(job.rows) and not job.future.done():
                 job.future.set_result(job.out)
+        self._in_step = []
         self.metrics.record_step(
             StepStat(self.model.name, "embed", f"b{batch}x{length}", len(taken), batch, time.perf_counter() - start)
         )

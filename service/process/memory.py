@@ -12,13 +12,14 @@ request would take the model past MLX's memory limit).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from models.adapter import AdapterArgs
 from models.loader import LoadedModel
+from models.sentence import EmbeddingModel
 from service.engine.buckets import BucketTable
 from service.engine.core import Engine
 from service.engine.executor import batches_last_chunks
@@ -58,6 +59,49 @@ class MemoryEstimate:
             f" + 2 x decode KV cache {self.decode_cache / gb:.2f} GB + prefill {self.prefill / gb:.2f} GB"
             f" + prefix cache {self.prefix_cache / gb:.2f} GB"
         )
+
+
+@dataclass(frozen=True)
+class EmbeddingEstimate:
+    """Bytes one embedding model may hold: its weights and its largest encoder step.
+
+    Attributes:
+        model: the embedding model's name.
+        weights: the parameters.
+        step: the activations of its largest step (:meth:`models.bert.BertArgs.step_bytes`),
+            at ``batch`` x ``length``.
+        batch: its largest batch bucket.
+        length: its largest length bucket (the longest input it accepts).
+    """
+
+    model: str
+    weights: int
+    step: int
+    batch: int
+    length: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.step
+
+    def describe(self) -> str:
+        gb = 1e9
+        return (
+            f"embedding model '{self.model}': {self.total / gb:.2f} GB = weights {self.weights / gb:.2f} GB"
+            f" + largest step b{self.batch}x{self.length} {self.step / gb:.2f} GB"
+        )
+
+
+def embedding_worst_case(
+    model: EmbeddingModel, batch_buckets: Sequence[int], lengths: Sequence[int]
+) -> EmbeddingEstimate:
+    """The most embedding ``model`` can hold: its weights and one step at its largest batch
+    bucket and its largest length bucket (ascending ``batch_buckets`` and ``lengths``, as its
+    :class:`service.engine.embedder.Embedder` gets them; a step holds at most the largest of
+    each, compiled or eager). Steps run one at a time, on its own thread."""
+    batch, length = batch_buckets[-1], lengths[-1]
+    step = model.args.step_bytes(batch, length, model.dtype.size)
+    return EmbeddingEstimate(model.name, model.nbytes, step, batch, length)
 
 
 class MemoryAdmissionError(RuntimeError):

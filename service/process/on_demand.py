@@ -2,14 +2,14 @@
 first request and unloaded after ``ttl_s`` seconds idle.
 
 A load runs off the event loop: the weights are read (:func:`service.process.startup.load_served`),
-the model's worst case is checked against the memory budget beside every model loaded now and its
-``max_sequences`` resolved as at start-up (:func:`service.process.startup.check_memory`), then its
-engine is built and started, and warms up in its own thread as a start-up model does. The engine
-joins the served engines when it starts (its HTTP rehearsal goes through the routes) and serves
-once ready; from then on, memory admission (:func:`service.process.memory.admit`) counts it as
-any other. Requests that arrive while it loads wait for it (``on_demand_wait = "wait"``) or are
-answered 503 with ``Retry-After`` (``"503"``), the seconds its previous load took, else
-:data:`FIRST_LOAD_RETRY_S`.
+the model's worst case is checked against the memory budget beside every model loaded now (the
+embedding models' weights and largest steps included) and its ``max_sequences`` resolved as at
+start-up (:func:`service.process.startup.check_memory`), then its engine is built and started,
+and warms up in its own thread as a start-up model does. The engine joins the served engines
+when it starts (its HTTP rehearsal goes through the routes) and serves once ready; from then
+on, memory admission (:func:`service.process.memory.admit`) counts it as any other. Requests
+that arrive while it loads wait for it (``on_demand_wait = "wait"``) or are answered 503 with
+``Retry-After`` (``"503"``), the seconds its previous load took, else :data:`FIRST_LOAD_RETRY_S`.
 
 A loaded model is idle when it runs and queues nothing; once it has been idle and unasked for
 ``ttl_s`` seconds, it leaves the served engines, its engine thread stops and its weights and
@@ -32,6 +32,7 @@ from enum import StrEnum
 import mlx.core as mx
 
 from models.loader import LoadedModel
+from models.sentence import EmbeddingModel
 from service.config import ServedModel, Settings
 from service.engine.core import Engine
 from service.metrics import Metrics
@@ -101,6 +102,7 @@ class OnDemandModels:
     def __init__(self, settings: Settings, engines: dict[str, Engine], metrics: Metrics, start: StartEngine):
         self.settings, self.engines, self.metrics, self._start = settings, engines, metrics, start
         self._resident: dict[str, LoadedModel] = {}  # the start-up models, counted in each memory check
+        self._embedders: dict[str, EmbeddingModel] = {}  # the embedding models, counted likewise
         self._slots = {s.name: _Slot(s) for s in settings.served_models() if s.load == "on_demand"}
         for name in self._slots:
             metrics.init_on_demand(name)
@@ -182,13 +184,14 @@ class OnDemandModels:
         held = dict(self._resident)
         for slot in self._slots.values():
             held |= slot.models
-        resolved = check_memory(self.settings, held | models)
+        resolved = check_memory(self.settings, held | models, self._embedders)
         return next(s for s in resolved.served_models() if s.name == spec.name), models
 
-    def start(self, loaded: dict[str, LoadedModel]) -> None:
-        """Serve: ``loaded`` (the start-up models and drafts by name) are counted in each load's
-        memory check; models idle for their ``ttl_s`` are unloaded (a task on the running loop)."""
-        self._resident = dict(loaded)
+    def start(self, loaded: dict[str, LoadedModel], embedders: dict[str, EmbeddingModel] | None = None) -> None:
+        """Serve: ``loaded`` (the start-up models and drafts by name) and ``embedders`` (the
+        embedding models) are counted in each load's memory check; models idle for their
+        ``ttl_s`` are unloaded (a task on the running loop)."""
+        self._resident, self._embedders = dict(loaded), dict(embedders or {})
         ttls = [s.spec.ttl_s for s in self._slots.values() if s.spec.ttl_s is not None]
         if ttls:
             self._reaper = asyncio.create_task(self._reap(poll_s=min(1.0, min(ttls) / 4)))

