@@ -38,10 +38,11 @@ def minilm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, minilm):
-    """One server: the default chat model and all-MiniLM-L6-v2, from one TOML file."""
+    """One server: the default chat model and all-MiniLM-L6-v2, from one TOML file (the chat
+    model's warm-up without its rehearsal: one short chat is all it serves here)."""
     config = tmp_path_factory.mktemp("config") / "stepserve.toml"
     config.write_text(
-        "warmup_prompt_tokens = 64\n"
+        "warmup_prompt_tokens = 64\nwarmup_rehearsal = false\n"
         f'[[models]]\nname = "smol"\npath = "{default_model_path()}"\n{SMALL_BUCKETS}\n'
         f'[[models]]\nname = "minilm"\npath = "{minilm}"\n'
         "batch_buckets = [1, 8, 64]\nprompt_buckets = [16, 32]\nwarmup_batch = 64\n"

@@ -30,10 +30,12 @@ from service.api.tools import render_messages
 from tests.parity.tiny_configs import TINY_CONFIGS
 from tests.support import STEPSERVE, ServerProcess, gemma_gguf, write_mlx_lm_dir
 
-#: Small buckets and a small warm-up: the compiled steps are what is served, quickly built.
+#: Small buckets and a small warm-up: the compiled steps are what is served, quickly built (no
+#: rehearsal: what is tested is the tokens, not how soon the first requests run).
 SMALL = [
     "--batch-buckets", "[1,2,4]", "--prompt-buckets", "[32,64]", "--capacity-buckets", "[128,256]",
     "--warmup-prompt-tokens", "64", "--warmup-batch", "2", "--prefill-chunk-tokens", "32",
+    "--warmup-rehearsal", "false",
 ]  # fmt: skip
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],

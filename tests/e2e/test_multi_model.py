@@ -22,7 +22,8 @@ def test_over_the_memory_budget_refuses_to_start(tmp_path, converted, setting):
 
 
 def test_two_models_served_and_routed_by_name(tmp_path, converted):
-    server = ServerProcess.start(["--config", write_config(tmp_path, converted)])
+    # No warm-up rehearsal (about half of the start here): routing, not the first request's speed, is tested.
+    server = ServerProcess.start(["--config", write_config(tmp_path, converted, "warmup_rehearsal = false")])
     try:
         server.wait_ready()
         with server.client() as client:

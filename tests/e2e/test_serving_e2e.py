@@ -16,18 +16,21 @@ MODEL = "SmolLM2-135M-Instruct"
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"  # the model keeps counting: no early end-of-sequence
 # Small servers: one slot and one queue place with a 10 s limit; two slots and 15 s of grace.
 # The limits are far above what a short request needs on any CPU, and far below what a
-# 2000-token one needs: what is tested is the lifecycle, not the speed of the matmuls.
+# 2000-token one needs: what is tested is the lifecycle, not the speed of the matmuls (so no
+# warm-up rehearsal either: its dummy requests only make the first real ones quicker).
 QUEUE_LIMITS = {
     "STEPSERVE_BATCH_BUCKETS": "[1]",
     "STEPSERVE_MAX_WAITING": "1",
     "STEPSERVE_REQUEST_TIMEOUT_S": "10",
     "STEPSERVE_WARMUP_PROMPT_TOKENS": "32",
+    "STEPSERVE_WARMUP_REHEARSAL": "false",
 }
 DRAIN = {
     "STEPSERVE_BATCH_BUCKETS": "[1, 2]",
     "STEPSERVE_SHUTDOWN_GRACE_S": "15",
     "STEPSERVE_WARMUP_PROMPT_TOKENS": "32",
     "STEPSERVE_WARMUP_BATCH": "2",
+    "STEPSERVE_WARMUP_REHEARSAL": "false",
 }
 
 

@@ -33,6 +33,13 @@ def prompt(model) -> list[int]:
     return ids
 
 
+@pytest.fixture(scope="module")
+def prompt_whole(model, prompt):
+    """:func:`whole` of ``prompt``, the reference of the tests below, computed once (it is the
+    same deterministic prefill and decode for each)."""
+    return whole(model, prompt)
+
+
 def cache(model, capacity: int) -> KVCache:
     a = model.args
     return KVCache.allocate(a.num_hidden_layers, 1, a.num_key_value_heads, capacity, a.dim_per_head, mx.float32)
@@ -76,11 +83,11 @@ def assert_same(got, expected):
 
 
 @pytest.mark.parametrize("chunk", [64, 128])
-def test_a_prompt_prefilled_in_chunks_matches_it_prefilled_whole(model, prompt, chunk):
-    assert_same(chunked(model, prompt, chunk, cache(model, 1024)), whole(model, prompt))
+def test_a_prompt_prefilled_in_chunks_matches_it_prefilled_whole(model, prompt, prompt_whole, chunk):
+    assert_same(chunked(model, prompt, chunk, cache(model, 1024)), prompt_whole)
 
 
-def test_a_prefix_cache_hit_matches_the_whole_prefill(model, prompt):
+def test_a_prefix_cache_hit_matches_the_whole_prefill(model, prompt, prompt_whole):
     prefix = PrefixCache(block_tokens=32, budget_bytes=10**9)
     first = prompt[:200]
     _, kv = prefill(model.params, mx.array([first], mx.int32), mx.array([200]), cache(model, 256), args=model.args)
@@ -88,7 +95,7 @@ def test_a_prefix_cache_hit_matches_the_whole_prefill(model, prompt):
     hit = prefix.match(prompt)
     assert hit.num_tokens == 192
     staged = prefix.gather(hit).resized(1024)
-    assert_same(chunked(model, prompt, 128, staged, start=192), whole(model, prompt))
+    assert_same(chunked(model, prompt, 128, staged, start=192), prompt_whole)
 
 
 def test_hits_whose_last_chunks_run_in_one_call_match_each_prefilled_whole(model, prompt):
