@@ -166,6 +166,11 @@ class Settings(BaseSettings):
         "request when it runs out (hand-written model families in one process, speculative decoding off)",
     )
     kv_block_tokens: int = Field(16, ge=1, description="kv_cache = 'paged': token positions per block")
+    kv_bits: Literal[4, 8] | None = Field(
+        None,
+        description="kv_cache = 'paged': keep the pool's keys and values quantized to this many bits (groups of 64 "
+        "values, as mlx-lm's QuantizedKVCache), attended without dequantizing; unset: the compute dtype",
+    )
     max_model_len: int | None = Field(
         None,
         ge=1,

@@ -282,7 +282,7 @@ def _check_paged(
     rest = limit - sum(e.weights + e.prefill + e.prefix_cache for e in fixed.values())
     pools = {}
     for s in specs:
-        per = memory.kv_bytes_per_position(models[s.name])
+        per = memory.pool_bytes_per_position(models[s.name], settings.kv_bits)
         pools[s.name] = pool = settings.kv_pool_tokens or max(0, rest // len(specs) // per)
         if pool < ladders[s.name][0]:
             raise MemoryBudgetError(
