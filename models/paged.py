@@ -216,7 +216,10 @@ def quantized_pool(
         ValueError: ``head_dim`` is not a multiple of ``group_size`` or ``bits`` is not 4 or 8.
     """
     if bits not in (4, 8) or head_dim % group_size:
-        raise ValueError(f"quantized KV needs bits 4 or 8 and a head dim divisible by {group_size}: {bits}, {head_dim}")
+        raise ValueError(
+            f"kv_bits = {bits}: quantized KV needs 4 or 8 bits and a head dim divisible by the group size "
+            f"({group_size}); this model's head dim is {head_dim}: remove kv_bits"
+        )
     shape = (num_blocks, kv_heads, block_tokens)
     return (
         mx.zeros((*shape, head_dim * bits // 32), mx.uint32),

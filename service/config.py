@@ -323,6 +323,11 @@ class Settings(BaseSettings):
                 raise ValueError(f"model '{spec.name}': distributed serves its model from start-up; remove load")
         if self.distributed and len(self.served_models()) > 1:
             raise ValueError("distributed serves one model per group; set model (not several [[models]])")
+        if self.kv_bits is not None and self.kv_cache != "paged":
+            raise ValueError(
+                f"kv_bits = {self.kv_bits} quantizes the blocks of the paged KV pool, but kv_cache is "
+                f"'{self.kv_cache}'; set kv_cache = 'paged' too, or remove kv_bits"
+            )
         if self.max_batched_tokens < self.prefill_chunk_tokens:
             raise ValueError(
                 f"max_batched_tokens ({self.max_batched_tokens}) is below prefill_chunk_tokens "
