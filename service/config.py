@@ -166,7 +166,7 @@ class Settings(BaseSettings):
         "request when it runs out (hand-written model families in one process, speculative decoding off)",
     )
     kv_block_tokens: int = Field(16, ge=1, description="kv_cache = 'paged': token positions per block")
-    kv_bits: Literal[4, 8] | None = Field(
+    kv_bits: int | None = Field(
         None,
         description="kv_cache = 'paged': keep the pool's keys and values quantized to this many bits (groups of 64 "
         "values, as mlx-lm's QuantizedKVCache), attended without dequantizing; unset: the compute dtype",
@@ -290,6 +290,13 @@ class Settings(BaseSettings):
         if key is not None and not key.get_secret_value().strip():
             raise ValueError("api_key is empty; set a non-empty key or leave it unset to serve without authentication")
         return key
+
+    @field_validator("kv_bits")
+    @classmethod
+    def _check_kv_bits(cls, bits: int | None) -> int | None:
+        if bits is not None and bits not in (4, 8):
+            raise ValueError(f"kv_bits must be 4 or 8 (got {bits}), or unset for full-precision KV")
+        return bits
 
     @model_validator(mode="after")
     def _check_models(self) -> Settings:

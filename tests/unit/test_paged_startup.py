@@ -61,6 +61,8 @@ def test_kv_bits_without_the_paged_pool_is_refused_naming_the_fix():
         load_settings(model_name="tiny", kv_bits=8)
     assert load_settings(model_name="tiny", kv_bits=8, kv_cache="paged").kv_bits == 8
     assert load_settings(model_name="tiny").kv_bits is None  # off by default
+    with pytest.raises(ConfigError, match="kv_bits must be 4 or 8"):
+        load_settings(model_name="tiny", kv_bits=6, kv_cache="paged")
 
 
 def test_a_quantized_pool_holds_more_tokens_in_the_same_budget(model):
