@@ -146,10 +146,12 @@ def agreement(reference: np.ndarray, got: np.ndarray, forced: np.ndarray | None 
 def measure(
     model_path: Path, n: int, steps: int, bits_list: list[int], block_tokens: int, lm: list[int], lm_n: int
 ) -> dict:
-    """Every figure of the module doc for the model at ``model_path`` in float32."""
+    """Every figure of the module doc for the model at ``model_path`` in float32, its weights as
+    the server keeps them on this device (``weights = "auto"``: dense on the CPU)."""
     from models.loader import load_model
+    from service.process.startup import weights_mode
 
-    model = load_model(model_path, "bench", mx.float32, "quantized", impl="native")
+    model = load_model(model_path, "bench", mx.float32, weights_mode("auto"), impl="native")
     tok = model.tokenizer
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in prompts(n)]
     start = time.perf_counter()
@@ -178,9 +180,10 @@ def measure_mlx_lm(model_path: Path, ids: list[list[int]], steps: int, bits_list
     """:func:`measure`'s figures for mlx-lm's own model class and caches (float32), and how its
     full-precision tokens agree with stepserve's (``ours`` [B, T])."""
     from models.lm_loader import load_lm_dir, load_lm_gguf
+    from service.process.startup import weights_mode
 
     load = load_lm_dir if model_path.is_dir() else load_lm_gguf
-    _, module, _ = load(model_path, mx.float32, "quantized")
+    _, module, _ = load(model_path, mx.float32, weights_mode("auto"))
     reference = np.array([mlx_lm_greedy(module, p, steps, None, None) for p in ids])
     same = agreement(ours, reference)
     rows: list[dict[str, Any]] = [
@@ -218,7 +221,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--mlx-lm-prompts", type=int, help="prompts for --mlx-lm (the first N; default: all)")
     parser.add_argument("--out", type=Path, help="write the result JSON here")
     args = parser.parse_args(argv)
-    from service.process.startup import model_path
+    from service.process.startup import model_path, weights_mode
 
     path = model_path(args.model)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -229,6 +232,7 @@ def main(argv: list[str]) -> int:
         **machine_info(in_process=True),
         "model": path.name,
         "compute_dtype": "float32",
+        "weights": weights_mode("auto"),
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,
         "group_size": GROUP_SIZE,
