@@ -169,9 +169,19 @@ def decode(params: Params, tokens: mx.array, positions: mx.array, cache: KVCache
     return llama.run_decode(GEMMA3, params, tokens, positions, cache, args)
 
 
-def decode_paged(params: Params, tokens: mx.array, positions: mx.array, table: mx.array, pool, *, args: ModelArgs):
+def decode_paged(
+    params: Params,
+    tokens: mx.array,
+    positions: mx.array,
+    table: mx.array,
+    pool,
+    *,
+    args: ModelArgs,
+    bits: int | None = None,
+    group_size: int = 64,
+):
     """:func:`models.llama.decode_paged` with this family's blocks."""
-    return llama.run_decode_paged(GEMMA3, params, tokens, positions, table, pool, args)
+    return llama.run_decode_paged(GEMMA3, params, tokens, positions, table, pool, args, bits, group_size)
 
 
 #: Norms whose checkpoint weight w multiplies as (1 + w) (mlx-lm's gemma3_text.RMSNorm).

@@ -22,7 +22,7 @@ from models.fuse import fuse_projections
 from models.kv_cache import KVCache
 from models.layers import Params, embed, linear
 from models.model_args import ModelArgs
-from models.paged import PagedAttention, PagedKV
+from models.paged import PagedAttention, PagedKV, QuantizedPagedAttention
 
 #: A static cache or a paged pool: :func:`run_blocks` returns what it was given.
 Cache = TypeVar("Cache", KVCache, PagedKV)
@@ -174,11 +174,24 @@ def run_decode(
 
 
 def run_decode_paged(
-    decoder: Decoder, params: Params, tokens: mx.array, positions: mx.array, table: mx.array, pool: PagedKV, args
+    decoder: Decoder,
+    params: Params,
+    tokens: mx.array,
+    positions: mx.array,
+    table: mx.array,
+    pool: PagedKV,
+    args,
+    bits: int | None = None,
+    group_size: int = 64,
 ) -> tuple[mx.array, PagedKV]:
     """:func:`decode_paged` for ``decoder``'s family."""
     x = decoder.embed(params, tokens[:, None], args)  # [B, 1, H]
-    attention = PagedAttention(table, positions[:, None], args.attention_scale)
+    at = positions[:, None]
+    attention = (
+        QuantizedPagedAttention(table, at, args.attention_scale, bits, group_size)
+        if bits
+        else PagedAttention(table, at, args.attention_scale)
+    )
     x, pool = run_blocks(decoder, params, x, positions, pool, attention, args)
     return decoder.logits(params, x[:, 0, :], args), pool
 
@@ -296,7 +309,15 @@ def verify(
 
 
 def decode_paged(
-    params: Params, tokens: mx.array, positions: mx.array, table: mx.array, pool: PagedKV, *, args: ModelArgs
+    params: Params,
+    tokens: mx.array,
+    positions: mx.array,
+    table: mx.array,
+    pool: PagedKV,
+    *,
+    args: ModelArgs,
+    bits: int | None = None,
+    group_size: int = 64,
 ) -> tuple[mx.array, PagedKV]:
     """:func:`decode` over a paged KV pool (:mod:`models.paged`): row b's key and value go to
     offset ``positions[b] % bt`` of block ``table[b, positions[b] // bt]``, and it attends over
@@ -309,13 +330,17 @@ def decode_paged(
         positions: int32 [B], its position; below M * bt. Empty slots pass 0 and a table row of
             null blocks.
         table: int32 [B, M], each row's blocks in position order (null-block padded).
-        pool: per layer, keys and values [N, Hkv, bt, D].
+        pool: per layer, keys and values [N, Hkv, bt, D] (with ``bits``: quantized triples).
         args: hyper-parameters (static).
+        bits, group_size: quantized KV (``kv_bits``): the pools hold keys and values quantized
+            per ``group_size`` values of D (affine, ``mx.quantize``), as mlx-lm's
+            ``QuantizedKVCache``, and attention reads them quantized
+            (:class:`models.paged.QuantizedPagedAttention`). None: full precision.
 
     Returns:
         (logits float32 [B, V], the pools with each row's key and value written).
     """
-    return run_decode_paged(LLAMA, params, tokens, positions, table, pool, args)
+    return run_decode_paged(LLAMA, params, tokens, positions, table, pool, args, bits, group_size)
 
 
 def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:

@@ -32,38 +32,72 @@ from models.attention import Attend, cache_layout
 
 
 class PagedKV(NamedTuple):
-    """Per-layer key and value pools, each [num_blocks, Hkv, block_tokens, D] (a pytree MLX
-    compilation accepts)."""
+    """Per-layer key and value pools, each [num_blocks, Hkv, block_tokens, D], or with ``kv_bits``
+    each a :data:`Quantized` triple of such pools (a pytree MLX compilation accepts)."""
 
-    keys: list[mx.array]
-    values: list[mx.array]
+    keys: list
+    values: list
 
     @property
     def block_tokens(self) -> int:
         """Token positions per block."""
-        return self.keys[0].shape[2]
+        return _first(self.keys[0]).shape[2]
 
     @property
     def num_blocks(self) -> int:
-        return self.keys[0].shape[0]
+        return _first(self.keys[0]).shape[0]
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the pools are :data:`Quantized` triples (``kv_bits``)."""
+        return isinstance(self.keys[0], tuple)
 
     @property
     def nbytes(self) -> int:
         """Bytes held by all pools."""
-        return sum(a.nbytes for a in (*self.keys, *self.values))
+        return sum(
+            a.nbytes for pool in (*self.keys, *self.values) for a in (pool if isinstance(pool, tuple) else [pool])
+        )
 
     @staticmethod
     def allocate(
-        layers: int, num_blocks: int, kv_heads: int, block_tokens: int, head_dim: int, dtype: mx.Dtype
+        layers: int,
+        num_blocks: int,
+        kv_heads: int,
+        block_tokens: int,
+        head_dim: int,
+        dtype: mx.Dtype,
+        bits: int | None = None,
+        group_size: int = 64,
     ) -> PagedKV:
-        """Zero-filled pools of ``layers`` x [num_blocks, kv_heads, block_tokens, head_dim]."""
+        """Zero-filled pools of ``layers`` x [num_blocks, kv_heads, block_tokens, head_dim], or
+        with ``bits`` (4 or 8) quantized ones (:func:`quantized_pool`; raises ValueError as it)."""
         shape = (num_blocks, kv_heads, block_tokens, head_dim)
+        if bits:
+            pools = [
+                quantized_pool(num_blocks, kv_heads, block_tokens, head_dim, bits, group_size, dtype)
+                for _ in range(2 * layers)
+            ]
+            return PagedKV(pools[:layers], pools[layers:])
         return PagedKV([mx.zeros(shape, dtype) for _ in range(layers)], [mx.zeros(shape, dtype) for _ in range(layers)])
 
     def copied(self, src: mx.array, dst: mx.array) -> PagedKV:
         """The pools with blocks ``dst`` overwritten by blocks ``src`` in every layer (the block
         pool's copy-on-writes; int32 [n] each, ``dst`` distinct and disjoint from ``src``)."""
-        return PagedKV([copy_blocks(k, src, dst) for k in self.keys], [copy_blocks(v, src, dst) for v in self.values])
+
+        def copy(pool):
+            return (
+                tuple(copy_blocks(p, src, dst) for p in pool)
+                if isinstance(pool, tuple)
+                else copy_blocks(pool, src, dst)
+            )
+
+        return PagedKV([copy(k) for k in self.keys], [copy(v) for v in self.values])
+
+
+def _first(pool) -> mx.array:
+    """A pool's array, or a quantized pool's packed part (its shape leads with [N, Hkv, bt])."""
+    return pool[0] if isinstance(pool, tuple) else pool
 
 
 def copy_blocks(pool: mx.array, src: mx.array, dst: mx.array) -> mx.array:
@@ -182,7 +216,10 @@ def quantized_pool(
         ValueError: ``head_dim`` is not a multiple of ``group_size`` or ``bits`` is not 4 or 8.
     """
     if bits not in (4, 8) or head_dim % group_size:
-        raise ValueError(f"quantized KV needs bits 4 or 8 and a head dim divisible by {group_size}: {bits}, {head_dim}")
+        raise ValueError(
+            f"kv_bits = {bits}: quantized KV needs 4 or 8 bits and a head dim divisible by the group size "
+            f"({group_size}); this model's head dim is {head_dim}: remove kv_bits"
+        )
     shape = (num_blocks, kv_heads, block_tokens)
     return (
         mx.zeros((*shape, head_dim * bits // 32), mx.uint32),

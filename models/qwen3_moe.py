@@ -153,9 +153,19 @@ def decode(params: Params, tokens: mx.array, positions: mx.array, cache: KVCache
     return llama.run_decode(QWEN3_MOE, params, tokens, positions, cache, args)
 
 
-def decode_paged(params: Params, tokens: mx.array, positions: mx.array, table: mx.array, pool, *, args: ModelArgs):
+def decode_paged(
+    params: Params,
+    tokens: mx.array,
+    positions: mx.array,
+    table: mx.array,
+    pool,
+    *,
+    args: ModelArgs,
+    bits: int | None = None,
+    group_size: int = 64,
+):
     """:func:`models.llama.decode_paged` with this family's blocks."""
-    return llama.run_decode_paged(QWEN3_MOE, params, tokens, positions, table, pool, args)
+    return llama.run_decode_paged(QWEN3_MOE, params, tokens, positions, table, pool, args, bits, group_size)
 
 
 def verify(params: Params, tokens: mx.array, positions: mx.array, cache: KVCache, *, args: ModelArgs):

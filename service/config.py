@@ -166,6 +166,11 @@ class Settings(BaseSettings):
         "request when it runs out (hand-written model families in one process, speculative decoding off)",
     )
     kv_block_tokens: int = Field(16, ge=1, description="kv_cache = 'paged': token positions per block")
+    kv_bits: int | None = Field(
+        None,
+        description="kv_cache = 'paged': keep the pool's keys and values quantized to this many bits (groups of 64 "
+        "values, as mlx-lm's QuantizedKVCache), attended without dequantizing; unset: the compute dtype",
+    )
     max_model_len: int | None = Field(
         None,
         ge=1,
@@ -287,6 +292,13 @@ class Settings(BaseSettings):
             raise ValueError("api_key is empty; set a non-empty key or leave it unset to serve without authentication")
         return key
 
+    @field_validator("kv_bits")
+    @classmethod
+    def _check_kv_bits(cls, bits: int | None) -> int | None:
+        if bits is not None and bits not in (4, 8):
+            raise ValueError(f"kv_bits must be 4 or 8 (got {bits}), or unset for full-precision KV")
+        return bits
+
     @model_validator(mode="after")
     def _check_models(self) -> Settings:
         names = set()
@@ -324,6 +336,11 @@ class Settings(BaseSettings):
                 raise ValueError(f"model '{spec.name}': distributed serves its model from start-up; remove load")
         if self.distributed and len(self.served_models()) > 1:
             raise ValueError("distributed serves one model per group; set model (not several [[models]])")
+        if self.kv_bits is not None and self.kv_cache != "paged":
+            raise ValueError(
+                f"kv_bits = {self.kv_bits} quantizes the blocks of the paged KV pool, but kv_cache is "
+                f"'{self.kv_cache}'; set kv_cache = 'paged' too, or remove kv_bits"
+            )
         if self.max_batched_tokens < self.prefill_chunk_tokens:
             raise ValueError(
                 f"max_batched_tokens ({self.max_batched_tokens}) is below prefill_chunk_tokens "

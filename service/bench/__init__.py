@@ -23,6 +23,7 @@ FORMS = {
     "hit-profile": "hit_profile",
     "moe": "moe",
     "random-model": "random_model",
+    "kv-bits": "kv_bits",
 }
 
 
@@ -45,6 +46,8 @@ def main(argv: list[str]) -> int:
     * ``gguf-storage …``: a K-quant GGUF kept dense or re-quantized (:mod:`service.bench.gguf_storage`);
     * ``random-model …``: a model directory of mlx-lm's class at a named shape with random weights
       (:mod:`service.bench.random_model`);
+    * ``kv-bits …``: quantized KV (``kv_bits``) against full precision, greedy agreement free-running
+      and teacher-forced, and the pool's bytes per token (:mod:`service.bench.kv_bits`);
     * ``embeddings …``: the embedding engine's texts/s per batch size against
       sentence-transformers, in-process (:mod:`service.bench.embeddings`);
     * ``… --micro …``: plain against compiled, in-process (:mod:`service.bench.micro`);

@@ -84,6 +84,7 @@ class Engine:
         speculative_max_batch: int | None = None,
         kv_pool_tokens: int | None = None,
         kv_block_tokens: int = 16,
+        kv_bits: int | None = None,
     ):
         self.model, self.buckets, self.metrics = model, buckets, metrics
         chunk_tokens = buckets.chunk_tokens(chunk_tokens)
@@ -93,7 +94,9 @@ class Engine:
         self.prefix.ops = self.executor  # a group's ranks each keep their own layers' blocks
         self.batch = DecodeBatch(buckets, self.executor)
         if kv_pool_tokens is not None:
-            self.batch = self._paged_batch(kv_pool_tokens, kv_block_tokens, proposer is not None)
+            self.batch = self._paged_batch(kv_pool_tokens, kv_block_tokens, proposer is not None, kv_bits)
+        elif kv_bits is not None:
+            raise ValueError("kv_bits quantizes the paged pool's blocks: set kv_cache = 'paged' too")
         self.runner = ModelRunner(self.executor, self.selector, self.batch)
         whole_tokens = max(max_batched_tokens, chunk_tokens)
         self.prefiller = Prefiller(self.executor, self.selector, buckets, chunk_tokens, whole_tokens)
@@ -124,7 +127,9 @@ class Engine:
                     lambda state=state: getattr(paged.blocks.stats(), state)
                 )
 
-    def _paged_batch(self, pool_tokens: int, block_tokens: int, speculative: bool) -> PagedDecodeBatch:
+    def _paged_batch(
+        self, pool_tokens: int, block_tokens: int, speculative: bool, bits: int | None = None
+    ) -> PagedDecodeBatch:
         """The decode batch over a paged pool of ``pool_tokens`` positions (rounded up to whole
         blocks, plus the null block). Raises ValueError as the class docstring says."""
         if speculative:
@@ -137,7 +142,7 @@ class Engine:
         if any(c % block_tokens for c in self.buckets.capacity):
             raise ValueError(f"every capacity bucket must be a multiple of kv_block_tokens ({block_tokens})")
         num_blocks = -(-pool_tokens // block_tokens) + 1  # + the null block
-        self.executor.use_paged(num_blocks, block_tokens)
+        self.executor.use_paged(num_blocks, block_tokens, bits)
         return PagedDecodeBatch(self.buckets, self.executor, BlockPool(num_blocks, block_tokens))
 
     def kv_summary(self) -> dict:

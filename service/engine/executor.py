@@ -103,6 +103,8 @@ class Executor:
         self.vocab = a.vocab_size
         self.wait_seconds = 0.0  # seconds spent waiting for the device's results (monotonic)
         self.pool: PagedKV | None = None  # the paged KV pool, once :meth:`use_paged` made one
+        self.kv_bits: int | None = None  # the pool's quantization (kv_bits), if any
+        self.kv_group_size = 64
 
     # -- the paged KV pool -------------------------------------------------------------------
 
@@ -115,21 +117,30 @@ class Executor:
             return False
         return hasattr(architecture(a.model_type), "decode_paged")
 
-    def use_paged(self, num_blocks: int, block_tokens: int) -> PagedKV:
+    def use_paged(self, num_blocks: int, block_tokens: int, bits: int | None = None, group_size: int = 64) -> PagedKV:
         """Allocate the paged KV pool (``num_blocks`` blocks of ``block_tokens`` positions per
-        layer, block 0 the null block) and make ``decode`` run over it
-        (:func:`models.llama.decode_paged`). Returns the pool.
+        layer, block 0 the null block; ``bits``: quantized, :func:`models.paged.quantized_pool`)
+        and make ``decode`` run over it (:func:`models.llama.decode_paged`). Returns the pool.
 
         Raises:
-            ValueError: the model cannot page (:attr:`can_page`).
+            ValueError: the model cannot page (:attr:`can_page`), or ``bits`` with a head dim that
+                is not a multiple of ``group_size``.
         """
         if not self.can_page:
             raise ValueError(f"model type {self.model.args.model_type!r} has no paged decode here")
         a = self.model.args
         arch = architecture(a.model_type)
-        self._specs["decode"] = StepSpec(partial(arch.decode_paged, args=a))
+        self._specs["decode"] = StepSpec(partial(arch.decode_paged, args=a, bits=bits, group_size=group_size))
+        self.kv_bits, self.kv_group_size = bits, group_size
         self.pool = PagedKV.allocate(
-            self.model.layers, num_blocks, a.num_key_value_heads, block_tokens, a.dim_per_head, self.model.dtype
+            self.model.layers,
+            num_blocks,
+            a.num_key_value_heads,
+            block_tokens,
+            a.dim_per_head,
+            self.model.dtype,
+            bits,
+            group_size,
         )
         mx.eval(self.pool)  # built now, on this thread: a lazy zeros would be evaluated on the engine's
         return self.pool
@@ -253,7 +264,7 @@ class Executor:
         attention masks by position."""
         pool = self.pool
         assert pool is not None, "use_paged() first"
-        bt, n, dtype = pool.block_tokens, len(blocks), pool.keys[0].dtype
+        bt, n, dtype = pool.block_tokens, len(blocks), self.model.dtype
         index = mx.array(blocks, mx.int32)
 
         def shaped(buf: mx.array) -> mx.array:  # [Hkv, C', D] -> [n, Hkv, bt, D]
@@ -263,9 +274,17 @@ class Executor:
             H, _, D = part.shape
             return part.reshape(H, n, bt, D).transpose(1, 0, 2, 3).astype(dtype)
 
+        def put(pools: list, layer: int, new: mx.array) -> None:
+            if pool.quantized:  # each part of the triple, quantized as a step writes it
+                parts = mx.quantize(new, group_size=self.kv_group_size, bits=self.kv_bits)
+                for part, value in zip(pools[layer], parts, strict=True):
+                    part[index] = value
+            else:
+                pools[layer][index] = new
+
         for layer, (keys, values) in enumerate(zip(source.keys, source.values, strict=True)):
-            pool.keys[layer][index] = shaped(keys)
-            pool.values[layer][index] = shaped(values)
+            put(pool.keys, layer, shaped(keys))
+            put(pool.values, layer, shaped(values))
 
     def resize(self, kv: KVCache, capacity: int, ring: bool = True) -> KVCache:
         """``kv`` at another capacity (one copy): a decode cache (``ring``: its rings stay rings,

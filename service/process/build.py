@@ -61,6 +61,7 @@ def build_engine(
         served.speculative_max_batch,
         paged_pool_tokens(settings, served, model) if settings.kv_cache == "paged" else None,
         settings.kv_block_tokens,
+        settings.kv_bits,
     )
     if proposer is not None:
         metrics.init_speculative(model.name, proposer.method)
@@ -90,6 +91,7 @@ def paged_pool_tokens(settings: Settings, served: ServedModel, model: LoadedMode
         settings.max_batched_tokens,
         prefix_budget(model, settings.prefix_cache_bytes),
         memory_budget(settings),
+        settings.kv_bits,
     )
 
 

@@ -125,6 +125,16 @@ def kv_bytes_per_position(model: LoadedModel) -> int:
     return _row_bytes(model, 1, ring=False)
 
 
+def pool_bytes_per_position(model: LoadedModel, bits: int | None = None, group_size: int = 64) -> int:
+    """Bytes a paged pool takes per token position: :func:`kv_bytes_per_position`, or with
+    ``bits`` the quantized layout's (``bits / 8`` bytes per value plus a scale and a bias of the
+    compute dtype per ``group_size`` values, mlx-lm's ``QuantizedKVCache``)."""
+    full, item = kv_bytes_per_position(model), model.dtype.size
+    if not bits:
+        return full
+    return -(-full * (bits * group_size + 16 * item) // (8 * group_size * item))
+
+
 def decode_row_bytes(model: LoadedModel, capacity: int) -> int:
     """Bytes one row of the decode KV cache takes at ``capacity`` positions in this process:
     each held full layer's keys and values at ``capacity``, a sliding-window layer's at
@@ -181,15 +191,17 @@ def paged_pool_tokens(
     max_batched_tokens: int,
     prefix_cache_bytes: int,
     budget: int,
+    bits: int | None = None,
 ) -> int:
     """Token positions a paged KV pool of ``model`` gets from ``budget`` bytes: what is left after
     the weights, the largest prefill step (:func:`prefill_bytes`, for ``max_running`` rows) and
-    the prefix cache's budget, at :func:`kv_bytes_per_position` each (every layer's keys and
-    values: a paged pool keeps a sliding layer's positions too). 0 when nothing is left."""
+    the prefix cache's budget, at :func:`pool_bytes_per_position` each (every layer's keys and
+    values: a paged pool keeps a sliding layer's positions too; ``bits``: quantized). 0 when
+    nothing is left."""
     C = buckets.capacity[-1]
     prefill = prefill_bytes(model, buckets, max_running, C, chunk_tokens, max_batched_tokens, batches_last_chunks())
     left = budget - model.nbytes - prefill - prefix_cache_bytes
-    return max(0, left // kv_bytes_per_position(model))
+    return max(0, left // pool_bytes_per_position(model, bits))
 
 
 def worst_case(

@@ -325,7 +325,7 @@ def _check_paged(
     beside = f" beside the embedding models' {embedded / 1e9:.2f} GB" if embedding else ""
     pools = {}
     for s in specs:
-        per = memory.kv_bytes_per_position(models[s.name])
+        per = memory.pool_bytes_per_position(models[s.name], settings.kv_bits)
         pools[s.name] = pool = settings.kv_pool_tokens or max(0, rest // len(specs) // per)
         if pool < ladders[s.name][0]:
             raise MemoryBudgetError(

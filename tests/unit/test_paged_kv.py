@@ -214,3 +214,36 @@ def test_quantized_pool_refuses_a_head_dim_off_the_group_size():
         quantized_pool(N, HKV, BT, 48, 8, 64, mx.float32)
     with pytest.raises(ValueError):
         quantized_pool(N, HKV, BT, 64, 3, 64, mx.float32)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_paged_step_equals_mlx_lms_quantized_kv_cache_attention(bits):
+    """One decode step of a layer over a kv_bits pool gives what mlx-lm's ``QuantizedKVCache``
+    and its ``scaled_dot_product_attention`` give for each row alone (the same history and new
+    key and value, the same bits and group size), to float32 rounding."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    Dq, lengths, scale = 64, LENGTHS, 64**-0.5
+    mx.random.seed(3)
+    B = len(lengths)
+    keys, values = (mx.random.normal((B, HKV, M * BT, Dq)) * 3 for _ in range(2))
+    for a in (keys, values):
+        a[1, :, : SHARED * BT] = a[0, :, : SHARED * BT]
+    q = mx.random.normal((B, HQ, 1, Dq))
+    k, v = mx.random.normal((B, HKV, 1, Dq)), mx.random.normal((B, HKV, 1, Dq))
+    table = tables(random.Random(5), lengths, 1)
+    all_positions = mx.broadcast_to(mx.arange(M * BT, dtype=mx.int32)[None], (B, M * BT))
+    valid = (all_positions < mx.array(lengths)[:, None])[:, None, :, None]
+    pools = [
+        write_quantized(quantized_pool(N, HKV, BT, Dq, bits, 64, mx.float32), table, all_positions, a, bits, 64)
+        for a in (mx.where(valid, keys, 0.0), mx.where(valid, values, 0.0))
+    ]
+    positions = mx.array(lengths, mx.int32)[:, None]
+    got, _, _ = QuantizedPagedAttention(table, positions, scale, bits)(None)(q + 0, k, v, *pools)
+    for b, length in enumerate(lengths):
+        cache = QuantizedKVCache(group_size=64, bits=bits)
+        cache.update_and_fetch(keys[b : b + 1, :, :length], values[b : b + 1, :, :length])
+        qk, qv = cache.update_and_fetch(k[b : b + 1], v[b : b + 1])
+        want = scaled_dot_product_attention(q[b : b + 1] + 0, qk, qv, cache=cache, scale=scale, mask=None)
+        assert mx.allclose(got[b : b + 1], want, atol=1e-5, rtol=1e-5), (b, mx.abs(got[b : b + 1] - want).max())

@@ -52,3 +52,22 @@ def test_a_pool_smaller_than_the_context_bounds_a_sequence_and_one_smaller_than_
     assert resolved.served_models()[0].capacity_buckets[-1] == 288 and resolved.kv_pool_tokens == 300
     with pytest.raises(MemoryBudgetError, match="kv_pool_tokens"):
         check_memory(settings(memory_budget_bytes=model.nbytes + 8 * per, capacity_buckets=[16, 32]), {"tiny": model})
+
+
+def test_kv_bits_without_the_paged_pool_is_refused_naming_the_fix():
+    from service.config import ConfigError, load_settings
+
+    with pytest.raises(ConfigError, match="kv_bits = 8 .* set kv_cache = 'paged'"):
+        load_settings(model_name="tiny", kv_bits=8)
+    assert load_settings(model_name="tiny", kv_bits=8, kv_cache="paged").kv_bits == 8
+    assert load_settings(model_name="tiny").kv_bits is None  # off by default
+    with pytest.raises(ConfigError, match="kv_bits must be 4 or 8"):
+        load_settings(model_name="tiny", kv_bits=6, kv_cache="paged")
+
+
+def test_a_quantized_pool_holds_more_tokens_in_the_same_budget(model):
+    full = check_memory(settings(memory_budget_bytes=10**8), {"tiny": model}).kv_pool_tokens
+    eight = check_memory(settings(memory_budget_bytes=10**8, kv_bits=8), {"tiny": model}).kv_pool_tokens
+    four = check_memory(settings(memory_budget_bytes=10**8, kv_bits=4), {"tiny": model}).kv_pool_tokens
+    assert full is not None and eight is not None and four is not None
+    assert 3 * full < eight < 4 * full and 5 * full < four < 8 * full  # float32 against 8 and 4 bits
