@@ -130,7 +130,7 @@ def start_group(settings: Settings, group: mx.distributed.Group) -> GroupStart:
         error = str(exc)
     reports = _exchange(group, [budget // KIB], error, settings, "the model's layout")
     budgets = [r[0] * KIB for r, _ in reports]
-    stages = split(cast(ModelLayout | LmLayout, layout), settings, budgets, group.size(), dtype.size)
+    stages = split(cast("ModelLayout | LmLayout", layout), settings, budgets, group.size(), dtype.size)
     stage = stages[group.rank()]
     model, resolved, error = None, settings, None
     try:
