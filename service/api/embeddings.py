@@ -6,8 +6,8 @@ batches the inputs of concurrent requests into compiled (batch, length) buckets.
 the field: ``model`` (unknown: 404; a chat model: 400), ``input`` (longer than the model's
 ``max_seq_length``, or a token id outside its vocabulary: 400; inputs are never truncated, as
 OpenAI's API), ``dimensions`` (anything but the model's own dimension: 400). A request held by
-an embedder whose thread died answers 500 naming the failure (the watchdog then restarts the
-server, :mod:`service.process.watchdog`).
+an embedder whose thread died or is stuck in a step answers 500 naming the failure (the watchdog
+then restarts the server, :mod:`service.process.watchdog`).
 """
 
 from __future__ import annotations

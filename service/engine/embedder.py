@@ -5,6 +5,11 @@ embeddings. Each step takes up to the largest batch bucket of waiting inputs, ol
 pads them to a (batch, length) bucket and runs the encoder compiled for that bucket (the
 compile cache's key ``embed``, ``b{B}x{T}``); a burst of requests is served in fewer steps
 than requests. Warm-up compiles the buckets :meth:`Embedder.start` is given before ready.
+
+Each encoder call (warm-up's and each step's) is timed on :attr:`Embedder.clock`, with the
+seconds a step is expected to take (its padded tokens at the slowest rate a served step has run
+at so far): the watchdog fails an embedder whose step outlasts that many times over
+(:class:`service.process.watchdog.EngineWatchdog`), as it fails a pipeline group's hung wait.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import numpy as np
 
 from models.sentence import EmbeddingModel
 from service.engine.compile_cache import CompileCache, StepKey, StepSpec
+from service.engine.stall import StallClock
 from service.metrics import EmbeddingStat, Metrics, StepStat
 
 log = logging.getLogger("stepserve.embed")
@@ -32,8 +38,8 @@ class EmbedderStopped(RuntimeError):
 
 
 class EmbedderFailed(RuntimeError):
-    """The embedder's thread died (:meth:`Embedder.fail`, called by the watchdog): the request
-    will never be embedded (HTTP 500); the message names the failure."""
+    """The embedder's thread died or is stuck in a step (:meth:`Embedder.fail`, called by the
+    watchdog): the request will never be embedded (HTTP 500); the message names the failure."""
 
 
 @dataclass
@@ -69,6 +75,13 @@ class Embedder:
             longest input accepted.
         cache: the compile cache (its lookups and compiles are recorded as the chat steps').
         metrics: where requests and steps are recorded.
+
+    Attributes:
+        clock: the encoder call running now and the seconds it is expected to take (the
+            watchdog's view); a step's expectation is its padded tokens (batch x length) times
+            :attr:`seconds_per_token`, unknown (None) during warm-up and before the first step.
+        seconds_per_token: the slowest a served step has run so far, in seconds per padded
+            token (None before the first).
     """
 
     def __init__(
@@ -89,7 +102,10 @@ class Embedder:
         self._in_step: list[_Job] = []  # the requests of the step running now
         self._wake = threading.Condition()
         self._stopping = False
+        self._failed = False
         self._thread: threading.Thread | None = None
+        self.clock = StallClock()
+        self.seconds_per_token: float | None = None
         metrics.init_embedding(model.name)
 
     @property
@@ -122,12 +138,13 @@ class Embedder:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop the thread after its current step; requests still queued fail."""
+        """Stop the thread after its current step (waiting up to ``timeout`` seconds for it; not
+        at all once :meth:`fail` was called: it may be stuck); requests still queued fail."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(0 if self._failed else timeout)
         self._fail_all(EmbedderStopped("the embedding model is shutting down"))
 
     @property
@@ -136,14 +153,15 @@ class Embedder:
         return self._thread is not None and self._thread.is_alive()
 
     def fail(self, message: str, reason: str = "embedding thread died") -> None:
-        """The embedding thread is gone: mark the model not ready (``reason``), refuse new work
-        and end every request it held, queued or in the step that was running, with
-        :class:`EmbedderFailed` (``message``; HTTP 500). Called by the watchdog, never while the
-        thread runs."""
+        """The embedding thread is gone, or stuck in a step: mark the model not ready
+        (``reason``), refuse new work and end every request it held, queued or in the step that
+        was running, with :class:`EmbedderFailed` (``message``; HTTP 500). Called by the
+        watchdog; should a stuck step finish after all, its results are dropped and the thread
+        ends."""
         self.not_ready_reason = reason
         self.ready.clear()
         with self._wake:
-            self._stopping = True
+            self._stopping = self._failed = True
             self._jobs.extend(self._in_step)
             self._in_step = []
         self._fail_all(EmbedderFailed(message))
@@ -163,7 +181,8 @@ class Embedder:
                 if progress is not None:
                     progress(f"{self.model.name}: compiling embed b{batch}x{length}")
                 ones = mx.ones((batch, length), mx.int32)
-                mx.eval(self._fn(batch, length)(ones, ones))
+                with self.clock.running():  # a compile: its time says nothing of a step's
+                    mx.eval(self._fn(batch, length)(ones, ones))
         except Exception as exc:  # noqa: BLE001 - reported by /readyz, the thread ends
             log.exception("embedding warm-up of %s failed", self.model.name)
             self.not_ready_reason = f"warm-up failed: {type(exc).__name__}"
@@ -212,14 +231,20 @@ class Embedder:
         for r, (job, i) in enumerate(taken):
             ids[r, : len(job.rows[i])] = job.rows[i]
             mask[r, : len(job.rows[i])] = 1
+        padded = batch * length
+        expected = None if self.seconds_per_token is None else padded * self.seconds_per_token
         try:
-            out = np.array(self._fn(batch, length)(mx.array(ids), mx.array(mask)))  # [B, D]
+            with self.clock.running(expected):
+                called = time.perf_counter()
+                out = np.array(self._fn(batch, length)(mx.array(ids), mx.array(mask)))  # [B, D]
+                rate = (time.perf_counter() - called) / padded
         except Exception as exc:
             for job, _ in taken:
                 if not job.future.done():
                     job.future.set_exception(exc)
             self._in_step = []
             raise
+        self.seconds_per_token = max(rate, self.seconds_per_token or 0.0)
         for r, (job, i) in enumerate(taken):
             job.out[i] = out[r]
             job.done += 1

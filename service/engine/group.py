@@ -53,6 +53,7 @@ from models.loader import LoadedModel
 from models.pipeline import broadcast
 from service.engine.compile_cache import CompileCache
 from service.engine.executor import MODEL_PHASES, Executor
+from service.engine.stall import StallClock
 
 log = logging.getLogger("stepserve.group")
 
@@ -99,27 +100,18 @@ def executor_for(model: LoadedModel, cache: CompileCache) -> Executor:
     return Executor(model, cache)
 
 
-class Progress:
-    """When this process began waiting on the group (None: not waiting): a watchdog's view."""
-
-    def __init__(self) -> None:
-        self.since: float | None = None
+class Progress(StallClock):
+    """When this process began waiting on the group (:meth:`StallClock.stalled_s`, 0 when not
+    waiting): a watchdog's view."""
 
     @contextmanager
     def waiting(self) -> Iterator[None]:
         """Time the block as a wait on the group; an exception in it becomes :class:`GroupLost`."""
-        self.since = time.monotonic()
-        try:
-            yield
-        except Exception as exc:
-            raise GroupLost(f"the pipeline group failed: {exc}") from exc
-        finally:
-            self.since = None
-
-    def stalled_s(self) -> float:
-        """Seconds the current wait has lasted (0 when not waiting)."""
-        since = self.since
-        return 0.0 if since is None else time.monotonic() - since
+        with self.running():
+            try:
+                yield
+            except Exception as exc:
+                raise GroupLost(f"the pipeline group failed: {exc}") from exc
 
 
 def ints_of(x: mx.array) -> list[int]:

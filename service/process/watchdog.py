@@ -1,7 +1,7 @@
 """When an engine thread dies (an exception escaped its loop, warm-up failed, its pipeline
-group was lost) or hangs waiting on its pipeline group, or an embedding model's thread dies,
-fail loudly instead of hanging: a failed ``/readyz``, every request it held answered 500, and a
-non-zero exit that launchd restarts."""
+group was lost) or hangs waiting on its pipeline group, or an embedding model's thread dies or
+hangs in a step, fail loudly instead of hanging: a failed ``/readyz``, every request it held
+answered 500, and a non-zero exit that launchd restarts."""
 
 from __future__ import annotations
 
@@ -19,9 +19,23 @@ log = logging.getLogger("stepserve.faults")
 ENGINE_DIED_EXIT = 70  # EX_SOFTWARE (sysexits.h): an internal error; launchd restarts a non-zero exit
 ENGINE_DIED = "the engine thread died; the server is restarting"
 EMBEDDER_DIED = "the embedding thread died; the server is restarting"
+EMBEDDER_STALLED = "embedding step stalled"  # its /readyz reason
 DRAIN_SLACK_S = 30.0  # beyond shutdown_grace_s: cancelling what is left (10 s) and closing uvicorn (10 s), with room
 WARMUP_STALL_FACTOR = 10  # before ready, a wait on the group may last this many stall limits (ranks compile)
 LOST_RANK_STALL_S = 0.5  # once another rank is known gone, a wait on the group this long is the failure
+EMBED_STALL_FACTOR = 20  # an embedding step may take this many times what it is expected to take
+EMBED_STALL_MIN_S = 30.0  # ... and at least this long (host hiccups, another model's steps on the CPU)
+EMBED_STALL_UNKNOWN_S = 600.0  # a step before any was timed (its rate unknown) may take this long
+
+
+def embed_stall_limit_s(expected_s: float | None, ready: bool) -> float:
+    """Seconds an embedding model's encoder call may last before the watchdog counts its thread
+    as stuck: :data:`EMBED_STALL_FACTOR` times ``expected_s`` (the step's padded tokens at the
+    slowest rate a step has run at, :attr:`service.engine.embedder.Embedder.clock`), at least
+    :data:`EMBED_STALL_MIN_S`; :data:`EMBED_STALL_UNKNOWN_S` when ``expected_s`` is None; before
+    ``ready`` (warm-up compiles) :data:`WARMUP_STALL_FACTOR` times that."""
+    limit = EMBED_STALL_UNKNOWN_S if expected_s is None else max(EMBED_STALL_MIN_S, EMBED_STALL_FACTOR * expected_s)
+    return limit * (1 if ready else WARMUP_STALL_FACTOR)
 
 
 class EngineWatchdog:
@@ -47,8 +61,11 @@ class EngineWatchdog:
     engine's: when it ends while the server runs (warm-up failed, or an exception escaped its
     loop; a failed step only fails its requests), its ``/readyz`` entry turns 503 ("embedding
     thread died"), the requests it held end with a 500 naming it and the process exits with
-    :data:`ENGINE_DIED_EXIT` the same way. It has no stall limit: it never waits on a pipeline
-    group (a group serves one chat model), the only wait this watchdog can tell from a slow step.
+    :data:`ENGINE_DIED_EXIT` the same way. When one of its encoder calls lasts longer than
+    :func:`embed_stall_limit_s` (read from its :class:`~service.engine.stall.StallClock`, the
+    clock a group's waits are timed on), the same happens with the reason "embedding step
+    stalled": its thread is stuck in MLX, but the chat models can still drain, so the process
+    stops by SIGTERM as for a dead thread (the drain does not wait for the stuck thread).
 
     Args:
         engines: the served engines by model name (the dict the app fills as they start).
@@ -91,9 +108,11 @@ class EngineWatchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
             dead = [engine for engine in list(self.engines.values()) if not engine.alive]  # on-demand ones come and go
-            gone = [embedder for embedder in list(self.embedders.values()) if not embedder.alive]
-            if dead or gone:
-                self._fail(dead, gone)
+            embedders = list(self.embedders.values())
+            gone = [embedder for embedder in embedders if not embedder.alive]
+            stuck = [embedder for embedder in embedders if embedder.alive and self._embedder_stalled(embedder)]
+            if dead or gone or stuck:
+                self._fail(dead, gone, stuck)
                 return
             hung = [engine for engine in list(self.engines.values()) if self._stalled(engine)]
             if hung:
@@ -124,6 +143,10 @@ class EngineWatchdog:
             limit = self.stall_limit_s * (1 if engine.ready.is_set() else WARMUP_STALL_FACTOR)
         return engine.executor.stalled_s() > limit
 
+    def _embedder_stalled(self, embedder: Embedder) -> bool:
+        limit = embed_stall_limit_s(embedder.clock.expected_s(), embedder.ready.is_set())
+        return embedder.clock.stalled_s() > limit
+
     def _fail_hung(self, hung: list[Engine]) -> None:
         self.exit_code, self.failed_at = ENGINE_DIED_EXIT, time.monotonic()
         for engine in hung:
@@ -144,9 +167,12 @@ class EngineWatchdog:
         logging.shutdown()
         os._exit(ENGINE_DIED_EXIT)  # the engine thread is stuck in the backend's wait: no drain can end it
 
-    def _fail(self, dead: list[Engine], gone: list[Embedder] | None = None) -> None:
-        """Fail the engines ``dead`` and the embedders ``gone`` (their threads ended), then,
-        after ``linger_s``, SIGTERM this process (the drain), with a backstop exit."""
+    def _fail(
+        self, dead: list[Engine], gone: list[Embedder] | None = None, stuck: list[Embedder] | None = None
+    ) -> None:
+        """Fail the engines ``dead`` and the embedders ``gone`` (their threads ended) or
+        ``stuck`` (in a step past its limit), then, after ``linger_s``, SIGTERM this process
+        (the drain), with a backstop exit."""
         self.exit_code, self.failed_at = ENGINE_DIED_EXIT, time.monotonic()
         for embedder in gone or []:
             log.critical(
@@ -155,6 +181,18 @@ class EngineWatchdog:
                 ENGINE_DIED_EXIT,
             )
             embedder.fail(EMBEDDER_DIED)
+        for embedder in stuck or []:
+            seconds = embedder.clock.stalled_s()
+            log.critical(
+                "model '%s': an embedding step has not finished for %.1f s (expected %s); failing its requests, "
+                "then exiting with %d",
+                embedder.model.name,
+                seconds,
+                "unknown" if (expected := embedder.clock.expected_s()) is None else f"{expected:.3f} s",
+                ENGINE_DIED_EXIT,
+            )
+            message = f"the embedding model's step has not finished for {seconds:.0f} s; the server is restarting"
+            embedder.fail(message, reason=EMBEDDER_STALLED)
         for engine in dead:
             log.critical(
                 "the engine thread of model '%s' died; failing its requests, then exiting with %d",

@@ -2,8 +2,8 @@
 another rank gone (:meth:`EngineWatchdog.peer_lost`): a wait on the group stuck past
 LOST_RANK_STALL_S fails the requests with an error naming the rank, long before the stall
 limit; without that report the same wait is within the limit. An embedding model's thread that
-dies is failed as an engine's: the request it held answers 500 naming it, the next 503 (not
-ready), and the process is stopped."""
+dies, or is stuck in a step far past what its steps take, is failed as an engine's: the request
+it held answers 500 naming it, the next 503 (not ready), and the process is stopped."""
 
 from __future__ import annotations
 
@@ -65,18 +65,24 @@ class ThreadDeath(BaseException):
 
 
 class BlockingEncoder:
-    """An encoder whose call signals ``entered``, waits for ``go``, then raises ``crash``."""
+    """An encoder whose call signals ``entered``, waits for ``go``, then raises ``crash`` (None:
+    returns zeros). The first ``free`` calls return zeros at once."""
 
     name, dimensions, dtype = "emb", 4, mx.float32
     args = SimpleNamespace(vocab_size=100)
 
-    def __init__(self, crash: BaseException):
-        self.entered, self.go, self.crash = threading.Event(), threading.Event(), crash
+    def __init__(self, crash: BaseException | None, free: int = 0):
+        self.entered, self.go, self.crash, self.free = threading.Event(), threading.Event(), crash, free
 
     def embed(self, ids, mask):
+        if self.free:
+            self.free -= 1
+            return mx.zeros((ids.shape[0], self.dimensions))
         self.entered.set()
         self.go.wait()
-        raise self.crash
+        if self.crash is not None:
+            raise self.crash
+        return mx.zeros((ids.shape[0], self.dimensions))
 
 
 def started_embedder(encoder: BlockingEncoder) -> Embedder:
@@ -127,3 +133,77 @@ def test_a_dead_embedding_thread_fails_its_requests_and_stops_the_server(monkeyp
     assert later.status_code == 503 and "embedding thread died" in later.json()["error"]["message"]
     assert signals == [signal.SIGTERM] and watchdog.exit_code == wd.ENGINE_DIED_EXIT
     assert not embedder.ready.is_set() and embedder.not_ready_reason == "embedding thread died"
+
+
+def serve_stuck_step(monkeypatch, encoder: BlockingEncoder, warm_requests: int = 0):
+    """Serve ``encoder`` behind the app with a watchdog, make ``warm_requests`` requests, then one
+    whose step blocks; returns (its reply, a request's reply after the failure, the SIGTERMs
+    sent, the watchdog, the embedder, the stuck step's expected seconds). The encoder is
+    released once the watchdog has failed the embedder."""
+    signals, stopped = [], threading.Event()
+    monkeypatch.setattr(wd.os, "kill", lambda pid, sig: (signals.append(sig), stopped.set()))
+    monkeypatch.setattr(wd.os, "_exit", lambda code: None)  # the drain's backstop
+    app = create_app(Settings.model_validate({}))  # its lifespan does not run: the embedder is put in by hand
+    embedders = app.state.stepserve.embedders
+    embedders["emb"] = embedder = started_embedder(encoder)
+    watchdog = wd.EngineWatchdog({}, shutdown_grace_s=0, poll_s=0.01, linger_s=0, embedders=embedders)
+    watchdog.start()
+    client = TestClient(app)
+    body = {"model": "emb", "input": [[1, 2, 3]]}
+    try:
+        for _ in range(warm_requests):
+            assert client.post("/v1/embeddings", json=body).status_code == 200
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(client.post, "/v1/embeddings", json=body)
+            assert encoder.entered.wait(30)
+            expected = embedder.clock.expected_s()
+            assert stopped.wait(60)  # the watchdog saw the step outlast its limit
+            assert embedder.alive  # stuck, not dead
+            reply = held.result(30)
+        later = client.post("/v1/embeddings", json=body)
+    finally:
+        watchdog.stop()
+        encoder.go.set()  # the stuck step finishes after all: its results are dropped
+        embedder.stop()
+    return reply, later, signals, watchdog, embedder, expected
+
+
+def test_a_stuck_first_embedding_step_fails_its_requests_and_stops_the_server(monkeypatch):
+    monkeypatch.setattr(wd, "EMBED_STALL_UNKNOWN_S", 0.05)  # no step timed yet: the rate is unknown
+    encoder = BlockingEncoder(None)
+    reply, later, signals, watchdog, embedder, expected = serve_stuck_step(monkeypatch, encoder)
+    assert expected is None
+    assert reply.status_code == 500 and "step has not finished" in reply.json()["error"]["message"]
+    assert later.status_code == 503 and wd.EMBEDDER_STALLED in later.json()["error"]["message"]
+    assert signals == [signal.SIGTERM] and watchdog.exit_code == wd.ENGINE_DIED_EXIT
+    assert embedder.not_ready_reason == wd.EMBEDDER_STALLED
+    assert embedder._thread is not None
+    embedder._thread.join(30)
+    assert not embedder.alive  # released, the thread ended instead of serving on
+
+
+def test_a_stuck_step_after_timed_ones_is_caught_by_its_expected_time(monkeypatch):
+    monkeypatch.setattr(wd, "EMBED_STALL_UNKNOWN_S", 1e9)  # never: only the timed steps' rate can catch it
+    monkeypatch.setattr(wd, "EMBED_STALL_MIN_S", 0.0)
+    encoder = BlockingEncoder(None, free=2)
+    reply, later, signals, _, embedder, expected = serve_stuck_step(monkeypatch, encoder, warm_requests=2)
+    assert embedder.seconds_per_token is not None and expected == embedder.seconds_per_token * 1 * 8  # b1x8
+    assert reply.status_code == 500 and "step has not finished" in reply.json()["error"]["message"]
+    assert later.status_code == 503 and signals == [signal.SIGTERM]
+
+
+def test_a_slow_step_within_its_limit_is_left_alone(monkeypatch):
+    encoder = BlockingEncoder(None)
+    embedder = started_embedder(encoder)
+    watchdog = wd.EngineWatchdog({}, shutdown_grace_s=0, embedders={"emb": embedder})
+    try:
+        future = embedder.submit([[1, 2]])
+        assert encoder.entered.wait(30)
+        assert not watchdog._embedder_stalled(embedder)  # 600 s for a step of unknown rate
+        monkeypatch.setattr(wd, "EMBED_STALL_UNKNOWN_S", 0.0)
+        assert watchdog._embedder_stalled(embedder)
+        encoder.go.set()
+        assert future.result(30).shape == (1, 4)
+    finally:
+        encoder.go.set()
+        embedder.stop()
