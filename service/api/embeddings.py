@@ -5,7 +5,10 @@ is served beside the chat models by its own :class:`service.engine.embedder.Embe
 batches the inputs of concurrent requests into compiled (batch, length) buckets. Errors name
 the field: ``model`` (unknown: 404; a chat model: 400), ``input`` (longer than the model's
 ``max_seq_length``, or a token id outside its vocabulary: 400; inputs are never truncated, as
-OpenAI's API), ``dimensions`` (anything but the model's own dimension: 400). A request held by
+OpenAI's API), ``dimensions`` (anything but the model's own dimension: 400). A request that could
+take the served models past MLX's memory limit answers 503 naming ``input``
+(:func:`service.process.memory.admit_embedding`; with ``Retry-After`` when it would fit on an
+idle server). A request held by
 an embedder whose thread died or is stuck in a step answers 500 naming the failure (the watchdog
 then restarts the server, :mod:`service.process.watchdog`).
 """
@@ -22,6 +25,7 @@ from service.api.errors import ERRORS, ApiError
 from service.api.schemas import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from service.api.state import AppState, State
 from service.engine.embedder import Embedder, EmbedderFailed, EmbedderStopped
+from service.process import memory
 
 router = APIRouter(prefix="/v1")
 
@@ -73,6 +77,18 @@ def _token_ids(embedder: Embedder, inputs: list[str | list[int]]) -> list[list[i
     return rows
 
 
+def _admit_memory(state: AppState, embedder: Embedder, rows: list[list[int]]) -> None:
+    """503 naming ``input`` when the request could take MLX past its memory limit
+    (:func:`service.process.memory.admit_embedding`), with ``Retry-After`` when it would fit on
+    an idle server."""
+    try:
+        memory.admit_embedding(state.engines.values(), state.embedders.values(), embedder, [len(r) for r in rows])
+    except memory.MemoryAdmissionError as exc:
+        state.metrics.queue_rejections.labels(embedder.model.name, "memory").inc()
+        retry = {"Retry-After": "1"} if exc.retry else None
+        raise ApiError(503, exc.message, type="unavailable", param="input", headers=retry) from exc
+
+
 def _encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:
     """A vector as floats, or as base64 of its little-endian float32 bytes (OpenAI's ``base64``)."""
     if encoding_format == "base64":
@@ -94,6 +110,7 @@ async def embeddings(body: EmbeddingRequest, state: State) -> EmbeddingResponse:
             param="dimensions",
         )
     rows = _token_ids(embedder, body.inputs)
+    _admit_memory(state, embedder, rows)
     try:
         vectors = await asyncio.wrap_future(embedder.submit(rows))
     except EmbedderStopped as exc:

@@ -236,7 +236,7 @@ def start(
 
 def _admit_memory(state: AppState, engine: Engine, prompt_tokens: int, max_tokens: int) -> None:
     try:
-        memory.admit(list(state.engines.values()), engine, prompt_tokens, max_tokens)
+        memory.admit(state.engines.values(), engine, prompt_tokens, max_tokens, state.embedders.values())
     except memory.MemoryAdmissionError as exc:
         state.metrics.queue_rejections.labels(engine.model.name, "memory").inc()
         retry = {"Retry-After": "1"} if exc.retry else None

@@ -147,6 +147,13 @@ class Embedder:
             self._thread.join(0 if self._failed else timeout)
         self._fail_all(EmbedderStopped("the embedding model is shutting down"))
 
+    def load(self) -> list[int]:
+        """The length in tokens of every input queued or in the running step and not yet
+        embedded (memory admission's view, :func:`service.process.memory.embedder_load_bytes`)."""
+        with self._wake:
+            jobs = {id(job): job for job in (*self._in_step, *self._jobs)}.values()
+            return [len(row) for job in jobs for row in job.rows[job.done :]]
+
     @property
     def alive(self) -> bool:
         """The embedding thread is running (False before :meth:`start` and once it ended)."""

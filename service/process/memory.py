@@ -7,7 +7,10 @@ it) and the CPU allocator (``CommonAllocator::malloc``) never reads it, and an a
 larger than physical memory kills the process (``malloc`` returns NULL and is written
 through). So stepserve never relies on it: it refuses to start a configuration that could
 need more than the budget, and admits requests against the same estimate (HTTP 503 when a
-request would take the model past MLX's memory limit).
+request would take the served models past MLX's memory limit): a chat request
+(:func:`admit`) and an embedding request (:func:`admit_embedding`) are each counted with what
+every chat model and every embedding model may hold at the time (:func:`load_bytes`,
+:func:`embedder_load_bytes`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from models.loader import LoadedModel
 from models.sentence import EmbeddingModel
 from service.engine.buckets import BucketTable
 from service.engine.core import Engine
+from service.engine.embedder import Embedder, pick
 from service.engine.executor import batches_last_chunks
 from service.engine.prefill import last_chunk_rows
 
@@ -100,8 +104,27 @@ def embedding_worst_case(
     :class:`service.engine.embedder.Embedder` gets them; a step holds at most the largest of
     each, compiled or eager). Steps run one at a time, on its own thread."""
     batch, length = batch_buckets[-1], lengths[-1]
-    step = model.args.step_bytes(batch, length, model.dtype.size)
-    return EmbeddingEstimate(model.name, model.nbytes, step, batch, length)
+    return EmbeddingEstimate(model.name, model.nbytes, embedding_step_bytes(model, batch, length), batch, length)
+
+
+def embedding_step_bytes(model: EmbeddingModel, batch: int, length: int) -> int:
+    """Bytes of the activations of one encoder step of ``model`` on a padded [``batch``,
+    ``length``] batch, beside its weights (:meth:`models.bert.BertArgs.step_bytes` at its
+    compute dtype)."""
+    return model.args.step_bytes(batch, length, model.dtype.size)
+
+
+def embedder_load_bytes(embedder: Embedder, lengths: Sequence[int]) -> int:
+    """Bytes ``embedder``'s model may hold while it has inputs of ``lengths`` tokens queued or in
+    its step: its weights and the largest step they could make (steps run one at a time): the
+    batch bucket of as many of them as one step takes, at the length bucket of the longest. A
+    bound from above (the longest input may not share a step with the most others). Just the
+    weights when ``lengths`` is empty."""
+    model = embedder.model
+    if not lengths:
+        return model.nbytes
+    batch = pick(embedder.batch_buckets, min(len(lengths), embedder.batch_buckets[-1]))
+    return model.nbytes + embedding_step_bytes(model, batch, pick(embedder.lengths, max(lengths)))
 
 
 class MemoryAdmissionError(RuntimeError):
@@ -242,32 +265,76 @@ def load_bytes(engine: Engine, rows: list[tuple[int, int]]) -> int:
     return engine.model.nbytes + 2 * decode + prefill
 
 
-def admit(engines: Iterable[Engine], engine: Engine, prompt_tokens: int, max_tokens: int) -> None:
-    """Refuse a request whose admission could take MLX past its memory limit.
+def admit(
+    engines: Iterable[Engine],
+    engine: Engine,
+    prompt_tokens: int,
+    max_tokens: int,
+    embedders: Iterable[Embedder] = (),
+) -> None:
+    """Refuse a chat request whose admission could take MLX past its memory limit.
 
     The limit is ``mx.get_memory_limit()`` (``mlx_memory_limit_bytes`` when set, else MLX's
-    default); the need is :func:`load_bytes` summed over every served model, with this request
-    added to ``engine``'s load. A request that fits only without the prefix cache's blocks is
-    admitted, and ``engine`` evicts that many bytes of them at its next step.
+    default); the need is :func:`load_bytes` summed over every served chat model, with this
+    request added to ``engine``'s load, plus :func:`embedder_load_bytes` of every embedding
+    model (its weights, and its step while it has inputs to embed). A request that fits only
+    without the prefix cache's blocks is admitted, and ``engine`` evicts that many bytes of them
+    at its next step.
 
     Raises:
         MemoryAdmissionError: naming the need and the limit; ``retry`` when the request would
             fit on an idle server.
     """
-    engines = list(engines)
-    limit, request = mx.get_memory_limit(), (prompt_tokens, max_tokens)
+    engines, embedders = list(engines), list(embedders)
+    request = (prompt_tokens, max_tokens)
     need = sum(load_bytes(e, e.load() + ([request] if e is engine else [])) for e in engines)
+    need += sum(embedder_load_bytes(x, x.load()) for x in embedders)
+    alone = sum(e.model.nbytes for e in engines if e is not engine) + sum(x.model.nbytes for x in embedders)
+    alone += load_bytes(engine, [request])
+    what = f"this request (prompt {prompt_tokens} tokens, max_tokens {max_tokens})"
+    _settle(need, alone, engines, [engine], what, "lower max_tokens or shorten the prompt")
+
+
+def admit_embedding(
+    engines: Iterable[Engine], embedders: Iterable[Embedder], embedder: Embedder, lengths: Sequence[int]
+) -> None:
+    """Refuse an embedding request (inputs of ``lengths`` tokens, at least one) whose admission
+    could take MLX past its memory limit: as :func:`admit`, the need counting every chat model's
+    load and every embedding model's, this request's inputs added to ``embedder``'s queue. A
+    request that fits only without the prefix caches' blocks is admitted, and the chat models
+    evict that many bytes of them (the largest caches first) at their next step.
+
+    Raises:
+        MemoryAdmissionError: naming the need and the limit; ``retry`` when the request would
+            fit on an idle server.
+    """
+    engines, embedders = list(engines), list(embedders)
+    need = sum(load_bytes(e, e.load()) for e in engines)
+    need += sum(embedder_load_bytes(x, x.load() + (list(lengths) if x is embedder else [])) for x in embedders)
+    alone = sum(e.model.nbytes for e in engines) + sum(x.model.nbytes for x in embedders if x is not embedder)
+    alone += embedder_load_bytes(embedder, lengths)
+    what = f"this request ({len(lengths)} inputs, the longest {max(lengths)} tokens)"
+    _settle(need, alone, engines, engines, what, "send fewer or shorter inputs per request")
+
+
+def _settle(need: int, alone: int, engines: list[Engine], evictors: list[Engine], what: str, fix: str) -> None:
+    """Admit a request whose admission needs ``need`` bytes of the served models (``alone``: on
+    an idle server) against ``mx.get_memory_limit()``: when it fits only without the prefix
+    caches' blocks (every engine's), ``evictors`` (the largest caches first) evict the excess;
+    else raise :class:`MemoryAdmissionError` (``what`` the request, ``fix`` what to change)."""
+    limit = mx.get_memory_limit()
     if need <= limit:
-        held = sum(e.prefix_cache_bytes for e in engines)
-        if need + held > limit:  # the prefix cache gives way before any request is refused
-            engine.shrink_prefix_cache(need + held - limit)
+        excess = need + sum(e.prefix_cache_bytes for e in engines) - limit
+        for e in sorted(evictors, key=lambda e: e.prefix_cache_bytes, reverse=True):
+            if excess <= 0:  # the prefix caches give way before any request is refused
+                break
+            e.shrink_prefix_cache(excess)
+            excess -= e.prefix_cache_bytes
         return
-    alone = sum(e.model.nbytes for e in engines if e is not engine) + load_bytes(engine, [request])
     if alone > limit:
         raise MemoryAdmissionError(
-            f"not enough memory: this request (prompt {prompt_tokens} tokens, max_tokens {max_tokens}) could need "
-            f"{alone / 1e9:.2f} GB even alone, over MLX's memory limit of {limit / 1e9:.2f} GB; "
-            "lower max_tokens or shorten the prompt",
+            f"not enough memory: {what} could need {alone / 1e9:.2f} GB even alone, over MLX's memory limit of "
+            f"{limit / 1e9:.2f} GB; {fix}",
             retry=False,
         )
     raise MemoryAdmissionError(

@@ -68,8 +68,8 @@ class BlockingEncoder:
     """An encoder whose call signals ``entered``, waits for ``go``, then raises ``crash`` (None:
     returns zeros). The first ``free`` calls return zeros at once."""
 
-    name, dimensions, dtype = "emb", 4, mx.float32
-    args = SimpleNamespace(vocab_size=100)
+    name, dimensions, dtype, nbytes = "emb", 4, mx.float32, 0
+    args = SimpleNamespace(vocab_size=100, step_bytes=lambda batch, length, itemsize: 0)  # no memory to admit
 
     def __init__(self, crash: BaseException | None, free: int = 0):
         self.entered, self.go, self.crash, self.free = threading.Event(), threading.Event(), crash, free
