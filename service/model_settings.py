@@ -24,10 +24,11 @@ def ascending(values: list[int]) -> list[int]:
 class ModelSettings(BaseModel):
     """One served model (a ``[[models]]`` table in the TOML file). Unset fields take the
     top-level setting of the same meaning (``path`` <- ``model``, ``name`` <- ``model_name``).
-    ``path``: a local GGUF file or model directory, or a Hugging Face repo id
-    (:func:`models.hub.resolve_model_path`). ``load``: ``startup`` (loaded and warmed before
-    ready) or ``on_demand`` (loaded by its first request, unloaded after ``ttl_s`` seconds idle;
-    unset: kept once loaded; :mod:`service.process.on_demand`)."""
+    ``path``: a local GGUF file or model directory, or a Hugging Face repo id (``ORG/NAME``, a
+    repo of GGUF files ``ORG/NAME:QUANT``; :func:`models.hub.resolve_model_path`). ``load``:
+    ``startup`` (loaded and warmed before ready) or ``on_demand`` (loaded by its first request,
+    unloaded after ``ttl_s`` seconds idle; unset: kept once loaded;
+    :mod:`service.process.on_demand`)."""
 
     model_config = ConfigDict(extra="forbid")
     name: str

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -319,6 +319,28 @@ def write_served_dir(directory: Path, model_keys: dict | None = None) -> Path:
     return directory
 
 
+def hub_cache_repo(cache: Path, repo: str, files: Mapping[str, Path | str], revision: str = "0" * 40) -> Path:
+    """Lay ``repo`` at ``revision`` out in the Hugging Face cache ``cache`` as huggingface_hub
+    does: ``models--ORG--NAME/blobs/`` (one blob per file, a symlink to the local file ``files``
+    gives it, or a text file with the text), ``snapshots/REVISION/PATH`` symlinks to them and
+    ``refs/main`` naming the revision. Returns the snapshot directory."""
+    root = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = root / "snapshots" / revision
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    for i, (name, source) in enumerate(files.items()):
+        blob = root / "blobs" / f"{i:064x}"
+        if isinstance(source, Path):
+            blob.symlink_to(source)  # a blob of the real file, without copying it
+        else:
+            blob.write_text(source)
+        link = snapshot / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text(revision)
+    return snapshot
+
+
 def damaged(data: bytes, kind: str) -> bytes:
     """``data`` with its GGUF header or metadata broken in one of the ways MLX segfaults on."""
     b = bytearray(data)
@@ -399,7 +421,8 @@ def write_lm_dir(directory: Path, config: dict, quantize: tuple | None = None, r
     if module.__name__.endswith("gemma3_text") and config.get("tie_word_embeddings", True):
         model.sanitize({})  # mlx-lm's gemma3_text ties the head when the checkpoint has no lm_head
     shift = 0.0 if module.__name__.endswith("gemma3_text") else 1.0
-    norms = [(k, shift + 0.2 * mx.random.normal(v.shape)) for k, v in tree_flatten(model.parameters()) if "norm" in k]
+    params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]  # leaves are arrays
+    norms = [(k, shift + 0.2 * mx.random.normal(v.shape)) for k, v in params if "norm" in k]
     model.load_weights(norms, strict=False)
     if quantize:
         nn.quantize(model, group_size=quantize[0], bits=quantize[1])

@@ -1,8 +1,10 @@
 """Models named by Hugging Face repo id and loaded on demand, on a real server: a repo id found
-offline (``HF_HUB_OFFLINE=1``) in a Hugging Face cache laid out as the hub lays it out, a repo id
-missing offline refused at start-up, and on-demand models loaded by their first request (which
-waits, or is answered 503 with Retry-After) and unloaded after ``ttl_s`` idle, each state shown by
-``GET /v1/models``, the metrics and the log."""
+offline (``HF_HUB_OFFLINE=1``) in a Hugging Face cache laid out as the hub lays it out, a GGUF
+file of a repo of them named by its quantization (``ORG/NAME:Q4_1``, the real default model's
+GGUF) and an ambiguous one refused, a repo id missing offline refused at start-up, and
+on-demand models loaded by their first request (which waits, or is answered 503 with
+Retry-After) and unloaded after ``ttl_s`` idle, each state shown by ``GET /v1/models``, the
+metrics and the log."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import STEPSERVE, ServerProcess, write_served_dir
+from models.default import default_model_path
+from tests.support import STEPSERVE, ServerProcess, hub_cache_repo, write_served_dir
 
 REPO = "stepserve-test/tiny-llama"
 REVISION = "0123456789abcdef0123456789abcdef01234567"
@@ -143,3 +146,34 @@ def test_missing_repo_id_offline_refuses_to_start(tmp_path, entry):
     )
     assert result.returncode == 2, result.stderr
     assert f"model '{missing}'" in result.stderr and "HF_HUB_OFFLINE=1" in result.stderr
+
+
+GGUF_REPO = "stepserve-test/SmolLM2-135M-Instruct-GGUF"
+
+
+def test_a_gguf_repo_serves_the_quantization_named_and_refuses_an_ambiguous_one(tmp_path):
+    gguf = default_model_path()
+    files = {"SmolLM2-135M-Instruct.Q4_1.gguf": gguf, "SmolLM2-135M-Instruct.Q8_0.gguf": gguf}
+    snapshot = hub_cache_repo(tmp_path / "hub", GGUF_REPO, files)
+    env = offline_env(tmp_path, tmp_path / "hub")
+    ambiguous = subprocess.run(
+        [STEPSERVE, "serve", "--port", "0", "--model", GGUF_REPO],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, **env},
+    )
+    assert ambiguous.returncode == 2, ambiguous.stderr
+    assert f"model '{GGUF_REPO}' holds 2 GGUF files" in ambiguous.stderr
+    assert f"--model {GGUF_REPO}:Q4_1" in ambiguous.stderr and "SmolLM2-135M-Instruct.Q8_0.gguf" in ambiguous.stderr
+    args = ["--model", f"{GGUF_REPO}:q4_1", "--warmup-prompt-tokens", "0", "--prefix-cache-bytes", "0"]
+    server = ServerProcess.start(args, env=env)
+    try:
+        server.wait_ready()
+        with server.client() as client:
+            reply = client.post("/infer", json={"prompt": "The capital of France is", "max_tokens": 4})
+    finally:
+        server.stop()
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] > 0
+    assert str(snapshot / "SmolLM2-135M-Instruct.Q4_1.gguf") in server.log()
