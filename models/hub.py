@@ -57,10 +57,13 @@ class RepoRef(NamedTuple):
 def repo_id_of(path: str | Path) -> RepoRef | None:
     """The repo ``path`` names when it names no local file or directory and reads as a Hugging
     Face repo id: ``NAME`` or ``ORG/NAME``, then an optional ``@REVISION``, then an optional
-    ``:TAG`` (a GGUF file's quantization or name); else None."""
+    ``:TAG`` (a GGUF file's quantization or name), the whole optionally after Ollama's ``hf.co/``
+    (or ``huggingface.co/``); else None."""
     text = str(path)
     if Path(text).exists() or text.startswith((".", "/", "~")):
         return None
+    for prefix in ("hf.co/", "huggingface.co/"):
+        text = text.removeprefix(prefix)
     head, colon, tag = text.partition(":")
     repo, _, revision = head.partition("@")
     if repo.count("/") > 1 or (colon and not tag) or "@" in tag or ("/" in tag and not tag.lower().endswith(".gguf")):

@@ -42,6 +42,7 @@ GGUF_REPO = "stepserve-test/SmolLM2-135M-Instruct-GGUF"
         ("mlx-community/Qwen3-0.6B-4bit@main", ("mlx-community/Qwen3-0.6B-4bit", "main", None)),
         (f"{REPO}:Q4_K_M", (REPO, None, "Q4_K_M")),  # llama.cpp's -hf and Ollama's hf.co/ form
         (f"{REPO}@v1:q8_0", (REPO, "v1", "q8_0")),
+        (f"hf.co/{REPO}:Q4_K_M", (REPO, None, "Q4_K_M")),  # as Ollama writes it
         (f"{REPO}:Q8_0/Llama-3.2-3B-Instruct-Q8_0.gguf", (REPO, None, "Q8_0/Llama-3.2-3B-Instruct-Q8_0.gguf")),
         ("/models/llama", None),  # absolute: a path
         ("./llama", None),
