@@ -119,8 +119,9 @@ def choose_gguf(ref: RepoRef, files: list[str]) -> str | None:
 
     With a tag: the one GGUF file whose path or name is the tag, else whose name (less a
     ``-00001-of-00002`` part suffix) ends with the tag after a ``-``, ``.`` or ``_``, case
-    aside (``Q4_0`` matches ``Model-Q4_0.gguf``, not ``Model-IQ4_0.gguf`` nor ``Model-Q4_0_4_4.gguf``). Without one:
-    the only GGUF file. Vision projectors (``mmproj*.gguf``) are never chosen by quantization.
+    aside (``Q4_0`` matches ``Model-Q4_0.gguf``, not ``Model-IQ4_0.gguf`` nor
+    ``Model-Q4_0_4_4.gguf``). Without one: the only GGUF file. Vision projectors
+    (``mmproj*.gguf``) are never chosen by quantization.
 
     Raises:
         ModelLoadError: the tag matches no file or several, the repo holds several GGUF files
