@@ -108,6 +108,41 @@ def copy_blocks(pool: mx.array, src: mx.array, dst: mx.array) -> mx.array:
     return out
 
 
+class PagedIndex(NamedTuple):
+    """Where one step's new tokens go in a layer's pool and which pool rows its rows' views
+    read: the same for every layer of a step (the tables and positions are), so a step computes
+    it once per pool shape and every layer's :func:`write` and :func:`gather` reuse it (a traced
+    step would otherwise carry each layer's copy of the index arithmetic, replayed every step).
+
+    Attributes:
+        block: int32 [B, 1, L], the block of each new token (``table[b, p // bt]``).
+        heads: int32 [1, Hkv, 1], the head index.
+        offset: int32 [B, 1, L], each new token's offset in its block (``p % bt``).
+        rows: int32 [B * Hkv * M * bt], the view's rows of the pool flattened to
+            [N * Hkv * bt, D], in view order (row b, head h, position j).
+        view: (B, Hkv, M * bt), the view's leading shape.
+    """
+
+    block: mx.array
+    heads: mx.array
+    offset: mx.array
+    rows: mx.array
+    view: tuple[int, int, int]
+
+
+def paged_index(block_table: mx.array, positions: mx.array, heads: int, block_tokens: int) -> PagedIndex:
+    """The :class:`PagedIndex` of a step: ``block_table`` int32 [B, M], ``positions`` int32
+    [B, L] (below M * block_tokens), for pools of ``heads`` KV heads and ``block_tokens``-token
+    blocks."""
+    table, p, bt = block_table.astype(mx.int32), positions.astype(mx.int32), block_tokens
+    B, M = table.shape
+    block = mx.take_along_axis(table, p // bt, axis=1)[:, None, :]  # [B, 1, L]
+    head = mx.arange(heads, dtype=mx.int32)
+    offsets = mx.arange(bt, dtype=mx.int32)[None, None, None, :]  # [1, 1, 1, bt]
+    rows = (table[:, None, :, None] * heads + head[None, :, None, None]) * bt + offsets  # [B, Hkv, M, bt]
+    return PagedIndex(block, head[None, :, None], (p % bt)[:, None, :], rows.reshape(-1), (B, heads, M * bt))
+
+
 def write(pool: mx.array, block_table: mx.array, positions: mx.array, new: mx.array) -> mx.array:
     """Scatter new keys or values into a layer's pool.
 
@@ -121,16 +156,18 @@ def write(pool: mx.array, block_table: mx.array, positions: mx.array, new: mx.ar
         The pool [N, Hkv, bt, D] with row b's token l at offset ``p % bt`` of block
         ``block_table[b, p // bt]`` (p = positions[b, l]). Two tokens writing one slot (padding
         into the null block) leave one of them there, unspecified which.
+    """
+    return write_at(pool, paged_index(block_table, positions, pool.shape[1], pool.shape[2]), new)
+
+
+def write_at(pool: mx.array, index: PagedIndex, new: mx.array) -> mx.array:
+    """:func:`write` through a step's precomputed :class:`PagedIndex`.
 
     One scatter indexed on the pool itself (block, head, offset), not on a reshaped view of it: a
     view shares the pool's buffer, so MLX could not donate it to the scatter and would copy the
     whole pool every step (MLX updates an input in place only when nothing else holds it).
     """
-    H, bt = pool.shape[1], pool.shape[2]
-    p = positions.astype(mx.int32)
-    block = mx.take_along_axis(block_table.astype(mx.int32), p // bt, axis=1)  # [B, L]
-    heads = mx.arange(H, dtype=mx.int32)[None, :, None]  # [1, Hkv, 1]
-    pool[block[:, None, :], heads, (p % bt)[:, None, :]] = new.astype(pool.dtype)  # index [B, Hkv, L]
+    pool[index.block, index.heads, index.offset] = new.astype(pool.dtype)  # index [B, Hkv, L]
     return pool
 
 
@@ -145,13 +182,16 @@ def gather(pool: mx.array, block_table: mx.array) -> mx.array:
         [B, Hkv, M * bt, D]: index j of row b is position j (block ``table[b, j // bt]``, offset
         ``j % bt``), laid out as a static cache row of capacity M * bt (one gather).
     """
-    N, H, bt, D = pool.shape
-    B, M = block_table.shape
-    blocks = block_table.astype(mx.int32)[:, None, :, None]  # [B, 1, M, 1]
-    heads = mx.arange(H, dtype=mx.int32)[None, :, None, None]  # [1, Hkv, 1, 1]
-    offsets = mx.arange(bt, dtype=mx.int32)[None, None, None, :]  # [1, 1, 1, bt]
-    rows = (blocks * H + heads) * bt + offsets  # [B, Hkv, M, bt]
-    return mx.take(pool.reshape(N * H * bt, D), rows.reshape(-1), axis=0).reshape(B, H, M * bt, D)
+    B = block_table.shape[0]
+    index = paged_index(block_table, mx.zeros((B, 1), mx.int32), pool.shape[1], pool.shape[2])
+    return gather_at(pool, index)
+
+
+def gather_at(pool: mx.array, index: PagedIndex) -> mx.array:
+    """:func:`gather` through a step's precomputed :class:`PagedIndex`: [B, Hkv, M * bt, *]."""
+    N, H, bt = pool.shape[:3]
+    flat = pool.reshape(N * H * bt, *pool.shape[3:])
+    return mx.take(flat, index.rows, axis=0).reshape(*index.view, *pool.shape[3:])
 
 
 class PagedAttention:
@@ -176,20 +216,28 @@ class PagedAttention:
         self.block_table, self.positions = block_table.astype(mx.int32), positions.astype(mx.int32)
         self.scale = scale
         self._masks: dict[tuple[int | None, int], mx.array] = {}
+        self._indices: dict[tuple[int, int], PagedIndex] = {}
 
     def __call__(self, window: int | None) -> Attend:
         """The :data:`models.attention.Attend` of a layer with sliding ``window`` (None: full
         attention), whose "keys" and "values" are the layer's pools [N, Hkv, bt, D]."""
 
         def attend(q, k, v, keys, values):
-            keys = write(keys, self.block_table, self.positions, k)
-            values = write(values, self.block_table, self.positions, v)
-            view_k, view_v = gather(keys, self.block_table), gather(values, self.block_table)
+            index = self.index(keys.shape[1], keys.shape[2])
+            keys, values = write_at(keys, index, k), write_at(values, index, v)
+            view_k, view_v = gather_at(keys, index), gather_at(values, index)
             mask = self.mask(window, view_k.shape[2])
             o = mx.fast.scaled_dot_product_attention(q, view_k, view_v, scale=self.scale, mask=mask)
             return o, keys, values
 
         return attend
+
+    def index(self, heads: int, block_tokens: int) -> PagedIndex:
+        """This step's :class:`PagedIndex` for pools of ``heads`` KV heads and ``block_tokens``
+        positions per block, computed once and shared by the layers that have that shape."""
+        if (heads, block_tokens) not in self._indices:
+            self._indices[(heads, block_tokens)] = paged_index(self.block_table, self.positions, heads, block_tokens)
+        return self._indices[(heads, block_tokens)]
 
     def mask(self, window: int | None, size: int) -> mx.array:
         """Which view indices each query sees: bool [B, 1, L, size] for a view of ``size``
@@ -228,19 +276,17 @@ def quantized_pool(
     )
 
 
-def write_quantized(
-    pool: Quantized, block_table: mx.array, positions: mx.array, new: mx.array, bits: int, group_size: int
-) -> Quantized:
-    """:func:`write` for a quantized pool: ``new`` [B, Hkv, L, D] quantized per ``group_size``
-    values of D (``mx.quantize``, affine), each part scattered as :func:`write` does."""
+def write_quantized(pool: Quantized, index: PagedIndex, new: mx.array, bits: int, group_size: int) -> Quantized:
+    """:func:`write_at` for a quantized pool: ``new`` [B, Hkv, L, D] quantized per
+    ``group_size`` values of D (``mx.quantize``, affine), each part scattered at ``index``."""
     parts = mx.quantize(new.astype(pool[1].dtype), group_size=group_size, bits=bits)
-    packed, scales, biases = (write(p, block_table, positions, n) for p, n in zip(pool, parts, strict=True))
+    packed, scales, biases = (write_at(p, index, n) for p, n in zip(pool, parts, strict=True))
     return packed, scales, biases
 
 
-def gather_quantized(pool: Quantized, block_table: mx.array) -> Quantized:
-    """:func:`gather` of each part of a quantized pool: views [B, Hkv, M * bt, *]."""
-    packed, scales, biases = (gather(p, block_table) for p in pool)
+def gather_quantized(pool: Quantized, index: PagedIndex) -> Quantized:
+    """:func:`gather_at` of each part of a quantized pool: views [B, Hkv, M * bt, *]."""
+    packed, scales, biases = (gather_at(p, index) for p in pool)
     return packed, scales, biases
 
 
@@ -269,12 +315,13 @@ class QuantizedPagedAttention:
         # mlx-lm's import pulls in transformers (and torch where installed): only here, for kv_bits
         from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
-        table, positions, bits, group = self.paged.block_table, self.paged.positions, self.bits, self.group_size
+        bits, group = self.bits, self.group_size
 
         def attend(q, k, v, keys: Quantized, values: Quantized) -> tuple[mx.array, Quantized, Quantized]:
-            keys = write_quantized(keys, table, positions, k, bits, group)
-            values = write_quantized(values, table, positions, v, bits, group)
-            view_k, view_v = gather_quantized(keys, table), gather_quantized(values, table)
+            index = self.paged.index(keys[0].shape[1], keys[0].shape[2])
+            keys = write_quantized(keys, index, k, bits, group)
+            values = write_quantized(values, index, v, bits, group)
+            view_k, view_v = gather_quantized(keys, index), gather_quantized(values, index)
             mask = self.paged.mask(window, view_k[0].shape[2])
             o = quantized_scaled_dot_product_attention(
                 q, view_k, view_v, scale=self.paged.scale, mask=mask, group_size=group, bits=bits

@@ -20,6 +20,7 @@ from models.paged import (
     copy_blocks,
     gather,
     gather_quantized,
+    paged_index,
     quantized_pool,
     write,
     write_quantized,
@@ -191,7 +192,7 @@ def test_quantized_attention_equals_the_static_cache_of_the_dequantized_values(b
     pools = []
     for a in (keys, values):
         empty = quantized_pool(N, HKV, BT, Dq, bits, 64, mx.float32)
-        pools.append(write_quantized(empty, table, all_positions, a, bits, 64))
+        pools.append(write_quantized(empty, paged_index(table, all_positions, HKV, BT), a, bits, 64))
     attend = mx.compile(
         lambda table, positions, q, k, v, pk, pv: QuantizedPagedAttention(table, positions, scale, bits)(None)(
             q, k, v, pk, pv
@@ -202,7 +203,7 @@ def test_quantized_attention_equals_the_static_cache_of_the_dequantized_values(b
     assert mx.allclose(got, want, atol=1e-4, rtol=1e-4), mx.abs(got - want).max()
     error = float(mx.abs(got - exact).max())
     assert 0 < error < (0.05 if bits == 8 else 0.5), error
-    view = gather_quantized(cast(Quantized, pool_keys), table)
+    view = gather_quantized(cast(Quantized, pool_keys), paged_index(table, positions, HKV, BT))
     for b, length in enumerate(lengths):
         stored = mx.dequantize(*(part[b, :, : length + 1] for part in view), group_size=64, bits=bits)
         expected = roundtrip(mx.concatenate([keys[b, :, :length], k[b]], axis=1), bits)
@@ -235,8 +236,9 @@ def test_quantized_paged_step_equals_mlx_lms_quantized_kv_cache_attention(bits):
     table = tables(random.Random(5), lengths, 1)
     all_positions = mx.broadcast_to(mx.arange(M * BT, dtype=mx.int32)[None], (B, M * BT))
     valid = (all_positions < mx.array(lengths)[:, None])[:, None, :, None]
+    index = paged_index(table, all_positions, HKV, BT)
     pools = [
-        write_quantized(quantized_pool(N, HKV, BT, Dq, bits, 64, mx.float32), table, all_positions, a, bits, 64)
+        write_quantized(quantized_pool(N, HKV, BT, Dq, bits, 64, mx.float32), index, a, bits, 64)
         for a in (mx.where(valid, keys, 0.0), mx.where(valid, values, 0.0))
     ]
     positions = mx.array(lengths, mx.int32)[:, None]
