@@ -25,6 +25,7 @@ FORMS = {
     "random-model": "random_model",
     "kv-bits": "kv_bits",
     "routes": "routes",
+    "embeddings": "embeddings",
 }
 
 
