@@ -272,8 +272,9 @@ async def run_load(
     (a chat body) as :func:`route_request` turns it, with ``model`` as the model name.
 
     Returns ((route, record) of every request in the order they ended, failed ones included
-    with ``error`` set: :func:`checked`, or the transport error's type and message), the load's
-    wall seconds). ``transport``: httpx's transport (tests); None: the network."""
+    with ``error`` set: :func:`checked`, or the type and message of a transport error or of an
+    event that is not JSON), the load's wall seconds). ``transport``: httpx's transport
+    (tests); None: the network."""
     results: list[tuple[str, Stream]] = []
 
     async def stream(client: httpx.AsyncClient, route: str) -> None:
@@ -283,7 +284,7 @@ async def run_load(
             record = Stream()
             try:
                 await stream_request(client, path, body, record, parse=PARSERS[route])
-            except httpx.HTTPError as error:
+            except (httpx.HTTPError, ValueError) as error:  # transport, timeout, an event that is not JSON
                 record.error, record.end = f"{type(error).__name__}: {error}"[:200], time.perf_counter()
             results.append((route, checked(record)))
 

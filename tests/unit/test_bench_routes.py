@@ -218,5 +218,19 @@ def test_failed_requests_count_as_errors_of_their_route_with_reasons_and_add_no_
     ]
 
 
+def test_a_transport_error_or_an_event_that_is_not_json_is_an_error_of_its_route():
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/messages":
+            raise httpx.ConnectError("refused")
+        return httpx.Response(200, content=b"data: {not json\n\n", headers={"content-type": "text/event-stream"})
+
+    workload = Workload("chat-shared-prefix", max_tokens=7, system_tokens=40)
+    done = asyncio.run(run_load("http://bench", ["messages", "chat"], 1, workload, MODEL, httpx.MockTransport(handle)))
+    routes = load_figures(*done)["routes"]
+    assert routes["messages"]["error_reasons"] == {"ConnectError: refused": 1}
+    ((reason, n),) = routes["chat"]["error_reasons"].items()
+    assert reason.startswith("JSONDecodeError: ") and n == 1
+
+
 def test_rounds_alternate_which_load_goes_first():
     assert schedule(3) == [("all-chat", "mixed"), ("mixed", "all-chat"), ("all-chat", "mixed")]
