@@ -24,6 +24,8 @@ FORMS = {
     "moe": "moe",
     "random-model": "random_model",
     "kv-bits": "kv_bits",
+    "routes": "routes",
+    "embeddings": "embeddings",
 }
 
 
@@ -48,6 +50,9 @@ def main(argv: list[str]) -> int:
       (:mod:`service.bench.random_model`);
     * ``kv-bits …``: quantized KV (``kv_bits``) against full precision, greedy agreement free-running
       and teacher-forced, and the pool's bytes per token (:mod:`service.bench.kv_bits`);
+    * ``routes …``: tokens/s of streams spread over ``/v1/chat/completions``, ``/v1/messages``
+      (with tools) and ``/v1/responses`` against all on chat completions, one server
+      (:mod:`service.bench.routes`);
     * ``embeddings …``: the embedding engine's texts/s per batch size against
       sentence-transformers, in-process (:mod:`service.bench.embeddings`);
     * ``… --micro …``: plain against compiled, in-process (:mod:`service.bench.micro`);

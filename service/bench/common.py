@@ -79,7 +79,7 @@ class Stream:
     start: float = 0.0
     end: float = 0.0  # when the stream ended (or was closed early)
     arrivals: list[float] = field(default_factory=list)
-    usage: dict | None = None  # the OpenAI-style usage of the last event that had one
+    usage: dict | None = None  # the OpenAI-style usage the events gave, later counts over earlier ones
     error: str | None = None  # a non-200 status or an error event; None when it ended well
 
     @property
@@ -92,9 +92,14 @@ class Stream:
         return list(zip(self.arrivals, self.arrivals[1:], strict=False))
 
     @property
+    def counted(self) -> bool:
+        """Whether the server reported the completion tokens (``usage.completion_tokens``)."""
+        return (self.usage or {}).get("completion_tokens") is not None
+
+    @property
     def tokens(self) -> int:
         """Completion tokens: the server's ``usage`` count, else the text events seen."""
-        return self.usage["completion_tokens"] if self.usage else len(self.arrivals)
+        return self.usage["completion_tokens"] if self.usage and self.counted else len(self.arrivals)
 
     @property
     def prompt_tokens(self) -> int | None:
@@ -109,9 +114,25 @@ class Stream:
 
 def _event_text(event: dict) -> str:
     """The text of one event of ``/infer`` (``text``), ``/v1/completions`` (``choices[0].text``)
-    or ``/v1/chat/completions`` (``choices[0].delta.content``)."""
+    or ``/v1/chat/completions`` (``choices[0].delta.content``, or its ``reasoning_content``
+    while a model thinks)."""
     choice = (event.get("choices") or [{}])[0]
-    return event.get("text") or choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    delta = choice.get("delta") or {}
+    return event.get("text") or choice.get("text") or delta.get("content") or delta.get("reasoning_content") or ""
+
+
+#: What one parsed server-sent event carries: (text, usage, error). ``text``: the generated text
+#: it brings ("" for none: it is then no arrival); ``usage``: token counts in the OpenAI shape
+#: (``prompt_tokens``, ``completion_tokens``, ``prompt_tokens_details.cached_tokens``), merged
+#: into :attr:`Stream.usage`, or None; ``error``: what went wrong (at most 200 characters), or None.
+EventParts = tuple[str, dict | None, str | None]
+
+
+def openai_event(event: dict) -> EventParts:
+    """:data:`EventParts` of one event of ``/infer``, ``/v1/completions`` or
+    ``/v1/chat/completions``: its text, its ``usage`` and its ``error`` object."""
+    error = json.dumps(event["error"])[:200] if event.get("error") else None
+    return _event_text(event), event.get("usage") or None, error
 
 
 async def stream_request(
@@ -120,30 +141,36 @@ async def stream_request(
     body: dict,
     record: Stream | None = None,
     until: Callable[[], bool] | None = None,
+    parse: Callable[[dict], EventParts] = openai_event,
 ) -> Stream:
     """POST ``body`` (a streaming request) to ``path`` and read its server-sent events into
     ``record`` (a new :class:`Stream` when None) as they come, so another task can watch it.
     ``until`` is asked after each text event; when it answers True the stream is closed early
-    (the server sees a client that left). Raises httpx.HTTPError (transport, timeouts)."""
+    (the server sees a client that left). ``parse`` reads each event's ``data:`` JSON (default:
+    the OpenAI routes' events; other APIs' in :mod:`service.bench.routes`); an ``event:`` line
+    naming the event is skipped. Raises httpx.HTTPError (transport, timeouts)."""
     rec = record or Stream()
     rec.start = time.perf_counter()
     async with client.stream("POST", path, json=body) as reply:
         if reply.status_code != 200:
             rec.error = f"http_{reply.status_code}: {(await reply.aread())[:200].decode(errors='replace')}"
         else:
-            await _read_events(reply, rec, until)
+            await _read_events(reply, rec, until, parse)
     rec.end = time.perf_counter()
     return rec
 
 
-async def _read_events(reply: httpx.Response, rec: Stream, until: Callable[[], bool] | None) -> None:
+async def _read_events(
+    reply: httpx.Response, rec: Stream, until: Callable[[], bool] | None, parse: Callable[[dict], EventParts]
+) -> None:
     async for line in reply.aiter_lines():
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
-        event = json.loads(line[6:])
-        rec.usage = event.get("usage") or rec.usage
-        rec.error = json.dumps(event["error"])[:200] if event.get("error") else rec.error
-        if _event_text(event):
+        text, usage, error = parse(json.loads(line[6:]))
+        if usage:  # merged: a route may send the prompt's count and the answer's in different events
+            rec.usage = {**(rec.usage or {}), **usage}
+        rec.error = rec.error or error  # the first error event says most
+        if text:
             rec.arrivals.append(time.perf_counter())
             if until is not None and until():
                 return

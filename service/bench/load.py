@@ -296,6 +296,7 @@ OTHER_FORMS = """other forms (each has --help):
   stepserve bench --micro ...                  plain vs compiled, in-process
   stepserve bench settings-ab ...              two serve configurations, servers started here in turn
   stepserve bench ab ...                       two running servers, the same requests alternating
+  stepserve bench routes ...                   streams over chat, Messages (tools) and Responses against all chat
   stepserve bench steps ...                    one prefill and decode step per dtype, weight format, compile mode
   stepserve bench profile ...                  where a decode step's time goes
   stepserve bench pipeline ...                 one process against pipeline ranks per decode step, in-process
