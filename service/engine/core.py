@@ -560,10 +560,10 @@ class Engine:
     def _finish(self, seq: Sequence, reason: FinishReason | None = None, error: str | None = None) -> None:
         """The one place a request ends: free its slot and key, leave the scheduler, record
         its metrics and send its final event."""
+        if reason is not None:  # before the release: a paged pool keeps a failed request's blocks unpublished
+            seq.finish_reason = reason
         self.batch.release(seq)
         self.scheduler.finish(seq)
-        if reason is not None:
-            seq.finish_reason = reason
         final = seq.final_event(error)
         if seq.warmup:
             seq.emit(final)

@@ -154,10 +154,7 @@ class PagedDecodeBatch(DecodeBatch):
                     except NoFreeBlocks:
                         continue
                 first.setdefault((id(kv), row), seq)
-                table, start = pool.block_table(id(seq)), pool.num_computed(id(seq))
-                bt = pool.block_tokens
-                self.executor.write_blocks(kv, row, table[start // bt :], seq.position, start)
-                pool.mark_computed(id(seq), len(seq.prefill_ids))
+                self._write_prompt(seq)
             self._written.add(id(seq))
             placed.append(seq)
         if not placed:
@@ -173,6 +170,15 @@ class PagedDecodeBatch(DecodeBatch):
             seq.slot, self.slots[slot], seq.prefilled = slot, seq, None
             self._stale.add(slot)
         return moves
+
+    def _write_prompt(self, seq: Sequence) -> None:
+        """Copy the keys and values ``seq`` prefilled (``seq.prefilled``) into its blocks after
+        its prefix hit's, and publish its prompt's full blocks."""
+        pool, (kv, row) = self.blocks, seq.prefilled  # type: ignore[misc]
+        table, start = pool.block_table(id(seq)), pool.num_computed(id(seq))
+        self.executor.write_blocks(kv, row, table[start // pool.block_tokens :], seq.position, start)
+        pool.mark_computed(id(seq), len(seq.prefill_ids))
+        self._written.add(id(seq))
 
     def fit(self, live: Iterable[Sequence], joining: Iterable[Sequence] = (), extra: int = 0) -> list[str]:
         """Pick the batch and capacity buckets for ``live`` plus ``joining`` (as the static batch
@@ -250,10 +256,14 @@ class PagedDecodeBatch(DecodeBatch):
         self._bucket, self._tables, self._rebuild, self._stale = None, None, True, set()
 
     def release(self, seq: Sequence) -> None:
-        """Free a finished request's slot, key and blocks (publishing its generated full blocks
-        unless it failed: :meth:`free`)."""
+        """Free a finished request's slot, key and blocks, publishing its full blocks unless it
+        failed (:meth:`free`): one that ended at its first token, before it joined, has the keys
+        and values it prefilled written into its blocks first, so its prompt is hit later."""
+        publish = seq.finish_reason is not FinishReason.ERROR
+        if publish and seq.prefilled is not None and id(seq) in self.blocks and self.blocks.caching:
+            self._write_prompt(seq)
         super().release(seq)
-        self.free(seq, publish=seq.finish_reason is not FinishReason.ERROR)
+        self.free(seq, publish=publish)
 
     def abort(self) -> None:
         """Forget the whole batch and give every block back."""

@@ -151,6 +151,19 @@ def test_a_pool_hit_references_the_blocks_and_gives_the_cold_pools_and_the_stati
     assert a.output_ids == sa.output_ids == reference(params, first, 6)
 
 
+def test_a_request_that_ends_at_its_first_token_still_leaves_its_prompt_cached(params):
+    """max_tokens 1: the request never joins the decode batch; its prefilled keys and values
+    are written into its blocks as it ends, and the next prompt sharing them hits."""
+    engine = make_engine(params)
+    one = request(engine, PREFIX + [91], 1)
+    run(engine, [one], consistent)
+    assert one.output_ids and final(one).completion_tokens == 1
+    again = request(engine, PREFIX + [92], 3)
+    run(engine, [again], consistent)
+    assert final(again).cached_tokens == len(PREFIX)
+    assert again.output_ids == reference(params, PREFIX + [92], 3)
+
+
 def test_no_prefix_cache_hits_nothing_and_caches_nothing(params):
     engine = make_engine(params, prefix_cache_bytes=0)
     a, b = request(engine, PREFIX + [91], 4), request(engine, PREFIX + [92], 4)
