@@ -4,7 +4,8 @@ The runner decides (which rows, which bucket, which slots); the executor carries
 this process's layers. Every method here is one **operation**: a compiled model step
 (``prefill``, ``chunk``, ``decode``, each at a bucketed shape), or a KV-cache operation
 (``alloc``, ``resize``, ``reorder``, ``resize_batch``, ``insert_rows``, the prefix cache's
-``save_blocks`` and ``gather_blocks``), or a warm-up step.
+``save_blocks`` and ``gather_blocks``, the paged pool's ``write_blocks``, ``read_blocks`` and
+``copy_pool_blocks``: one process only, as the pool is), or a warm-up step.
 
 In one process (:class:`Executor`) an operation is a direct call on the whole model. In a
 pipeline group (:mod:`service.engine.group`) rank 0's executor first tells every other rank the
