@@ -155,7 +155,8 @@ class Settings(BaseSettings):
         512 * 1024 * 1024,
         ge=0,
         description="bytes of prompt-prefix KV kept for reuse (LRU; counted in the memory budget, evicted before a "
-        "request is refused for memory); 0: no prefix cache",
+        "request is refused for memory); 0: no prefix cache. With kv_cache = 'paged' prefixes are cached in the "
+        "pool's blocks instead (no bytes of their own): 0 turns that off, any other value is not a bound there",
     )
     prefix_block_tokens: int = Field(
         32, ge=1, description="tokens per prefix-cache block: prefixes are reused in whole blocks"
@@ -183,7 +184,7 @@ class Settings(BaseSettings):
         None,
         ge=1,
         description="kv_cache = 'paged': token positions the pool holds; unset: what the memory budget leaves after "
-        "the weights, the largest prefill step and the prefix cache",
+        "the weights and the largest prefill step",
     )
     responses_store_bytes: int = Field(
         64 * 1024 * 1024,

@@ -21,6 +21,7 @@ FORMS = {
     "group": "group",
     "gguf-storage": "gguf_storage",
     "hit-profile": "hit_profile",
+    "prefix-ttft": "prefix_ttft",
     "moe": "moe",
     "random-model": "random_model",
     "kv-bits": "kv_bits",
@@ -44,6 +45,8 @@ def main(argv: list[str]) -> int:
       (:mod:`service.bench.group`);
     * ``hit-profile …``: a prefix-cache hit's prefill iteration, part by part, against a
       decode step (:mod:`service.bench.hit_profile`);
+    * ``prefix-ttft …``: a prefix-sharing request's TTFT through the paged pool's blocks, the
+      static prefix cache and no reuse, in-process (:mod:`service.bench.prefix_ttft`);
     * ``moe …``: a random Qwen3-MoE's decode step against mlx-lm's (:mod:`service.bench.moe`);
     * ``gguf-storage …``: a K-quant GGUF kept dense or re-quantized (:mod:`service.bench.gguf_storage`);
     * ``random-model …``: a model directory of mlx-lm's class at a named shape with random weights

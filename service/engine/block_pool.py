@@ -129,6 +129,9 @@ class BlockPool:
             more often and waste less of a last block, larger ones cost fewer table entries).
         hash_fn: the block digest; :func:`sha256_block_hash` by default (tests inject colliding
             ones).
+        caching: whether blocks are published for prefix hits at all (False: no prefix
+            caching; :meth:`allocate` hits nothing and counts nothing, :meth:`mark_computed`
+            publishes nothing, a freed block is free at once).
 
     Raises:
         ValueError: ``num_blocks`` < 2 or ``block_tokens`` < 1.
@@ -138,12 +141,13 @@ class BlockPool:
     ``evicted_blocks``.
     """
 
-    def __init__(self, num_blocks: int, block_tokens: int, hash_fn: HashFn = sha256_block_hash):
+    def __init__(self, num_blocks: int, block_tokens: int, hash_fn: HashFn = sha256_block_hash, caching: bool = True):
         if num_blocks < 2:
             raise ValueError(f"a block pool needs num_blocks >= 2 (one is the null block), got {num_blocks}")
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         self.num_blocks, self.block_tokens = num_blocks, block_tokens
+        self.caching = caching
         self._hash = hash_fn
         self._blocks = [_Block() for _ in range(num_blocks)]
         self._free: deque[int] = deque(range(1, num_blocks))  # block 0 is the null block
@@ -169,6 +173,11 @@ class BlockPool:
         """Blocks a new allocation can take: free plus cached (evictable)."""
         return len(self._free) + len(self._lru)
 
+    @property
+    def num_cached(self) -> int:
+        """Cached blocks: published, held by no sequence (evictable, and still hit)."""
+        return len(self._lru)
+
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
 
@@ -180,6 +189,13 @@ class BlockPool:
         """Token positions the sequence holds slots for. Raises KeyError for an unknown one."""
         return len(self._seqs[seq_id].tokens)
 
+    def num_computed(self, seq_id: Hashable) -> int:
+        """Leading tokens of the sequence in full blocks counted computed: right after
+        :meth:`allocate` the prefix hit's tokens (what prefill may skip), then up to the last
+        full block :meth:`mark_computed` reached (a multiple of ``block_tokens``; always 0 without
+        ``caching``). Raises KeyError for an unknown sequence."""
+        return len(self._seqs[seq_id].digests) * self.block_tokens
+
     # -- admission and allocation ------------------------------------------------------------
 
     def _match(self, tokens: Sequence[int]) -> tuple[list[int], list[bytes]]:
@@ -187,7 +203,7 @@ class BlockPool:
         one token to compute (the last prompt token's logits are needed, as vLLM v1 caps its
         hit at ``num_tokens - 1``): at most ``(len(tokens) - 1) // block_tokens`` blocks."""
         bt, hits, digests, digest = self.block_tokens, [], [], ROOT_DIGEST
-        for i in range((len(tokens) - 1) // bt):
+        for i in range((len(tokens) - 1) // bt if self.caching else 0):
             chunk = tuple(tokens[i * bt : (i + 1) * bt])
             parent, digest = digest, self._hash(digest, chunk)
             block_id = self._published.get(digest)
@@ -207,6 +223,12 @@ class BlockPool:
         in_lru = sum(1 for b in hits if self._blocks[b].refs == 0)
         return self.blocks_for(len(tokens)) - len(hits), len(hits), in_lru
 
+    def peek(self, tokens: Sequence[int]) -> int:
+        """The prompt tokens :meth:`allocate` of ``tokens`` would find cached now (a multiple of
+        ``block_tokens``), without taking, marking or counting anything (for the scheduler's
+        token budget)."""
+        return len(self._match(tokens)[0]) * self.block_tokens
+
     def can_allocate(self, tokens: Sequence[int], reserve: int = 0) -> bool:
         """Whether :meth:`allocate` of ``tokens`` would succeed leaving ``reserve`` blocks (>= 0)
         available: the blocks not already cached, plus the reserve, against free plus
@@ -214,11 +236,12 @@ class BlockPool:
         new, _, in_lru = self._needed(tokens)
         return new + reserve <= self.num_available - in_lru
 
-    def allocate(self, seq_id: Hashable, tokens: Sequence[int]) -> Allocation:
+    def allocate(self, seq_id: Hashable, tokens: Sequence[int], reserve: int = 0) -> Allocation:
         """Give a new sequence slots for its prompt ``tokens``, reusing cached prefix blocks.
 
         Each hit block's reference count goes up (a cached one leaves the LRU); every other
         block is new (free first, else the least recently used cached block is evicted).
+        ``reserve``: blocks (>= 0) that must stay available after it (:meth:`can_allocate`).
 
         Raises:
             ValueError: the sequence exists already, or ``tokens`` is empty.
@@ -231,14 +254,17 @@ class BlockPool:
         hits, digests = self._match(tokens)
         new = self.blocks_for(len(tokens)) - len(hits)
         in_lru = sum(1 for b in hits if self._blocks[b].refs == 0)
-        if new > self.num_available - in_lru:
-            raise NoFreeBlocks(f"{new} new blocks needed, {self.num_available - in_lru} available")
+        if new + reserve > self.num_available - in_lru:
+            raise NoFreeBlocks(
+                f"{new} new blocks (and {reserve} in reserve) needed, {self.num_available - in_lru} available"
+            )
         for block_id in hits:
             self._ref(block_id)
         table = hits + [self._take() for _ in range(new)]
         self._seqs[seq_id] = _Sequence(list(tokens), table, digests)
-        self.queried_tokens += len(tokens)
-        self.hit_tokens += len(hits) * self.block_tokens
+        if self.caching:
+            self.queried_tokens += len(tokens)
+            self.hit_tokens += len(hits) * self.block_tokens
         return Allocation(tuple(table), len(hits) * self.block_tokens)
 
     def _ref(self, block_id: int) -> None:
@@ -271,6 +297,11 @@ class BlockPool:
         n, bt = len(seq.tokens), self.block_tokens
         cow = n % bt != 0 and num_new > 0 and self._blocks[seq.table[-1]].refs > 1
         return self.blocks_for(n + num_new) - len(seq.table) + cow, cow
+
+    def append_cost(self, seq_id: Hashable, num_new: int) -> int:
+        """New blocks :meth:`append_slots` of ``num_new`` tokens would take now, a copy-on-write
+        of a shared partial last block included. Raises KeyError for an unknown sequence."""
+        return self._append_cost(self._seqs[seq_id], num_new)[0]
 
     def can_append(self, seq_id: Hashable, num_new: int) -> bool:
         """Whether :meth:`append_slots` of ``num_new`` tokens would succeed. Changes nothing."""
@@ -325,7 +356,7 @@ class BlockPool:
         seq, bt = self._seqs[seq_id], self.block_tokens
         if num_tokens > len(seq.tokens):
             raise ValueError(f"{num_tokens} tokens computed, but the sequence has {len(seq.tokens)}")
-        for i in range(len(seq.digests), num_tokens // bt):
+        for i in range(len(seq.digests), num_tokens // bt if self.caching else 0):
             chunk = tuple(seq.tokens[i * bt : (i + 1) * bt])
             parent = seq.digests[-1] if seq.digests else ROOT_DIGEST
             digest = self._hash(parent, chunk)
@@ -334,6 +365,24 @@ class BlockPool:
             if digest not in self._published and block.digest is None:
                 block.digest, block.parent, block.tokens = digest, parent, chunk
                 self._published[digest] = seq.table[i]
+
+    def set_tokens(self, seq_id: Hashable, start: int, tokens: Sequence[int]) -> None:
+        """Name the tokens at positions ``start .. start + len(tokens) - 1`` of the sequence:
+        :meth:`append_slots` may take slots before their tokens are known (a decode step's
+        next positions), and :meth:`mark_computed` digests a block by its tokens.
+
+        Raises:
+            KeyError: unknown sequence.
+            ValueError: the positions reach past the sequence's slots, or into a block already
+                counted computed (its digest was taken over its tokens then).
+        """
+        seq = self._seqs[seq_id]
+        if start < len(seq.digests) * self.block_tokens or start + len(tokens) > len(seq.tokens):
+            raise ValueError(
+                f"positions {start}..{start + len(tokens) - 1}: the sequence has {len(seq.tokens)} slots and its "
+                f"first {len(seq.digests) * self.block_tokens} tokens are computed"
+            )
+        seq.tokens[start : start + len(tokens)] = tokens
 
     # -- sharing and release ------------------------------------------------------------------
 
@@ -371,6 +420,17 @@ class BlockPool:
         one left unreferenced is cached (published) or free. Its blocks enter the LRU last block
         first, so its tail is evicted before its head. Raises KeyError for an unknown one."""
         self._release(self._seqs.pop(seq_id).table)
+
+    def evict_cached(self) -> int:
+        """Evict every cached (unreferenced, published) block: they become free and no longer
+        hit. Returns the blocks evicted (counted in ``evicted_blocks``)."""
+        evicted = len(self._lru)
+        while self._lru:
+            block_id, _ = self._lru.popitem(last=False)
+            self._unpublish(block_id)
+            self._free.append(block_id)
+        self.evicted_blocks += evicted
+        return evicted
 
     def _release(self, table: list[int]) -> None:
         for block_id in reversed(table):

@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from models.loader import LoadedModel
 from service.engine.batch import DecodeBatch
-from service.engine.block_pool import BlockPool
+from service.engine.block_pool import BlockPool, NoFreeBlocks
 from service.engine.buckets import BucketTable
 from service.engine.compile_cache import CompileCache
 from service.engine.draft import DraftProposer
@@ -41,7 +41,7 @@ from service.engine.scheduler import Scheduler
 from service.engine.selector import TokenSelector
 from service.engine.sequence import FinishReason, Sequence
 from service.engine.speculative import Speculator
-from service.metrics import Metrics, RequestStat
+from service.metrics import Metrics, PrefixCacheStat, RequestStat
 
 log = logging.getLogger("stepserve.engine")
 
@@ -61,7 +61,9 @@ class Engine:
         max_running: running sequences at most (default and ceiling: the largest batch bucket).
         chunk_tokens: prompt tokens one request prefills per step at most (chunked prefill).
         max_batched_tokens: tokens one step processes at most (decode rows plus prompt chunks).
-        prefix: the prefix cache (None: none).
+        prefix: the prefix cache (None: none). With a paged pool (``kv_pool_tokens``) the pool's
+            blocks are the prefix cache (a hit references them): ``prefix`` then only says
+            whether prefix reuse is on (a budget of 0: off) and stores nothing.
         proposer: speculative decoding's proposer (None: no speculation).
         speculative_tokens: K, proposals per row at most.
         speculative_max_batch: speculate in batch buckets up to this one without measuring
@@ -91,12 +93,14 @@ class Engine:
         self.executor = executor_for(model, cache)
         self.selector = TokenSelector(model.args.vocab_size, self.executor.step_fn)
         self.prefix = prefix if prefix is not None else PrefixCache(block_tokens=buckets.prompt[0], budget_bytes=0)
-        self.prefix.ops = self.executor  # a group's ranks each keep their own layers' blocks
         self.batch = DecodeBatch(buckets, self.executor)
         if kv_pool_tokens is not None:
-            self.batch = self._paged_batch(kv_pool_tokens, kv_block_tokens, proposer is not None, kv_bits)
+            caching = self.prefix.budget_bytes > 0
+            self.prefix = PrefixCache(self.prefix.block_tokens, budget_bytes=0)  # the pool's blocks are the cache
+            self.batch = self._paged_batch(kv_pool_tokens, kv_block_tokens, proposer is not None, kv_bits, caching)
         elif kv_bits is not None:
             raise ValueError("kv_bits quantizes the paged pool's blocks: set kv_cache = 'paged' too")
+        self.prefix.ops = self.executor  # a group's ranks each keep their own layers' blocks
         self.runner = ModelRunner(self.executor, self.selector, self.batch)
         whole_tokens = max(max_batched_tokens, chunk_tokens)
         self.prefiller = Prefiller(self.executor, self.selector, buckets, chunk_tokens, whole_tokens)
@@ -106,7 +110,8 @@ class Engine:
                 proposer, self.executor, self.selector, buckets, speculative_tokens, speculative_max_batch
             )
         running = min(max_running or buckets.batch[-1], buckets.batch[-1])
-        self.scheduler = Scheduler(running, max_waiting, chunk_tokens, max_batched_tokens, self.prefix.peek, self._fits)
+        peek = self.paged.blocks.peek if self.paged is not None else self.prefix.peek
+        self.scheduler = Scheduler(running, max_waiting, chunk_tokens, max_batched_tokens, peek, self._fits)
         self.capacity_limit = buckets.capacity[-1]
         self._stop = threading.Event()
         self._abort = threading.Event()
@@ -128,10 +133,11 @@ class Engine:
                 )
 
     def _paged_batch(
-        self, pool_tokens: int, block_tokens: int, speculative: bool, bits: int | None = None
+        self, pool_tokens: int, block_tokens: int, speculative: bool, bits: int | None = None, caching: bool = True
     ) -> PagedDecodeBatch:
         """The decode batch over a paged pool of ``pool_tokens`` positions (rounded up to whole
-        blocks, plus the null block). Raises ValueError as the class docstring says."""
+        blocks, plus the null block), its blocks published for prefix hits when ``caching``.
+        Raises ValueError as the class docstring says."""
         if speculative:
             raise ValueError("kv_cache = 'paged' does not run speculative decoding yet; set speculative = 'off'")
         if not self.executor.can_page:
@@ -143,7 +149,7 @@ class Engine:
             raise ValueError(f"every capacity bucket must be a multiple of kv_block_tokens ({block_tokens})")
         num_blocks = -(-pool_tokens // block_tokens) + 1  # + the null block
         self.executor.use_paged(num_blocks, block_tokens, bits)
-        return PagedDecodeBatch(self.buckets, self.executor, BlockPool(num_blocks, block_tokens))
+        return PagedDecodeBatch(self.buckets, self.executor, BlockPool(num_blocks, block_tokens, caching=caching))
 
     def kv_summary(self) -> dict:
         """How this engine keeps its KV cache, for ``/readyz``: ``{"cache": "static"}``, or for a
@@ -216,12 +222,14 @@ class Engine:
 
     @property
     def prefix_cache_bytes(self) -> int:
-        """Bytes the prefix cache holds now (read without a lock: an estimate)."""
+        """Bytes the prefix cache holds now beyond the KV cache (read without a lock: an
+        estimate); 0 with a paged pool, whose cached blocks are part of the pool."""
         return self.prefix.nbytes
 
     def shrink_prefix_cache(self, nbytes: int) -> None:
         """Have the engine thread evict at least ``nbytes`` of prefix-cache blocks before its
-        next prefill (memory admission calls this rather than refuse a request)."""
+        next prefill (memory admission calls this rather than refuse a request; a paged pool's
+        cached blocks free no memory, and are taken as requests need them anyway)."""
         self._prefix_evict = max(self._prefix_evict, nbytes)
 
     def load(self) -> list[tuple[int, int]]:
@@ -339,7 +347,10 @@ class Engine:
         self._apply(self._decode())
         if plan.prefill:  # after the first tokens went out and the decode step is queued
             self.save_prefixes()
-            stat = self.prefix.take_stat(self.model.name)
+        # A paged pool also evicts and caches blocks between prefills (a row's next block, a
+        # request that ended): its counters are compared each step, recorded when they moved.
+        if plan.prefill or (self.paged is not None and self.paged.prefix_moved):
+            stat = self.take_prefix_stat()
             if self.ready.is_set():  # the warm-up rehearsal's lookups are not served traffic
                 self.metrics.record_prefix_cache(stat)
         selector = self.selector
@@ -388,7 +399,14 @@ class Engine:
         prompt) then share one gathered cache: MLX arrays are immutable and a chunk step returns
         a new cache, so each request still prefills into its own. (A pipeline group's rank 0
         names each cache by a handle that its chunk step moves to the result, so there every
-        request gathers its own.) None: gather for this request alone."""
+        request gathers its own.) None: gather for this request alone.
+
+        With a paged pool the hit is the pool's blocks the request took at admission
+        (:meth:`_fits`; one that holds none yet takes them now, raising NoFreeBlocks when the
+        pool cannot give them), read into the staging cache (:meth:`Executor.read_blocks`)."""
+        if self.paged is not None:
+            self._match_pool(seq, gathered)
+            return
         hit = self.prefix.match(seq.prefill_ids)
         if hit.num_tokens == 0:
             return
@@ -401,6 +419,42 @@ class Engine:
                 gathered[key] = (hit.blocks, self.prefix.gather(hit, capacity))
             seq.staging = gathered[key][1]
         seq.num_computed = seq.cached_tokens = hit.num_tokens
+
+    def _match_pool(self, seq: Sequence, gathered: dict | None) -> None:
+        """:meth:`match_prefix` from the paged pool's blocks (see there)."""
+        paged = self.paged
+        assert paged is not None
+        pool = paged.blocks
+        if id(seq) not in pool:
+            pool.allocate(id(seq), seq.prefill_ids)
+        hit = pool.num_computed(id(seq))
+        if hit == 0:
+            return
+        blocks = pool.block_table(id(seq))[: hit // pool.block_tokens]
+        capacity = self.prefiller.staging_capacity(len(seq.prefill_ids), hit)
+        if gathered is None:
+            seq.staging = self.executor.read_blocks(blocks, capacity)
+        else:
+            key = (*blocks, capacity)  # block ids: the hit blocks stay held while this step prefills
+            if key not in gathered:
+                gathered[key] = (blocks, self.executor.read_blocks(blocks, capacity))
+            seq.staging = gathered[key][1]
+        seq.num_computed = seq.cached_tokens = hit
+
+    def take_prefix_stat(self) -> PrefixCacheStat:
+        """The prefix cache's counters since the previous call and the bytes it holds (with a
+        paged pool: its hits at admission and its cached blocks)."""
+        if self.paged is not None:
+            return self.paged.take_prefix_stat(self.model.name)
+        return self.prefix.take_stat(self.model.name)
+
+    def forget_prefixes(self) -> None:
+        """Empty the prefix cache (the prefix cache's blocks, or a paged pool's cached blocks),
+        its counters' increase dropped uncounted (the warm-up rehearsal's dummy prompts)."""
+        self.prefix.evict(self.prefix.nbytes)
+        if self.paged is not None:
+            self.paged.blocks.evict_cached()
+        self.take_prefix_stat()
 
     def save_prefixes(self) -> None:
         """Store the full blocks of the prompts prefilled since the last call in the prefix
@@ -435,23 +489,32 @@ class Engine:
 
     def _fits(self, seq: Sequence) -> bool:
         """Whether a waiting request may be admitted: always with a static cache; with a paged
-        pool, when the pool can give its prompt's blocks (and its first decode position) while
-        keeping one block per request already running or prefilling for their next steps
-        (vLLM v1 admits by the blocks a prompt needs, with a small reserve). Called by the
-        scheduler, on the engine thread."""
+        pool, when the pool can give the blocks of its prompt not already cached (and of its
+        first decode position) while keeping one block per request already running or
+        prefilling for their next steps (vLLM v1 admits by the blocks a prompt needs, with a
+        small reserve; cached blocks no request holds count as available, evicted least
+        recently used first). An admitted request takes its prompt's blocks at once, its
+        prefix hit's referenced (:meth:`BlockPool.allocate`), so that the next admission of
+        the same step counts what this one took. Called by the scheduler, on the engine thread."""
         batch = self.paged
         if batch is None:
             return True
-        blocks = batch.blocks
-        need = blocks.blocks_for(len(seq.prefill_ids) + 1) + self.scheduler.num_running
-        return need <= blocks.num_available
+        blocks, ids = batch.blocks, seq.prefill_ids
+        if id(seq) in blocks:
+            return True
+        reserve = blocks.blocks_for(len(ids) + 1) - blocks.blocks_for(len(ids)) + self.scheduler.num_running
+        try:
+            blocks.allocate(id(seq), ids, reserve)
+        except NoFreeBlocks:
+            return False
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         """Take ``seq``'s slot and blocks back and queue it first (:meth:`Sequence.preempt`)."""
         batch = self.paged
         assert batch is not None
         batch.vacate(seq)
-        batch.free(seq)
+        batch.free(seq, publish=True)  # its prompt and output's full blocks: its resumption hits them
         seq.preempt()
         self.scheduler.preempt(seq)
         batch.preemptions += 1
@@ -497,10 +560,10 @@ class Engine:
     def _finish(self, seq: Sequence, reason: FinishReason | None = None, error: str | None = None) -> None:
         """The one place a request ends: free its slot and key, leave the scheduler, record
         its metrics and send its final event."""
+        if reason is not None:  # before the release: a paged pool keeps a failed request's blocks unpublished
+            seq.finish_reason = reason
         self.batch.release(seq)
         self.scheduler.finish(seq)
-        if reason is not None:
-            seq.finish_reason = reason
         final = seq.final_event(error)
         if seq.warmup:
             seq.emit(final)

@@ -4,7 +4,8 @@ The runner decides (which rows, which bucket, which slots); the executor carries
 this process's layers. Every method here is one **operation**: a compiled model step
 (``prefill``, ``chunk``, ``decode``, each at a bucketed shape), or a KV-cache operation
 (``alloc``, ``resize``, ``reorder``, ``resize_batch``, ``insert_rows``, the prefix cache's
-``save_blocks`` and ``gather_blocks``), or a warm-up step.
+``save_blocks`` and ``gather_blocks``, the paged pool's ``write_blocks``, ``read_blocks`` and
+``copy_pool_blocks``: one process only, as the pool is), or a warm-up step.
 
 In one process (:class:`Executor`) an operation is a direct call on the whole model. In a
 pipeline group (:mod:`service.engine.group`) rank 0's executor first tells every other rank the
@@ -32,7 +33,8 @@ from models.adapter import AdapterArgs
 from models.architectures import architecture
 from models.kv_cache import KVCache, Windows
 from models.loader import LoadedModel
-from models.paged import PagedKV
+from models.paged import PagedKV, gather, gather_quantized
+from service.engine.block_pool import BlockCopy
 from service.engine.compile_cache import CompileCache, StepKey, StepSpec
 from service.engine.kv_blocks import copy_blocks, join_blocks
 
@@ -256,19 +258,23 @@ class Executor:
             return logits, kv
         return fn(self.model.params, tokens, at, kv)
 
-    def write_blocks(self, source: KVCache, row: int, blocks: list[int], length: int) -> None:
-        """Copy positions 0..length-1 of row ``row`` of a linear (prefill or staging) cache
+    def write_blocks(self, source: KVCache, row: int, blocks: list[int], length: int, start: int = 0) -> None:
+        """Copy positions start..length-1 of row ``row`` of a linear (prefill or staging) cache
         [B', Hkv, C', D] into the paged pool's ``blocks`` (position p to offset p % bt of block
-        ``blocks[p // bt]``), one indexed copy per layer for keys and values. Positions past
-        ``length`` in the last block get whatever the source holds there (or zeros), which
-        attention masks by position."""
+        ``blocks[(p - start) // bt]``), one indexed copy per layer for keys and values. ``start``
+        (a multiple of bt): the positions before it are in blocks the row already holds (a
+        prefix hit's, which are shared and not written again). Positions past ``length`` in the
+        last block get whatever the source holds there (or zeros), which attention masks by
+        position."""
         pool = self.pool
         assert pool is not None, "use_paged() first"
         bt, n, dtype = pool.block_tokens, len(blocks), self.model.dtype
+        if n == 0:
+            return
         index = mx.array(blocks, mx.int32)
 
         def shaped(buf: mx.array) -> mx.array:  # [Hkv, C', D] -> [n, Hkv, bt, D]
-            part = buf[row, :, : n * bt]
+            part = buf[row, :, start : start + n * bt]
             if part.shape[1] < n * bt:
                 part = mx.pad(part, [(0, 0), (0, n * bt - part.shape[1]), (0, 0)])
             H, _, D = part.shape
@@ -285,6 +291,47 @@ class Executor:
         for layer, (keys, values) in enumerate(zip(source.keys, source.values, strict=True)):
             put(pool.keys, layer, shaped(keys))
             put(pool.values, layer, shaped(values))
+
+    def read_blocks(self, blocks: list[int], capacity: int) -> KVCache:
+        """A batch-1 linear (staging) cache [1, Hkv, capacity, D] per layer, in the compute
+        dtype, whose positions 0..len(blocks) * bt - 1 are the paged pool's ``blocks`` in order
+        (a prefix hit's; dequantized from a ``kv_bits`` pool) and the rest zeros, as a
+        :meth:`alloc` cache after those positions were prefilled (lazy: one gather per layer for
+        keys and values). Raises ValueError when the blocks hold more than ``capacity`` positions."""
+        pool = self.pool
+        assert pool is not None, "use_paged() first"
+        positions = len(blocks) * pool.block_tokens
+        if positions > capacity:
+            raise ValueError(f"{len(blocks)} blocks hold {positions} positions, over the capacity {capacity}")
+        table, dtype, at = mx.array([blocks], mx.int32), self.model.dtype, mx.array([0, 0, 0, 0], mx.int32)
+
+        def view(layer_pool) -> mx.array:  # the layer's blocks as [1, Hkv, capacity, D]
+            if pool.quantized:
+                part = mx.dequantize(
+                    *gather_quantized(layer_pool, table), group_size=self.kv_group_size, bits=self.kv_bits
+                )
+            else:
+                part = gather(layer_pool, table)
+            zeros = mx.zeros((1, part.shape[1], capacity, part.shape[3]), dtype)
+            return mx.slice_update(zeros, part.astype(dtype), at, (0, 1, 2, 3))
+
+        return KVCache([view(k) for k in pool.keys], [view(v) for v in pool.values])
+
+    def copy_pool_blocks(self, copies: list[BlockCopy]) -> None:
+        """The block pool's copy-on-writes (:meth:`BlockPool.append_slots`): every layer's keys
+        and values of each ``src`` block copied into its ``dst`` block of the paged pool, in
+        place (one indexed copy per layer and array; ``dst`` distinct and no ``dst`` a ``src``)."""
+        pool = self.pool
+        assert pool is not None, "use_paged() first"
+        if not copies:
+            return
+        src = mx.array([c.src for c in copies], mx.int32)
+        dst = mx.array([c.dst for c in copies], mx.int32)
+        for pools in (pool.keys, pool.values):
+            for layer_pool in pools:
+                parts = layer_pool if isinstance(layer_pool, tuple) else (layer_pool,)
+                for part in parts:  # an array's item assignment replaces it in its list or triple
+                    part[dst] = part[src]
 
     def resize(self, kv: KVCache, capacity: int, ring: bool = True) -> KVCache:
         """``kv`` at another capacity (one copy): a decode cache (``ring``: its rings stay rings,

@@ -1,13 +1,19 @@
 """The decode batch over a paged KV pool: each running request holds the blocks its tokens use
 (:class:`service.engine.block_pool.BlockPool`), not a row of the batch's worst-case capacity.
 
-A request joins by taking blocks for its prompt and next position and having its prefilled keys
-and values copied into them (:meth:`Executor.write_blocks`); each decode step first gives every
-row the blocks its next positions need, then runs over the rows' block tables
+A request takes its prompt's blocks when it is admitted (:meth:`Engine._fits`), the leading full
+blocks another request already computed referenced, not copied (a prefix hit: prefill starts
+after them). It joins by having the keys and values it prefilled copied into its other blocks
+(:meth:`Executor.write_blocks`), whose full blocks are then published for later requests' hits;
+each decode step first gives every row the blocks its next positions need (a copy of a shared
+partial last block first: copy-on-write), then runs over the rows' block tables
 (:class:`service.engine.executor.PagedTables`) at a batch bucket and a capacity bucket, as the
 static batch does; a finished request's blocks go back to the pool. A bucket move is a wider or
 narrower table: nothing is copied. When a step's blocks cannot be had, the engine preempts
-(:meth:`Engine._make_room`). Called only from the engine thread.
+(:meth:`Engine._make_room`); the unreferenced cached blocks are taken (least recently used
+first) before that. A request that ends or is preempted publishes the full blocks of what it
+generated as well, so a resumed request (or a next turn that repeats the answer) hits them.
+Called only from the engine thread.
 
 The table is kept between steps (a host copy and the device array made from it) and changed only
 where a row changed: a join, a row's next block, a vacated slot (finished or preempted), a bucket
@@ -25,7 +31,8 @@ from service.engine.batch import DecodeBatch
 from service.engine.block_pool import NULL_BLOCK, BlockPool, NoFreeBlocks
 from service.engine.buckets import BucketTable
 from service.engine.executor import Executor, PagedTables
-from service.engine.sequence import Sequence
+from service.engine.sequence import FinishReason, Sequence
+from service.metrics import PrefixCacheStat
 
 
 class PagedDecodeBatch(DecodeBatch):
@@ -47,50 +54,108 @@ class PagedDecodeBatch(DecodeBatch):
         self._tables: PagedTables | None = None  # the table on the device; None: remake from _host
         self._rebuild = True  # every row of _host must be rewritten (a bucket move, slots renumbered)
         self._stale: set[int] = set()  # slots whose row of _host must be rewritten
+        self._written: set[int] = set()  # id() of the requests whose keys and values are in their blocks
+        self._reported = (0, 0, 0, 0)  # the pool's prefix counters and cached blocks at the last take_prefix_stat
 
     # -- blocks ------------------------------------------------------------------------------
 
     def blocks_short(self, live: Iterable[Sequence], extra: int = 0) -> int:
-        """New blocks the next step of ``live`` needs (each row's position and ``extra`` more)
-        beyond those the pool can give now (0: it fits)."""
+        """New blocks the next step of ``live`` needs (each row's position and ``extra`` more,
+        a copy-on-write of a shared partial last block included) beyond those the pool can give
+        now, cached blocks counted as available (0: it fits)."""
         pool, need = self.blocks, 0
         for seq in live:
-            have = pool.blocks_for(pool.num_tokens(id(seq))) if id(seq) in pool else 0
-            need += max(0, pool.blocks_for(min(seq.position + 1 + extra, self.capacity_limit)) - have)
+            if id(seq) not in pool:
+                need += pool.blocks_for(min(seq.position + 1 + extra, self.capacity_limit))
+            elif (more := self._wanted(seq, extra)) > 0:
+                need += pool.append_cost(id(seq), more)
         return max(0, need - pool.num_available)
 
-    def _grow(self, seq: Sequence, extra: int) -> None:
-        """Give ``seq`` whole blocks for positions up to ``position + extra`` (at most the
-        capacity limit, a multiple of the block size), its table row rewritten at the next
-        :meth:`cache` when it took one. Raises NoFreeBlocks (nothing changed for this row)."""
-        pool, bt = self.blocks, self.blocks.block_tokens
+    def _wanted(self, seq: Sequence, extra: int) -> int:
+        """Positions ``seq`` must take for its positions up to ``position + extra``: whole blocks,
+        up to the capacity limit (a multiple of the block size); 0 when it holds them."""
+        pool = self.blocks
         have = pool.num_tokens(id(seq))
         if seq.position + 1 + extra <= have:
-            return  # the steady step: its blocks hold the next positions already
-        want = min(pool.blocks_for(seq.position + 1 + extra) * bt, self.capacity_limit)
-        if want > have:
-            pool.append_slots(id(seq), [0] * (want - have))
+            return 0  # the steady step: its blocks hold the next positions already
+        return max(0, min(pool.blocks_for(seq.position + 1 + extra) * pool.block_tokens, self.capacity_limit) - have)
+
+    def _grow(self, seq: Sequence, extra: int) -> None:
+        """Give ``seq`` whole blocks for positions up to ``position + extra`` (:meth:`_wanted`),
+        its table row rewritten at the next :meth:`cache` when it took one; a shared partial
+        last block is copied first (the device copy is queued before the step). Raises
+        NoFreeBlocks (nothing changed for this row)."""
+        if more := self._wanted(seq, extra):
+            copies = self.blocks.append_slots(id(seq), [0] * more)  # tokens named when published (free)
+            if copies:
+                self.executor.copy_pool_blocks(copies)
             self._stale.add(seq.slot)
 
-    def free(self, seq: Sequence) -> None:
-        """Give ``seq``'s blocks back (idempotent; vacate its slot first)."""
-        if id(seq) in self.blocks:
-            self.blocks.free(id(seq))
+    def free(self, seq: Sequence, publish: bool = False) -> None:
+        """Give ``seq``'s blocks back (idempotent; vacate its slot first). ``publish``: its
+        keys and values are in its blocks up to ``seq.position`` (it joined, and no step failed):
+        the full blocks among them are published first, the generated tokens included, so a
+        resumed request or a later prompt repeating them hits them."""
+        pool, key = self.blocks, id(seq)
+        if key not in pool:
+            return
+        if publish and key in self._written and pool.caching:
+            start, ids = pool.num_computed(key), seq.prompt_ids + seq.output_ids
+            end = min(seq.position, len(ids), pool.num_tokens(key))
+            if end > start:
+                pool.set_tokens(key, start, ids[start:end])
+                pool.mark_computed(key, end)
+        self._written.discard(key)
+        pool.free(key)
+
+    @property
+    def prefix_moved(self) -> bool:
+        """Whether the pool's prefix counters or its cached blocks changed since the previous
+        :meth:`take_prefix_stat`."""
+        pool = self.blocks
+        return (pool.queried_tokens, pool.hit_tokens, pool.evicted_blocks, pool.num_cached) != self._reported
+
+    def take_prefix_stat(self, model: str) -> PrefixCacheStat:
+        """The pool's prefix counters' increase since the previous call (tokens looked up and
+        hit at admission, blocks evicted) and the bytes of its cached blocks now, as the prefix
+        cache reports them (:meth:`service.metrics.Metrics.record_prefix_cache`)."""
+        pool = self.blocks
+        now = (pool.queried_tokens, pool.hit_tokens, pool.evicted_blocks, pool.num_cached)
+        queried, hit, evicted = (a - b for a, b in zip(now[:3], self._reported[:3], strict=True))
+        self._reported = now
+        device = self.executor.pool
+        block_bytes = device.nbytes // device.num_blocks if device is not None else 0
+        return PrefixCacheStat(model, queried, hit, evicted, now[3] * block_bytes)
 
     # -- the DecodeBatch API -------------------------------------------------------------------
 
     def join(self, seqs: list[Sequence]) -> list[str]:
-        """Give each prefilled request (``seq.prefilled``) blocks for its prompt and next
-        position and copy its keys and values into them, in a free slot. A request whose blocks
-        the pool cannot give now stays out (``seq.prefilled`` kept): the engine preempts it.
-        Returns the bucket moves made."""
+        """Place each prefilled request (``seq.prefilled``) in a free slot: the keys and values it
+        prefilled are copied into its blocks after its prefix hit's (taken at admission; a
+        request that holds none yet takes them here, and one the pool cannot give now stays out,
+        ``seq.prefilled`` kept: the engine preempts it), and its full blocks are published. A
+        request prefilled in the same cache row as an earlier one of the call (one prompt sent
+        twice at once) shares that one's blocks instead, its partial last block too: the first of
+        them to write there gets a copy (copy-on-write). Returns the bucket moves made."""
         seqs = [s for s in seqs if s.prefilled is not None]
-        placed = []
+        pool, placed = self.blocks, []
+        first: dict[tuple[int, int], Sequence] = {}  # (cache, row) -> the request written from it
         for seq in seqs:
-            try:
-                self.blocks.allocate(id(seq), [0] * (seq.position + 1))
-            except NoFreeBlocks:
-                continue
+            kv, row = seq.prefilled  # type: ignore[misc]
+            twin = first.get((id(kv), row))
+            if twin is not None and twin.prefill_ids == seq.prefill_ids:
+                if id(seq) in pool:
+                    pool.free(id(seq))
+                pool.fork(id(twin), id(seq))
+            else:
+                if id(seq) not in pool:
+                    try:
+                        pool.allocate(id(seq), seq.prefill_ids)
+                    except NoFreeBlocks:
+                        continue
+                first.setdefault((id(kv), row), seq)
+                self._write_prompt(seq)
+            self._written.add(id(seq))
             placed.append(seq)
         if not placed:
             return []
@@ -101,12 +166,19 @@ class PagedDecodeBatch(DecodeBatch):
             self._growing = True
         free = iter(i for i, s in enumerate(self.slots) if s is None)
         for seq in placed:
-            kv, row = seq.prefilled  # type: ignore[misc]
-            self.executor.write_blocks(kv, row, self.blocks.block_table(id(seq)), seq.position)
             slot = next(free)
             seq.slot, self.slots[slot], seq.prefilled = slot, seq, None
             self._stale.add(slot)
         return moves
+
+    def _write_prompt(self, seq: Sequence) -> None:
+        """Copy the keys and values ``seq`` prefilled (``seq.prefilled``) into its blocks after
+        its prefix hit's, and publish its prompt's full blocks."""
+        pool, (kv, row) = self.blocks, seq.prefilled  # type: ignore[misc]
+        table, start = pool.block_table(id(seq)), pool.num_computed(id(seq))
+        self.executor.write_blocks(kv, row, table[start // pool.block_tokens :], seq.position, start)
+        pool.mark_computed(id(seq), len(seq.prefill_ids))
+        self._written.add(id(seq))
 
     def fit(self, live: Iterable[Sequence], joining: Iterable[Sequence] = (), extra: int = 0) -> list[str]:
         """Pick the batch and capacity buckets for ``live`` plus ``joining`` (as the static batch
@@ -184,9 +256,14 @@ class PagedDecodeBatch(DecodeBatch):
         self._bucket, self._tables, self._rebuild, self._stale = None, None, True, set()
 
     def release(self, seq: Sequence) -> None:
-        """Free a finished request's slot, key and blocks."""
+        """Free a finished request's slot, key and blocks, publishing its full blocks unless it
+        failed (:meth:`free`): one that ended at its first token, before it joined, has the keys
+        and values it prefilled written into its blocks first, so its prompt is hit later."""
+        publish = seq.finish_reason is not FinishReason.ERROR
+        if publish and seq.prefilled is not None and id(seq) in self.blocks and self.blocks.caching:
+            self._write_prompt(seq)
         super().release(seq)
-        self.free(seq)
+        self.free(seq, publish=publish)
 
     def abort(self) -> None:
         """Forget the whole batch and give every block back."""

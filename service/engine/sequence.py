@@ -250,6 +250,6 @@ class Sequence:
             decode_s=0.0 if first is None else (self.last_token_at or first) - first,
             total_s=now - self.arrival,
             error=error,
-            cached_tokens=self.cached_tokens,
+            cached_tokens=min(self.cached_tokens, len(self.prompt_ids)),  # a resumed prefill may hit its output too
             stop_string=self.stop_string,
         )

@@ -79,8 +79,9 @@ def build_engine(
 
 def paged_pool_tokens(settings: Settings, served: ServedModel, model: LoadedModel) -> int:
     """Token positions of ``model``'s paged KV pool: ``kv_pool_tokens``, else what the memory
-    budget leaves after the weights, the largest prefill step and the prefix cache
-    (:func:`service.process.memory.paged_pool_tokens`)."""
+    budget leaves after the weights and the largest prefill step
+    (:func:`service.process.memory.paged_pool_tokens`; the prefix cache is the pool's own
+    cached blocks, with no budget of its own)."""
     if settings.kv_pool_tokens is not None:
         return settings.kv_pool_tokens
     return memory.paged_pool_tokens(
@@ -89,7 +90,7 @@ def paged_pool_tokens(settings: Settings, served: ServedModel, model: LoadedMode
         served.max_sequences or served.batch_buckets[-1],
         settings.prefill_chunk_tokens,
         settings.max_batched_tokens,
-        prefix_budget(model, settings.prefix_cache_bytes),
+        0,  # the pool's cached blocks are the prefix cache: no budget of its own
         memory_budget(settings),
         settings.kv_bits,
     )

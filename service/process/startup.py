@@ -309,17 +309,23 @@ def _check_paged(
         context = settings.max_model_len or getattr(models[s.name].args, "max_position_embeddings", None)
         if context and not chosen and not _per_model(settings, s.name, "capacity_buckets"):
             ladders[s.name] = context_ladder(ladders[s.name], context, bt)
-    fixed = {
+    fixed = {  # no prefix cache of its own: the pool's cached blocks are the prefix cache
         s.name: memory.worst_case(
             models[s.name],
             BucketTable(tuple(s.batch_buckets), tuple(s.prompt_buckets), tuple(ladders[s.name])),
             resolved[s.name],
             settings.prefill_chunk_tokens,
             settings.max_batched_tokens,
-            settings.prefix_cache_bytes if models[s.name].args.prefix_blocks else 0,
         )
         for s in specs
     }
+    if settings.prefix_cache_bytes and "prefix_cache_bytes" in settings.model_fields_set:
+        log.warning(
+            "prefix_cache_bytes = %d does not apply with kv_cache = 'paged': prefixes are cached in the pool's "
+            "blocks no request holds (evicted least recently used first as requests need blocks); "
+            "prefix_cache_bytes = 0 turns prefix caching off",
+            settings.prefix_cache_bytes,
+        )
     embedded = sum(e.total for e in embedding)
     rest = limit - sum(e.weights + e.prefill + e.prefix_cache for e in fixed.values()) - embedded
     beside = f" beside the embedding models' {embedded / 1e9:.2f} GB" if embedding else ""
@@ -330,17 +336,18 @@ def _check_paged(
         if pool < ladders[s.name][0]:
             raise MemoryBudgetError(
                 f"model '{s.name}': its paged KV pool would hold {pool} tokens, fewer than the smallest capacity "
-                f"bucket ({ladders[s.name][0]}), within {name} {limit / gb:.2f} GB{beside}; raise the budget, lower "
-                f"prefix_cache_bytes{_embedding_fix(embedding)}, or set kv_pool_tokens"
+                f"bucket ({ladders[s.name][0]}), within {name} {limit / gb:.2f} GB{beside}; raise the budget"
+                f"{_embedding_fix(embedding)}, or set kv_pool_tokens"
             )
         if pool < ladders[s.name][-1]:  # one sequence can hold at most the pool
             ladders[s.name] = context_ladder(ladders[s.name], pool, bt)
         e = fixed[s.name]
         log.info(
-            "model %s: paged KV pool of %d tokens (%.2f GB, blocks of %d), up to %d sequences, each up to %d tokens "
-            "(capacity buckets %s); weights %.2f GB, prefill %.2f GB, prefix cache %.2f GB, against %s %.2f GB",
-            s.name, pool, pool * per / gb, bt, resolved[s.name], ladders[s.name][-1], ladders[s.name],
-            e.weights / gb, e.prefill / gb, e.prefix_cache / gb, name, limit / gb,
+            "model %s: paged KV pool of %d tokens (%.2f GB, blocks of %d; prefix caching %s, in the pool's unheld "
+            "blocks), up to %d sequences, each up to %d tokens (capacity buckets %s); weights %.2f GB, prefill "
+            "%.2f GB, against %s %.2f GB",
+            s.name, pool, pool * per / gb, bt, "on" if settings.prefix_cache_bytes else "off", resolved[s.name],
+            ladders[s.name][-1], ladders[s.name], e.weights / gb, e.prefill / gb, name, limit / gb,
         )  # fmt: skip
     settings = _with_max_sequences(settings, resolved)
     settings = _with_model_values(settings, "capacity_buckets", ladders)

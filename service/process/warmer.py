@@ -214,6 +214,6 @@ def _run_waves(engine: Engine, waves: list[list[Sequence]]) -> None:
 
 
 def forget_prefixes(engine: Engine) -> None:
-    """Empty the prefix cache of what a rehearsal's dummy prompts left, uncounted."""
-    engine.prefix.evict(engine.prefix.nbytes)
-    engine.prefix.take_stat(engine.model.name)
+    """Empty the prefix cache (a paged pool's cached blocks too) of what a rehearsal's dummy
+    prompts left, uncounted (:meth:`Engine.forget_prefixes`)."""
+    engine.forget_prefixes()

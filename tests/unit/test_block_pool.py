@@ -333,3 +333,65 @@ def test_fuzz_arrivals_appends_forks_truncations_and_frees(seed):
     stats = pool.stats()
     assert stats.used == 0 and stats.free + stats.cached == stats.total
     assert refused and hits and copies and truncated and pool.evicted_blocks  # every path was reached
+
+
+def test_tokens_named_after_their_slots_are_published_and_hit():
+    """A decode step takes slots before it knows their tokens: named later (:meth:`set_tokens`),
+    the blocks they fill are published under them (a preempted sequence's output)."""
+    pool = BlockPool(num_blocks=8, block_tokens=BT)
+    device = Device(pool)
+    admit(pool, device, "a", [1, 2, 3, 4, 5])
+    assert pool.num_computed("a") == 4
+    pool.append_slots("a", [0, 0, 0, 0])  # slots for positions 5..8, tokens unknown yet
+    with pytest.raises(ValueError):
+        pool.set_tokens("a", 2, [9])  # inside a block already digested
+    with pytest.raises(ValueError):
+        pool.set_tokens("a", 5, [6] * 5)  # past its slots
+    pool.set_tokens("a", 4, [5, 6, 7, 8])
+    pool.mark_computed("a", 8)
+    assert pool.num_computed("a") == 8
+    pool.free("a")
+    assert pool.peek([1, 2, 3, 4, 5, 6, 7, 8, 9]) == 8
+    assert pool.peek([1, 2, 3, 4, 5, 0, 0, 0, 9]) == 4  # placeholders were not what got published
+    pool.check()
+
+
+def test_admission_counts_the_reserve_and_only_uncached_blocks():
+    pool = BlockPool(num_blocks=7, block_tokens=BT)  # 6 usable blocks
+    admit(pool, Device(pool), "a", list(range(12)))  # 3 blocks, all full
+    pool.free("a")  # 3 cached, 3 free
+    prompt = list(range(12)) + [50, 51, 52, 53, 54]  # hits 3 blocks, needs 2 new
+    assert pool.peek(prompt) == 12
+    assert pool.can_allocate(prompt, reserve=1) and not pool.can_allocate(prompt, reserve=2)
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate("b", prompt, reserve=2)
+    pool.check()
+    assert pool.allocate("b", prompt, reserve=1).num_cached_tokens == 12
+    assert pool.stats().used == 5 and pool.stats().free == 1
+    pool.fork("b", "c")
+    assert pool.append_cost("c", 1) == 1  # its partial last block is shared: a copy first
+    assert pool.append_cost("c", 4) == 2  # the copy, then a block for position 20
+    pool.check()
+
+
+def test_without_caching_nothing_is_published_hit_or_counted():
+    pool = BlockPool(num_blocks=8, block_tokens=BT, caching=False)
+    admit(pool, Device(pool), "a", list(range(9)))
+    assert pool.num_computed("a") == 0
+    pool.free("a")
+    assert pool.stats().cached == 0 and pool.stats().free == 7
+    assert pool.allocate("b", list(range(9))).num_cached_tokens == 0
+    assert pool.queried_tokens == pool.hit_tokens == 0
+    pool.check()
+
+
+def test_evict_cached_frees_every_cached_block():
+    pool = BlockPool(num_blocks=8, block_tokens=BT)
+    admit(pool, Device(pool), "a", list(range(9)))
+    admit(pool, Device(pool), "b", [7] * 9)
+    pool.free("a")
+    assert pool.num_cached == 2
+    assert pool.evict_cached() == 2 and pool.evicted_blocks == 2
+    assert pool.peek(list(range(9))) == 0 and pool.peek([7] * 9) == 8  # b's, held, stay published
+    assert pool.stats().used == 3 and pool.stats().free == 4
+    pool.check()

@@ -5,6 +5,7 @@ the pool where the pool is smaller; a pool smaller than one bucket is refused, n
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import mlx.core as mx
 import pytest
@@ -18,8 +19,8 @@ from tests.support import TINY, WordTokenizer, random_params
 
 @pytest.fixture(scope="module")
 def model() -> LoadedModel:
-    params = random_params(seed=1)
-    return LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
+    params, tokenizer = random_params(seed=1), cast(Any, WordTokenizer(frozenset()))
+    return LoadedModel("tiny", Path("-"), TINY, params, tokenizer, mx.float32, "dequantized", 0.0)
 
 
 def settings(**keys) -> Settings:
@@ -71,3 +72,17 @@ def test_a_quantized_pool_holds_more_tokens_in_the_same_budget(model):
     four = check_memory(settings(memory_budget_bytes=10**8, kv_bits=4), {"tiny": model}).kv_pool_tokens
     assert full is not None and eight is not None and four is not None
     assert 3 * full < eight < 4 * full and 5 * full < four < 8 * full  # float32 against 8 and 4 bits
+
+
+def test_prefix_cache_bytes_takes_nothing_from_the_pool_and_an_explicit_value_is_named(model, caplog):
+    """With a paged pool the prefix cache is the pool's cached blocks: ``prefix_cache_bytes`` is
+    not reserved beside the pool, and a value set explicitly gets a start-up warning saying so
+    (0 only turns prefix caching off, and says nothing)."""
+    budget = 10**8
+    off = check_memory(settings(memory_budget_bytes=budget), {"tiny": model}).kv_pool_tokens
+    assert not [r for r in caplog.records if "prefix_cache_bytes" in r.getMessage()]
+    with caplog.at_level("WARNING", logger="stepserve"):
+        on = check_memory(settings(memory_budget_bytes=budget, prefix_cache_bytes=budget // 2), {"tiny": model})
+    assert on.kv_pool_tokens == off
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(f"prefix_cache_bytes = {budget // 2} does not apply with kv_cache = 'paged'" in m for m in warned)
