@@ -80,12 +80,15 @@ def _rates(run, batches: list[int], n: int, rounds: int) -> dict[int, float]:
     return out
 
 
-def sentence_transformers_rates(model_dir: str, batches: list[int], n: int, rounds: int) -> dict[int, float]:
-    """:func:`_rates` of ``SentenceTransformer.encode(texts, batch_size=B)`` (run in a child
-    process: torch loaded beside MLX's OpenBLAS slowed MLX's matmuls about tenfold here)."""
+def sentence_transformers_rates(
+    model_dir: str, batches: list[int], n: int, rounds: int, device: str = "cpu"
+) -> dict[int, float]:
+    """:func:`_rates` of ``SentenceTransformer.encode(texts, batch_size=B)`` on torch's
+    ``device`` (``cpu``, ``cuda``, ``mps``), run in a child process (torch loaded beside MLX's
+    OpenBLAS slowed MLX's matmuls about tenfold here)."""
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(model_dir, device="cpu")
+    model = SentenceTransformer(model_dir, device=device)
     return _rates(lambda c: model.encode(c, batch_size=len(c)), batches, n, rounds)  # one batch per call
 
 
@@ -96,6 +99,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batches", default="1,32,256", help="batch sizes (comma-separated)")
     parser.add_argument("--texts", type=int, default=256, help="texts per round at least (default 256)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per figure; the median is kept")
+    parser.add_argument(
+        "--peer-device", default="cpu", help="torch device of sentence-transformers: cpu (default), cuda or mps"
+    )
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args(argv)
     batches = sorted(int(b) for b in args.batches.split(","))
@@ -114,7 +120,9 @@ def main(argv: list[str]) -> int:
         if importlib.util.find_spec("sentence_transformers") is not None:
             spawn = multiprocessing.get_context("spawn")
             with ProcessPoolExecutor(1, mp_context=spawn) as pool:
-                job = pool.submit(sentence_transformers_rates, str(model_dir), batches, args.texts, args.rounds)
+                job = pool.submit(
+                    sentence_transformers_rates, str(model_dir), batches, args.texts, args.rounds, args.peer_device
+                )
                 theirs = job.result()
     rows, table = [], Table("batch", "stepserve texts/s", "sentence-transformers texts/s", "ratio")
     for b in batches:
@@ -124,5 +132,11 @@ def main(argv: list[str]) -> int:
         rows.append(row)
         ref = f"{theirs[b]:.1f}" if b in theirs else "-"
         table.add_row(str(b), f"{ours[b]:.1f}", ref, f"{ours[b] / theirs[b]:.2f}x" if b in theirs else "-")
-    result = {"model": model_dir.name, "texts_per_round": args.texts, "rounds": args.rounds, "results": rows}
+    result = {
+        "model": model_dir.name,
+        "texts_per_round": args.texts,
+        "rounds": args.rounds,
+        "peer_device": args.peer_device,
+        "results": rows,
+    }
     return report(result, ["embeddings", *argv], [table], args.out)
