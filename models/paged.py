@@ -182,9 +182,14 @@ def gather(pool: mx.array, block_table: mx.array) -> mx.array:
         [B, Hkv, M * bt, D]: index j of row b is position j (block ``table[b, j // bt]``, offset
         ``j % bt``), laid out as a static cache row of capacity M * bt (one gather).
     """
-    B = block_table.shape[0]
-    index = paged_index(block_table, mx.zeros((B, 1), mx.int32), pool.shape[1], pool.shape[2])
-    return gather_at(pool, index)
+    return gather_at(pool, view_index(block_table, pool.shape[1], pool.shape[2]))
+
+
+def view_index(block_table: mx.array, heads: int, block_tokens: int) -> PagedIndex:
+    """A :class:`PagedIndex` for reading only (:func:`gather_at`): ``block_table`` int32 [B, M]
+    for pools of ``heads`` KV heads and ``block_tokens``-token blocks; its write fields name
+    position 0 of each row."""
+    return paged_index(block_table, mx.zeros((block_table.shape[0], 1), mx.int32), heads, block_tokens)
 
 
 def gather_at(pool: mx.array, index: PagedIndex) -> mx.array:

@@ -33,7 +33,7 @@ from models.adapter import AdapterArgs
 from models.architectures import architecture
 from models.kv_cache import KVCache, Windows
 from models.loader import LoadedModel
-from models.paged import PagedKV, gather, gather_quantized
+from models.paged import PagedKV, gather, gather_quantized, view_index
 from service.engine.block_pool import BlockCopy
 from service.engine.compile_cache import CompileCache, StepKey, StepSpec
 from service.engine.kv_blocks import copy_blocks, join_blocks
@@ -307,8 +307,9 @@ class Executor:
 
         def view(layer_pool) -> mx.array:  # the layer's blocks as [1, Hkv, capacity, D]
             if pool.quantized:
+                index = view_index(table, layer_pool[0].shape[1], pool.block_tokens)
                 part = mx.dequantize(
-                    *gather_quantized(layer_pool, table), group_size=self.kv_group_size, bits=self.kv_bits
+                    *gather_quantized(layer_pool, index), group_size=self.kv_group_size, bits=self.kv_bits
                 )
             else:
                 part = gather(layer_pool, table)
