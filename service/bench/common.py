@@ -324,14 +324,15 @@ def machine_info(in_process: bool = False) -> dict[str, str]:
     return info
 
 
-def device_defaults() -> tuple[str, WeightsMode]:
-    """stepserve's ``auto`` compute dtype name and weight format on MLX's default device
+def device_defaults(dtype: str | None = None, weights: str | None = None) -> tuple[str, WeightsMode]:
+    """(``dtype``, ``weights``) where given (a benchmark's ``--dtype``/``--weights``), else
+    stepserve's ``auto`` compute dtype name and weight format on MLX's default device
     (``service.process.startup``): ("float16", "quantized") on a GPU, ("float32",
     "dequantized") on the CPU."""
     from service.process.startup import compute_dtype, weights_mode
 
-    dtype = str(compute_dtype("auto")).removeprefix("mlx.core.")
-    return dtype, cast("WeightsMode", weights_mode("auto"))
+    auto_dtype = str(compute_dtype("auto")).removeprefix("mlx.core.")
+    return dtype or auto_dtype, cast("WeightsMode", weights or weights_mode("auto"))
 
 
 def quiet_compile_cache(policy: str | bool) -> CompileCache:

@@ -213,8 +213,7 @@ def main(argv: list[str]) -> int:
             f"({max(args.batch_buckets)}): lower them or add a larger --batch-buckets entry"
         )
         return 2
-    default_dtype, default_weights = device_defaults()
-    dtype, weights = args.dtype or default_dtype, args.weights or default_weights
+    dtype, weights = device_defaults(args.dtype, args.weights)
     model = load_model(args.gguf or default_model_path(), "hit-profile", getattr(mx, dtype), weights)
     result = {
         "command": "stepserve bench hit-profile " + " ".join(argv),

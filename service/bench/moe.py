@@ -184,8 +184,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    default_dtype, default_weights = device_defaults()
-    dtype, weights = args.dtype or default_dtype, args.weights or default_weights
+    dtype, weights = device_defaults(args.dtype, args.weights)
     config = moe_config(args)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

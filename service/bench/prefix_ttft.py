@@ -120,8 +120,7 @@ def main(argv: list[str]) -> int:
     if args.prefix_tokens + args.tail_tokens + 1 > args.pool_tokens:
         print(f"--pool-tokens {args.pool_tokens} cannot hold {args.prefix_tokens} + {args.tail_tokens} tokens")
         return 2
-    default_dtype, default_weights = device_defaults()
-    dtype, weights = args.dtype or default_dtype, args.weights or default_weights
+    dtype, weights = device_defaults(args.dtype, args.weights)
     model = load_model(args.gguf or default_model_path(), "prefix-ttft", getattr(mx, dtype), weights)
     result = {
         "command": "stepserve bench prefix-ttft " + " ".join(argv),

@@ -234,8 +234,7 @@ def main(argv: list[str]) -> int:
     """``stepserve bench profile [options]``: print one JSON line per row and write them all
     to ``--out``. Returns 0."""
     args = _parser().parse_args(argv)
-    default_dtype, default_weights = device_defaults()
-    dtype, weights = args.dtype or default_dtype, args.weights or default_weights
+    dtype, weights = device_defaults(args.dtype, args.weights)
     result = {
         "command": "stepserve bench profile " + " ".join(argv),
         **machine_info(in_process=True),
