@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -190,7 +191,13 @@ class CompileCache:
     def _build(self, spec: StepSpec) -> Callable[..., Any]:
         if not self.enabled:
             return spec.fn
+        # A callable of its own per key: MLX keys its traces by the callable's identity and,
+        # on every call, compares the inputs' shapes with each trace of that callable in turn
+        # until one matches (mlx/compile.cpp, CompileCache::find) - the weights first, as every
+        # step takes them first. One callable shared by all of a phase's buckets would make
+        # each decode step scan every warmed bucket's ~300 input shapes.
+        fn = partial(spec.fn)
         if spec.random_state:
             state = mx.random.state
-            return mx.compile(spec.fn, inputs=state, outputs=state, shapeless=spec.shapeless)
-        return mx.compile(spec.fn, shapeless=spec.shapeless)
+            return mx.compile(fn, inputs=state, outputs=state, shapeless=spec.shapeless)
+        return mx.compile(fn, shapeless=spec.shapeless)

@@ -37,6 +37,25 @@ def test_each_key_compiles_once_and_counts_hits_and_misses():
     assert len(cache) == 2
 
 
+def test_each_key_holds_only_its_own_traces():
+    """MLX scans a callable's traces in turn on every call, comparing input shapes: each key
+    compiles a callable of its own, so a step never scans the other buckets' traces (a
+    shared callable would find key b's trace when key a's function meets b's shapes)."""
+    traced = []
+
+    def step(x):
+        traced.append(x.shape)
+        return x + 1
+
+    cache, spec = Recorder().cache(), StepSpec(step)
+    key_a, key_b = StepKey("m", "decode", 1, 8, "float32"), StepKey("m", "decode", 2, 8, "float32")
+    fn_a, fn_b = cache.get(key_a, spec), cache.get(key_b, spec)
+    fn_a(mx.ones((1, 8)))
+    fn_b(mx.ones((2, 8)))
+    fn_a(mx.ones((2, 8)))  # b's shapes through a's function: traced again, a's callable has no b trace
+    assert traced == [(1, 8), (2, 8), (2, 8)]
+
+
 @pytest.mark.parametrize("batch,capacity", [(1, 16), (4, 32)])
 def test_compiled_decode_equals_eager(batch, capacity):
     params = random_params()
