@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from functools import cached_property
+from functools import cached_property, partial
 
 import mlx.core as mx
 
@@ -298,7 +298,7 @@ class Engine:
     def _serve(self, prepare: Callable[[Engine], None] | None) -> None:
         try:
             if prepare is not None:
-                prepare(self)
+                _on_own_thread(partial(prepare, self), f"stepserve-warmup-{self.model.name}")
         except Exception as exc:  # a model that cannot run is not ready, and says why
             log.exception("warm-up failed")
             self.not_ready_reason = f"warm-up failed: {type(exc).__name__}"
@@ -596,3 +596,27 @@ class Engine:
     def _record_moves(self, moves: list[str]) -> None:
         for kind in moves:
             self.metrics.bucket_moves.labels(self.model.name, kind).inc()
+
+
+def _on_own_thread(fn: Callable[[], None], name: str) -> None:
+    """Run ``fn`` on a thread of its own, wait for it, and raise what it raised.
+
+    The warm-up runs this way, not on the engine thread: glibc's malloc gives each thread an
+    arena of its own, and a warm-up that traces every bucket leaves its thread's arena large
+    and fragmented (the traces live on, their temporaries are freed in between), so every
+    later allocation of a decode step on that thread would pay for it. Serving then
+    allocates on the engine thread's own arena. Measured in docs/BENCHMARKS.md (one stream).
+    """
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # handed to the caller's thread as is
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    if raised:
+        raise raised[0]

@@ -124,3 +124,43 @@ def test_warm_up_gives_mlx_buffer_cache_back_before_serving(model):
         assert mx.get_cache_memory() == 0
     finally:
         engine.stop()
+
+
+def test_the_warm_up_runs_on_a_thread_of_its_own_and_requests_on_the_engine_thread(model):
+    """Warm-up's allocations stay off the engine thread's malloc arena (Engine._serve): the
+    prepare callable runs on another thread, which has ended before the first request runs."""
+    engine = engine_at(model, BUCKETS, Metrics(CollectorRegistry(), version="test", device="cpu"))
+    seen: dict[str, threading.Thread] = {}
+    step = engine.step
+
+    def prepare(e):
+        seen["warm-up"] = threading.current_thread()
+
+    def recording_step():
+        seen.setdefault("step", threading.current_thread())
+        return step()
+
+    engine.step = recording_step
+    engine.start(prepare)
+    assert engine.ready.wait(60), engine.not_ready_reason
+    try:
+        seq, finals, ended = request(model, max_tokens=3)
+        engine.submit(seq)
+        assert ended.wait(60)
+    finally:
+        engine.stop()
+    assert finals[0].finish_reason is FinishReason.LENGTH
+    assert seen["step"] is engine._thread
+    assert seen["warm-up"] is not engine._thread and not seen["warm-up"].is_alive()
+
+
+def test_a_failing_warm_up_leaves_the_engine_not_ready_saying_so(model):
+    engine = engine_at(model, BUCKETS, Metrics(CollectorRegistry(), version="test", device="cpu"))
+
+    def prepare(e):
+        raise RuntimeError("no memory for the largest bucket")
+
+    engine.start(prepare)
+    engine._thread.join(60)
+    assert not engine.alive and not engine.ready.is_set()
+    assert engine.not_ready_reason == "warm-up failed: RuntimeError"
