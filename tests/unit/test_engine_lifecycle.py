@@ -161,6 +161,8 @@ def test_a_failing_warm_up_leaves_the_engine_not_ready_saying_so(model):
         raise RuntimeError("no memory for the largest bucket")
 
     engine.start(prepare)
-    engine._thread.join(60)
+    thread = engine._thread
+    assert thread is not None
+    thread.join(60)
     assert not engine.alive and not engine.ready.is_set()
     assert engine.not_ready_reason == "warm-up failed: RuntimeError"
