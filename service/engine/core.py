@@ -41,6 +41,7 @@ from service.engine.scheduler import Scheduler
 from service.engine.selector import TokenSelector
 from service.engine.sequence import FinishReason, Sequence
 from service.engine.speculative import Speculator
+from service.engine.threads import on_own_thread
 from service.metrics import Metrics, PrefixCacheStat, RequestStat
 
 log = logging.getLogger("stepserve.engine")
@@ -298,7 +299,7 @@ class Engine:
     def _serve(self, prepare: Callable[[Engine], None] | None) -> None:
         try:
             if prepare is not None:
-                _on_own_thread(partial(prepare, self), f"stepserve-warmup-{self.model.name}")
+                on_own_thread(partial(prepare, self), f"stepserve-warmup-{self.model.name}")
         except Exception as exc:  # a model that cannot run is not ready, and says why
             log.exception("warm-up failed")
             self.not_ready_reason = f"warm-up failed: {type(exc).__name__}"
@@ -596,27 +597,3 @@ class Engine:
     def _record_moves(self, moves: list[str]) -> None:
         for kind in moves:
             self.metrics.bucket_moves.labels(self.model.name, kind).inc()
-
-
-def _on_own_thread(fn: Callable[[], None], name: str) -> None:
-    """Run ``fn`` on a thread of its own, wait for it, and raise what it raised.
-
-    The warm-up runs this way, not on the engine thread: glibc's malloc gives each thread an
-    arena of its own, and a warm-up that traces every bucket leaves its thread's arena large
-    and fragmented (the traces live on, their temporaries are freed in between), so every
-    later allocation of a decode step on that thread would pay for it. Serving then
-    allocates on the engine thread's own arena. Measured in docs/BENCHMARKS.md (one stream).
-    """
-    raised: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as exc:  # handed to the caller's thread as is
-            raised.append(exc)
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    thread.join()
-    if raised:
-        raise raised[0]

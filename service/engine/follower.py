@@ -13,6 +13,7 @@ from models.kv_cache import KVCache
 from models.pipeline import broadcast
 from service.engine.executor import MODEL_PHASES, Executor
 from service.engine.group import HEADER, Op, Progress, group_of, ints_of
+from service.engine.threads import on_own_thread
 
 
 class Follower:
@@ -44,8 +45,19 @@ class Follower:
         }
 
     def run(self) -> None:
-        """Serve rank 0's messages until STOP. Raises :class:`GroupLost` when the group fails."""
-        while self.step():
+        """Serve rank 0's messages until STOP. Raises :class:`GroupLost` when the group fails.
+
+        The messages up to rank 0's SEAL (its warm-up) are carried out on a thread of their
+        own, the rest on this one (:mod:`service.engine.threads`)."""
+        stopped = False
+
+        def warm_up() -> None:
+            nonlocal stopped
+            while self.warming and not stopped:
+                stopped = not self.step()
+
+        on_own_thread(warm_up, "stepserve-follower-warmup")
+        while not stopped and self.step():
             pass
 
     def step(self) -> bool:
