@@ -121,7 +121,9 @@ def test_warm_up_gives_mlx_buffer_cache_back_before_serving(model):
     start_engine(engine, WarmupSpec(prompt_tokens=8, batch=4))
     try:
         assert engine.ready.wait(60)
-        assert mx.get_cache_memory() == 0
+        # The 16 MB above and warm-up's buffers are gone; the warm-up thread's own thread-local
+        # scratch (a few hundred bytes) may come back to the cache as that thread ends.
+        assert mx.get_cache_memory() < 4096
     finally:
         engine.stop()
 
