@@ -493,10 +493,11 @@ def test_paged_pool_refuses_speculation_without_a_paged_verify_and_off_block_buc
     from models import llama
 
     model = LoadedModel("tiny", Path("-"), TINY, params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0)
-    assert engine_at(model, BUCKETS, kv_cache="paged", kv_pool_tokens=64, speculative="lookup").speculator
+    settings = {"kv_cache": "paged", "kv_pool_tokens": 64, "kv_block_tokens": 4, "speculative": "lookup"}
+    assert engine_at(model, BUCKETS, **settings).speculator is not None
     monkeypatch.delattr(llama, "verify_paged")  # a family with a paged decode and no paged verify
     with pytest.raises(ValueError, match="no speculative verify step for model type 'llama'"):
-        engine_at(model, BUCKETS, kv_cache="paged", kv_pool_tokens=64, speculative="lookup")
+        engine_at(model, BUCKETS, **settings)
     with pytest.raises(ValueError, match="multiple of kv_block_tokens"):
         engine_at(model, BUCKETS, kv_cache="paged", kv_pool_tokens=64, kv_block_tokens=5)
 
