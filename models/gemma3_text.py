@@ -184,6 +184,22 @@ def decode_paged(
     return llama.run_decode_paged(GEMMA3, params, tokens, positions, table, pool, args, bits, group_size)
 
 
+def verify_paged(
+    params: Params,
+    tokens: mx.array,
+    positions: mx.array,
+    table: mx.array,
+    pool,
+    *,
+    args: ModelArgs,
+    bits: int | None = None,
+    group_size: int = 64,
+):
+    """:func:`models.llama.verify_paged` with this family's blocks: its sliding layers verify on
+    the pool, whose view is linear (their window is a mask there, not a ring)."""
+    return llama.run_verify_paged(GEMMA3, params, tokens, positions, table, pool, args, bits, group_size)
+
+
 #: Norms whose checkpoint weight w multiplies as (1 + w) (mlx-lm's gemma3_text.RMSNorm).
 NORMS = (
     "input_layernorm",

@@ -173,6 +173,33 @@ def run_decode(
     return decoder.logits(params, x[:, 0, :], args), cache
 
 
+def run_paged(
+    decoder: Decoder,
+    params: Params,
+    tokens: mx.array,
+    positions: mx.array,
+    table: mx.array,
+    pool: PagedKV,
+    args,
+    bits: int | None = None,
+    group_size: int = 64,
+) -> tuple[mx.array, PagedKV]:
+    """The blocks of a paged step of L tokens per row, shared by :func:`decode_paged` (L = 1)
+    and :func:`verify_paged`: row b's tokens ``tokens[b]`` (int32 [B, L]) go at positions
+    ``positions[b]``..``positions[b] + L - 1`` (each below M * bt) of its blocks ``table[b]``
+    (int32 [B, M]), query l seeing positions 0..positions[b] + l (its last W on a sliding
+    layer). Returns (the last hidden states x [B, L, H], before the final norm; the new pools)."""
+    L = tokens.shape[1]
+    x = decoder.embed(params, tokens, args)  # [B, L, H]
+    at = positions[:, None] + mx.arange(L, dtype=mx.int32)[None, :] if L > 1 else positions[:, None]  # [B, L]
+    attention = (
+        QuantizedPagedAttention(table, at, args.attention_scale, bits, group_size)
+        if bits
+        else PagedAttention(table, at, args.attention_scale)
+    )
+    return run_blocks(decoder, params, x, positions, pool, attention, args)
+
+
 def run_decode_paged(
     decoder: Decoder,
     params: Params,
@@ -185,15 +212,26 @@ def run_decode_paged(
     group_size: int = 64,
 ) -> tuple[mx.array, PagedKV]:
     """:func:`decode_paged` for ``decoder``'s family."""
-    x = decoder.embed(params, tokens[:, None], args)  # [B, 1, H]
-    at = positions[:, None]
-    attention = (
-        QuantizedPagedAttention(table, at, args.attention_scale, bits, group_size)
-        if bits
-        else PagedAttention(table, at, args.attention_scale)
-    )
-    x, pool = run_blocks(decoder, params, x, positions, pool, attention, args)
+    x, pool = run_paged(decoder, params, tokens[:, None], positions, table, pool, args, bits, group_size)
     return decoder.logits(params, x[:, 0, :], args), pool
+
+
+def run_verify_paged(
+    decoder: Decoder,
+    params: Params,
+    tokens: mx.array,
+    positions: mx.array,
+    table: mx.array,
+    pool: PagedKV,
+    args,
+    bits: int | None = None,
+    group_size: int = 64,
+) -> tuple[mx.array, PagedKV]:
+    """:func:`verify_paged` for ``decoder``'s family. The paged view is linear (index j is
+    position j), so sliding-window layers verify too: their window is a mask there, not a ring."""
+    x, pool = run_paged(decoder, params, tokens, positions, table, pool, args, bits, group_size)
+    B, L, H = x.shape
+    return decoder.logits(params, x.reshape(B * L, H), args).reshape(B, L, -1), pool
 
 
 def run_verify(
@@ -343,6 +381,45 @@ def decode_paged(
     return run_decode_paged(LLAMA, params, tokens, positions, table, pool, args, bits, group_size)
 
 
+def verify_paged(
+    params: Params,
+    tokens: mx.array,
+    positions: mx.array,
+    table: mx.array,
+    pool: PagedKV,
+    *,
+    args: ModelArgs,
+    bits: int | None = None,
+    group_size: int = 64,
+) -> tuple[mx.array, PagedKV]:
+    """:func:`verify` over a paged KV pool (:mod:`models.paged`): row b's W tokens go to
+    positions ``positions[b]``..``positions[b] + W - 1`` of its blocks (position p at offset
+    ``p % bt`` of block ``table[b, p // bt]``), and query j attends over the row's blocks in
+    table order masked to 0..positions[b] + j (its last W on a sliding layer).
+
+    Args:
+        params: the model's parameter tree.
+        tokens: int32 [B, W]: each row's newest token, then up to W - 1 proposals, padded.
+        positions: int32 [B], the position of each row's newest token; positions[b] + W - 1
+            must be below M * bt for every row, empty slots included (they pass 0 and a table
+            row of null blocks). A position past the row's own blocks must map to a null-block
+            column: its write lands in the null block, which attention never reads unmasked.
+        table: int32 [B, M], each row's blocks in position order (null-block padded).
+        pool: per layer, keys and values [N, Hkv, bt, D] (with ``bits``: quantized triples).
+        args: hyper-parameters (static).
+        bits, group_size: quantized KV, as :func:`decode_paged`.
+
+    Returns:
+        (logits float32 [B, W, V]: entry j scores the token after tokens[b, j]; the pools with
+        tokens[b, j]'s key and value written at positions[b] + j). A rejected proposal's key
+        and value stay in the row's block past its new position, masked until a later step
+        overwrites them (as :func:`verify` leaves them in a static cache). Every block a row's
+        positions[b]..positions[b] + W - 1 fall in is written: none of them may be shared with
+        another row or published (the caller's copy-on-write).
+    """
+    return run_verify_paged(LLAMA, params, tokens, positions, table, pool, args, bits, group_size)
+
+
 def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
     """Drop checkpoint tensors the step functions do not use: precomputed RoPE frequencies,
     and ``lm_head`` when the embeddings are tied (mlx-lm's llama.sanitize does the same)."""
@@ -352,4 +429,14 @@ def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.arra
     return weights
 
 
-__all__ = ["ModelArgs", "decode", "decode_paged", "fuse_projections", "prefill", "prefill_chunk", "sanitize"]
+__all__ = [
+    "ModelArgs",
+    "decode",
+    "decode_paged",
+    "verify",
+    "verify_paged",
+    "fuse_projections",
+    "prefill",
+    "prefill_chunk",
+    "sanitize",
+]

@@ -168,6 +168,21 @@ def decode_paged(
     return llama.run_decode_paged(QWEN3_MOE, params, tokens, positions, table, pool, args, bits, group_size)
 
 
+def verify_paged(
+    params: Params,
+    tokens: mx.array,
+    positions: mx.array,
+    table: mx.array,
+    pool,
+    *,
+    args: ModelArgs,
+    bits: int | None = None,
+    group_size: int = 64,
+):
+    """:func:`models.llama.verify_paged` with this family's blocks."""
+    return llama.run_verify_paged(QWEN3_MOE, params, tokens, positions, table, pool, args, bits, group_size)
+
+
 def verify(params: Params, tokens: mx.array, positions: mx.array, cache: KVCache, *, args: ModelArgs):
     """:func:`models.llama.verify` with Qwen3-MoE's blocks (speculative decoding's verify step)."""
     return llama.run_verify(QWEN3_MOE, params, tokens, positions, cache, args)

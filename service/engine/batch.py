@@ -40,6 +40,17 @@ class DecodeBatch:
         """The requests holding a slot, in slot order."""
         return [s for s in self.slots if s is not None]
 
+    @property
+    def has_cache(self) -> bool:
+        """Whether a step can run over the batch now (:meth:`fit` made its cache)."""
+        return self.kv is not None
+
+    def reserve(self, seq: Sequence, extra: int) -> int:
+        """Make room for ``seq``'s ``extra`` positions after its next (a verify step's proposals)
+        and return how many of them it has: all of them here, as :meth:`fit` with ``extra`` made
+        the capacity (a paged batch may have fewer, :meth:`PagedDecodeBatch.reserve`)."""
+        return extra
+
     def keep_key(self, seq: Sequence, key: mx.array | None) -> None:
         """Remember a seeded request's next PRNG key (uint32 [2]); None: unseeded."""
         if key is not None:

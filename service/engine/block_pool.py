@@ -185,6 +185,12 @@ class BlockPool:
         """A copy of the sequence's block table. Raises KeyError for an unknown sequence."""
         return list(self._seqs[seq_id].table)
 
+    def exclusive(self, block_id: int) -> bool:
+        """Whether block ``block_id`` is held by one block table alone and not published: a step
+        may write it without another sequence or a later prefix hit reading what it wrote."""
+        block = self._blocks[block_id]
+        return block_id != NULL_BLOCK and block.refs == 1 and block.digest is None
+
     def num_tokens(self, seq_id: Hashable) -> int:
         """Token positions the sequence holds slots for. Raises KeyError for an unknown one."""
         return len(self._seqs[seq_id].tokens)

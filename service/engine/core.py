@@ -137,10 +137,13 @@ class Engine:
         self, pool_tokens: int, block_tokens: int, speculative: bool, bits: int | None = None, caching: bool = True
     ) -> PagedDecodeBatch:
         """The decode batch over a paged pool of ``pool_tokens`` positions (rounded up to whole
-        blocks, plus the null block), its blocks published for prefix hits when ``caching``.
-        Raises ValueError as the class docstring says."""
-        if speculative:
-            raise ValueError("kv_cache = 'paged' does not run speculative decoding yet; set speculative = 'off'")
+        blocks, plus the null block), its blocks published for prefix hits when ``caching``;
+        ``speculative``: verify steps run over the pool too (:meth:`PagedDecodeBatch.reserve`).
+
+        Raises:
+            ValueError: the model cannot page, a capacity bucket is not a multiple of
+                ``block_tokens``, or ``speculative`` where the model type has no paged verify step.
+        """
         if not self.executor.can_page:
             raise ValueError(
                 f"kv_cache = 'paged' needs a hand-written model family in one process; model type "
@@ -150,6 +153,11 @@ class Engine:
             raise ValueError(f"every capacity bucket must be a multiple of kv_block_tokens ({block_tokens})")
         num_blocks = -(-pool_tokens // block_tokens) + 1  # + the null block
         self.executor.use_paged(num_blocks, block_tokens, bits)
+        if speculative and not self.executor.can_verify:
+            raise ValueError(
+                f"kv_cache = 'paged' has no speculative verify step for model type "
+                f"{self.model.args.model_type!r}; set speculative = 'off' (or kv_cache = 'static')"
+            )
         return PagedDecodeBatch(self.buckets, self.executor, BlockPool(num_blocks, block_tokens, caching=caching))
 
     def kv_summary(self) -> dict:

@@ -119,10 +119,19 @@ class Executor:
             return False
         return hasattr(architecture(a.model_type), "decode_paged")
 
+    @property
+    def can_verify(self) -> bool:
+        """Whether speculative decoding's verify step runs here: over the static cache (the
+        architecture's ``verify``) or, once :meth:`use_paged` ran, over the paged pool (its
+        ``verify_paged``)."""
+        return "verify" in self._specs
+
     def use_paged(self, num_blocks: int, block_tokens: int, bits: int | None = None, group_size: int = 64) -> PagedKV:
         """Allocate the paged KV pool (``num_blocks`` blocks of ``block_tokens`` positions per
         layer, block 0 the null block; ``bits``: quantized, :func:`models.paged.quantized_pool`)
-        and make ``decode`` run over it (:func:`models.llama.decode_paged`). Returns the pool.
+        and make ``decode`` run over it (:func:`models.llama.decode_paged`), and ``verify`` too
+        where the architecture has a paged one (:func:`models.llama.verify_paged`; else none
+        runs: :attr:`can_verify`). Returns the pool.
 
         Raises:
             ValueError: the model cannot page (:attr:`can_page`), or ``bits`` with a head dim that
@@ -133,6 +142,9 @@ class Executor:
         a = self.model.args
         arch = architecture(a.model_type)
         self._specs["decode"] = StepSpec(partial(arch.decode_paged, args=a, bits=bits, group_size=group_size))
+        self._specs.pop("verify", None)  # a static cache's verify step cannot run over the pool
+        if hasattr(arch, "verify_paged"):
+            self._specs["verify"] = StepSpec(partial(arch.verify_paged, args=a, bits=bits, group_size=group_size))
         self.kv_bits, self.kv_group_size = bits, group_size
         self.pool = PagedKV.allocate(
             self.model.layers,
@@ -257,6 +269,32 @@ class Executor:
             logits, self.pool = fn(self.model.params, tokens, at, kv.table, self.pool)
             return logits, kv
         return fn(self.model.params, tokens, at, kv)
+
+    def verify(self, kv: DecodeCache, tokens: mx.array, positions: list[int]) -> tuple[mx.array, DecodeCache]:
+        """One verify step (speculative decoding) of every row of ``kv``: ``tokens`` int32 [B, W]
+        (each row's newest token, then its proposals, padded), row b's written at positions
+        ``positions[b]``..``positions[b] + W - 1`` (each below C). Returns (float32 logits
+        [B, W, V], lazy; the cache). ``kv`` may be the rows' block tables (:class:`PagedTables`):
+        the step then reads and writes the paged pool, which it replaces; every block a row's
+        W positions fall in must be the row's own or the null block (:meth:`PagedDecodeBatch.reserve`).
+
+        Raises:
+            KeyError: no verify step runs here (:attr:`can_verify`)."""
+        fn = self.step_fn("verify", kv.batch, tokens.shape[1], kv.capacity)
+        at = mx.array(positions, mx.int32)
+        if isinstance(kv, PagedTables):
+            assert self.pool is not None, "use_paged() first"
+            logits, self.pool = fn(self.model.params, tokens, at, kv.table, self.pool)
+            return logits, kv
+        return fn(self.model.params, tokens, at, kv)
+
+    def dummy_cache(self, batch: int, capacity: int) -> KVCache | PagedTables:
+        """What a dummy decode or verify step at (``batch``, ``capacity``) runs over (warm-up and
+        speculation's calibration): a zeroed linear cache, or with the paged pool every row's
+        table of null blocks (their writes land in the null block; the pool is the real one)."""
+        if self.pool is not None:
+            return PagedTables(mx.zeros((batch, capacity // self.pool.block_tokens), mx.int32), batch, capacity)
+        return self.new_kv(batch, capacity)
 
     def write_blocks(self, source: KVCache, row: int, blocks: list[int], length: int, start: int = 0) -> None:
         """Copy positions start..length-1 of row ``row`` of a linear (prefill or staging) cache
@@ -384,6 +422,12 @@ class Executor:
                 table = mx.zeros((batch, size // self.pool.block_tokens), mx.int32)
                 return params, zeros, zeros, table, self.pool
             return params, zeros, zeros, self.new_kv(batch, size, ring=True)
+        if phase == "verify":  # size: the width W; a linear cache (a verify step writes W per row)
+            tokens, zeros = mx.zeros((batch, size), mx.int32), mx.zeros((batch,), mx.int32)
+            if self.pool is not None:
+                table = mx.zeros((batch, capacity // self.pool.block_tokens), mx.int32)
+                return params, tokens, zeros, table, self.pool
+            return params, tokens, zeros, self.new_kv(batch, capacity)
         if phase == "greedy":
             return (mx.zeros((1, vocab), mx.float32),)
         ones, logits = mx.ones((batch,), mx.float32), mx.zeros((batch, vocab), mx.float32)
@@ -404,7 +448,7 @@ class Executor:
         if self.compiled.policy == "auto":
             return fn.calibrate(args, repeats)
         out = fn(*args)
-        if phase == "decode" and self.pool is not None:
+        if phase in ("decode", "verify") and self.pool is not None:
             self.pool = out[1]  # the pool is replaced, not copied: the old one is no longer held
         del args
         mx.eval(out)

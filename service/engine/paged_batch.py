@@ -91,6 +91,28 @@ class PagedDecodeBatch(DecodeBatch):
                 self.executor.copy_pool_blocks(copies)
             self._stale.add(seq.slot)
 
+    def reserve(self, seq: Sequence, extra: int) -> int:
+        """Before a verify step (after :meth:`fit`): give ``seq`` the blocks its ``extra``
+        positions after its next need (whole blocks, a copy of a shared partial last block first,
+        as a decode step's), and return how many of those positions it holds, 0..``extra``.
+
+        Best effort, never preempting: when the pool cannot give a block now (cached blocks
+        counted as available), the row keeps what it holds and proposes only as many tokens as
+        fit in it this step (none past its last block; its other positions of the step, padding,
+        are written into the null block, which no request reads). Blocks a row took for
+        proposals that were then rejected stay with it for its next steps (a row takes blocks
+        whole anyway) and go back with the rest of its blocks when it ends or is preempted.
+        A verify step writes only the row's own, unshared blocks: published blocks are full
+        blocks before its position, and a shared partial block is copied when the row first
+        takes a block past it (:meth:`BlockPool.append_slots`)."""
+        if extra > 0 and self.capacity_limit > seq.position + 1:
+            try:
+                self._grow(seq, min(extra, self.capacity_limit - seq.position - 1))
+            except NoFreeBlocks:
+                pass
+        held = self.blocks.num_tokens(id(seq)) if id(seq) in self.blocks else 0
+        return max(0, min(extra, held - seq.position - 1))
+
     def free(self, seq: Sequence, publish: bool = False) -> None:
         """Give ``seq``'s blocks back (idempotent; vacate its slot first). ``publish``: its
         keys and values are in its blocks up to ``seq.position`` (it joined, and no step failed):
@@ -182,16 +204,17 @@ class PagedDecodeBatch(DecodeBatch):
 
     def fit(self, live: Iterable[Sequence], joining: Iterable[Sequence] = (), extra: int = 0) -> list[str]:
         """Pick the batch and capacity buckets for ``live`` plus ``joining`` (as the static batch
-        does) and, before a decode step (not while requests join), give every live row the blocks
-        its next ``1 + extra`` positions need (raises NoFreeBlocks when the pool cannot: the
-        engine makes room first, :meth:`blocks_short`).
+        does, the capacity with room for ``extra`` positions more) and, before a decode step (not
+        while requests join), give every live row the blocks its next position needs (raises
+        NoFreeBlocks when the pool cannot: the engine makes room first, :meth:`blocks_short`); a
+        verify step's ``extra`` positions get their blocks from :meth:`reserve`.
         Rows move to slots 0..n-1 when the batch bucket shrinks; nothing is copied."""
         live, joining = sorted(live, key=lambda s: s.slot), list(joining)
         B = self.buckets.batch_for(max(len(live) + len(joining), 1))
         need = max((s.position + 1 for s in live + joining), default=1)
         C = self.buckets.capacity_for(min(need + extra, max(need, self.capacity_limit)))
         for seq in live if self._growing else ():
-            self._grow(seq, extra if seq.position + 1 + extra <= C else 0)
+            self._grow(seq, 0)  # a verify step's ``extra`` positions: reserve(), best effort
         before, moves = self._bucket, []
         if before is None:
             self._rebuild = True
@@ -207,6 +230,11 @@ class PagedDecodeBatch(DecodeBatch):
             self._rebuild |= bool(moves)
         self._bucket = (B, C)
         return moves
+
+    @property
+    def has_cache(self) -> bool:
+        """Whether a step can run over the batch now (:meth:`fit` picked its buckets)."""
+        return self._bucket is not None
 
     def cache(self) -> PagedTables:  # type: ignore[override]
         """The rows' block tables at the current buckets (int32 [B, C / bt], null-block padded):

@@ -29,9 +29,10 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from models.kv_cache import KVCache
 from service.engine.draft import DraftProposer
 from service.engine.draft import warm as warm_draft
-from service.engine.executor import Executor
+from service.engine.executor import Executor, PagedTables
 from service.engine.speculative import Speculator
 from service.engine.warmup import Step
 
@@ -84,13 +85,11 @@ def _warm_bucket(
     """Compile (run once) the verify step at (B, K + 1, C), the token selection of batch B and
     the draft's steps at (B, C); ``built`` holds what earlier calls compiled."""
     W, K, V = spec.tokens + 1, spec.tokens, executor.vocab
-    zeros_b = mx.zeros((B,), mx.int32)
     ones = mx.ones((B,), mx.float32)
     sampling = (ones, ones, mx.full((B,), V, mx.int32), ones * 0)
     keys = mx.zeros((B, W, 2), mx.uint32)
-    verify = (executor.model.params, mx.zeros((B, W), mx.int32), zeros_b, executor.new_kv(B, C))
     calls = [
-        ("verify", B, W, C, verify),
+        ("verify", B, W, C, None),  # over the executor's dummy cache (:meth:`Executor.dummy_inputs`)
         ("spec_keys", B, W, 0, (mx.zeros((B, 2), mx.uint32), mx.zeros((B,), mx.bool_), mx.zeros((W,), mx.int32))),
         (
             "spec_accept",
@@ -118,7 +117,10 @@ def _warm_bucket(
             _timed(lambda: warm_draft(draft, "greedy", 0, 0), "draft greedy", progress)
 
 
-def _run(executor: Executor, phase: str, B: int, size: int, capacity: int, args: tuple) -> None:
+def _run(executor: Executor, phase: str, B: int, size: int, capacity: int, args: tuple | None) -> None:
+    if args is None:  # a model step: its dummy inputs, and the paged pool kept, are the executor's
+        executor.warm(phase, B, size, capacity, REPEATS)
+        return
     fn = executor.step_fn(phase, B, size, capacity)
     if executor.compiled.policy == "auto":
         fn.calibrate(args, REPEATS)  # type: ignore[attr-defined]  # a compile-cache entry
@@ -136,20 +138,38 @@ def _timed(call: Callable[[], None], label: str, progress: Callable[[int, str], 
 def plain_seconds(executor: Executor, B: int, C: int) -> float:
     """Seconds per plain decode step of batch ``B`` at capacity ``C``, pipelined as the runner
     runs them (greedy tokens; dummy inputs)."""
-    decode, greedy = executor.step_fn("decode", B, C), executor.step_fn("greedy")
-    kv, tokens, positions = executor.new_kv(B, C), mx.zeros((B,), mx.int32), mx.zeros((B,), mx.int32)
-    logits, kv = decode(executor.model.params, tokens, positions, kv)
-    mx.eval(greedy(logits), kv.keys)
+    greedy, tokens, zeros = executor.step_fn("greedy"), mx.zeros((B,), mx.int32), [0] * B
+    kv, decode = executor.dummy_cache(B, C), executor.step_fn("decode", B, C)
+    logits, kv = _decode(executor, decode, kv, tokens, zeros)
+    mx.eval(greedy(logits), _state(executor, kv))
     runs = []
     for _ in range(REPEATS):
         start = time.perf_counter()
         for _ in range(PLAIN_STEPS):
-            logits, kv = decode(executor.model.params, tokens, positions, kv)
+            logits, kv = _decode(executor, decode, kv, tokens, zeros)
             tokens = greedy(logits)
             mx.async_eval(tokens)
         mx.eval(tokens)
         runs.append((time.perf_counter() - start) / PLAIN_STEPS)
     return min(runs)
+
+
+def _decode(
+    executor: Executor, decode: Callable, kv: KVCache | PagedTables, tokens: mx.array, positions: list[int]
+) -> tuple[mx.array, KVCache | PagedTables]:
+    """One dummy decode step on this process: over the paged pool through the executor (which
+    keeps the pool it writes), else ``decode`` (the compiled step) on the linear cache ``kv``."""
+    if isinstance(kv, PagedTables):
+        return executor.decode(kv, tokens, positions)
+    return decode(executor.model.params, tokens, mx.array(positions, mx.int32), kv)
+
+
+def _state(executor: Executor, kv: KVCache | PagedTables) -> list[mx.array]:
+    """The arrays a dummy step over ``kv`` wrote: the linear cache's keys, or the pool's."""
+    if isinstance(kv, PagedTables):
+        assert executor.pool is not None
+        return list(executor.pool.keys)
+    return list(kv.keys)
 
 
 def spec_seconds(executor: Executor, spec: Speculator, B: int, C: int) -> float:
@@ -158,9 +178,9 @@ def spec_seconds(executor: Executor, spec: Speculator, B: int, C: int) -> float:
     W = spec.tokens + 1
     verify, greedy = executor.step_fn("verify", B, W, C), executor.step_fn("greedy")
     draft = spec.proposer.executor if isinstance(spec.proposer, DraftProposer) else None
-    times, kv = [], executor.new_kv(B, C)
+    times, kv = [], executor.dummy_cache(B, C)
     dkv = draft.new_kv(B, C) if draft is not None else None
-    mx.eval(kv.keys, dkv.keys if dkv is not None else [])
+    mx.eval(_state(executor, kv), dkv.keys if dkv is not None else [])
     for _ in range(REPEATS + 1):
         start = time.perf_counter()
         tokens = mx.zeros((B,), mx.int32)
@@ -170,7 +190,10 @@ def spec_seconds(executor: Executor, spec: Speculator, B: int, C: int) -> float:
                 logits, dkv = step(draft.model.params, tokens, mx.zeros((B,), mx.int32), dkv)
                 tokens = greedy(logits)
         proposals = mx.broadcast_to(tokens[:, None], (B, W))
-        logits, _ = verify(executor.model.params, proposals, mx.zeros((B,), mx.int32), kv)
+        if isinstance(kv, PagedTables):  # (the executor keeps the pool the step writes)
+            logits, kv = executor.verify(kv, proposals, [0] * B)
+        else:
+            logits, _ = verify(executor.model.params, proposals, mx.zeros((B,), mx.int32), kv)
         greedy(logits.reshape(B * W, -1)).tolist()
         times.append(time.perf_counter() - start)
     return min(times[1:])

@@ -154,7 +154,7 @@ class Speculator:
         proposals (lookup: the tokens; draft: how many, by request id), or None (a plain step).
         The engine reads back a plain step still in flight before it runs :meth:`verify`."""
         live = batch.live
-        if not live or batch.kv is None:
+        if not live or not batch.has_cache:
             if isinstance(self.proposer, DraftProposer):
                 self.proposer.kv = None  # the batch is empty: its draft cache goes too
             return None
@@ -262,6 +262,7 @@ class Speculator:
         self.plain_steps = 0
         W = K + 1
         out.moves += batch.refit(live, extra=K)
+        plan = self._reserve(batch, live, plan)
         rows, kv = list(batch.slots), batch.cache()
         B, C = kv.batch, kv.capacity
         keys = [batch.key_of(s) for s in rows]
@@ -282,9 +283,7 @@ class Speculator:
             q = None if greedy else self._no_draft(B, ex.vocab)
         last = mx.array([s.last_token if s else 0 for s in rows], mx.int32)
         positions = [s.position if s else 0 for s in rows]
-        logits, kv = ex.step_fn("verify", B, W, C)(
-            ex.model.params, mx.concatenate([last[:, None], proposals], axis=1), mx.array(positions, mx.int32), kv
-        )
+        logits, kv = ex.verify(kv, mx.concatenate([last[:, None], proposals], axis=1), positions)
         batch.keep_cache(kv)
         if greedy:
             y, accept, residual = ex.step_fn("greedy")(logits.reshape(B * W, -1)).reshape(B, W), None, None
@@ -298,6 +297,24 @@ class Speculator:
         seconds = time.perf_counter() - start
         out.steps.append(StepStat(ex.model.name, "verify", f"b{B}x{W}c{C}", len(live), B, seconds))
         return out
+
+    @staticmethod
+    def _reserve(
+        batch: DecodeBatch, live: list[Sequence], plan: dict[str, list[int] | int]
+    ) -> dict[str, list[int] | int]:
+        """``plan`` cut to the positions each row holds for its proposals (:meth:`DecodeBatch.reserve`:
+        all of them in a static cache; a paged pool may give a row fewer, or none: it then rides
+        along, its token the verify step's first)."""
+        cut: dict[str, list[int] | int] = {}
+        for seq in live:
+            guess = plan.get(seq.request_id)
+            if guess is None:
+                continue
+            k = guess if isinstance(guess, int) else len(guess)
+            room = batch.reserve(seq, k)
+            if room > 0:
+                cut[seq.request_id] = guess[:room] if isinstance(guess, list) else room
+        return cut
 
     def _no_draft(self, B: int, vocab: int) -> mx.array:
         """float32 [B, K, V] zeros: spec_accept's draft distributions when there is no draft

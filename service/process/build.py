@@ -44,7 +44,9 @@ def build_engine(
     prefix = PrefixCache(settings.prefix_block_tokens, prefix_budget(model, settings.prefix_cache_bytes))
     chunk_tokens = buckets.chunk_tokens(settings.prefill_chunk_tokens)  # the engine's chunk, for the draft's steps
     proposer: PromptLookup | DraftProposer | None = None
-    if served.speculative != "off" and model.args.can_verify:  # (rings and states decode plain: load_models)
+    # Rings and states decode plain (load_models); the paged pool's view is linear, so a model with
+    # sliding-window layers verifies there (the engine refuses a family without a paged verify step).
+    if served.speculative != "off" and (model.args.can_verify or settings.kv_cache == "paged"):
         proposer = PromptLookup() if draft is None else DraftProposer(draft, buckets, cache, chunk_tokens)
     engine = Engine(
         model,

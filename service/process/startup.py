@@ -104,7 +104,9 @@ def load_served(spec: ServedModel) -> dict[str, LoadedModel]:
         args = model.args  # the host's matmul rate (warmup_extent), before any engine runs
         warm_sizing.measure_gflops(args.hidden_size, args.intermediate_size, dtype)
     if spec.speculative == "lookup" and not model.args.can_verify:
-        log.info("model '%s' has %s: it decodes without speculation", spec.name, _no_verify(model))
+        log.info(
+            "model '%s' has %s: it decodes without speculation unless kv_cache = 'paged'", spec.name, _no_verify(model)
+        )
     if spec.speculative == "draft" and not model.args.can_verify:
         raise ModelLoadError(
             f"model '{spec.name}': speculative = '{spec.speculative}' is not implemented for models with "
