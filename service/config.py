@@ -22,7 +22,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from service.model_settings import INHERITED, ModelSettings, ServedModel, ascending
+from service.model_settings import INHERITED, ModelSettings, ServedModel, ascending, check_kv_bits
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -171,7 +171,8 @@ class Settings(BaseSettings):
     kv_bits: int | None = Field(
         None,
         description="kv_cache = 'paged': keep the pool's keys and values quantized to this many bits (groups of 64 "
-        "values, as mlx-lm's QuantizedKVCache), attended without dequantizing; unset: the compute dtype",
+        "values, as mlx-lm's QuantizedKVCache), attended without dequantizing; unset: the compute dtype; the "
+        "default of every [[models]] entry, which may set its own",
     )
     max_model_len: int | None = Field(
         None,
@@ -224,10 +225,10 @@ class Settings(BaseSettings):
         [],
         description="several models, each a JSON object ([[models]] tables in TOML): 'name', and any of path, "
         "model_impl, reasoning_parser, compile, dtype, weights, *_buckets, max_sequences, warmup_prompt_tokens, "
-        "warmup_batch, speculative, draft_model, speculative_tokens, speculative_max_batch, on_demand_wait, which "
-        "default to the top-level settings; and load ('startup', or 'on_demand': loaded by its first request) with "
-        "ttl_s (seconds idle before an on-demand model is unloaded; unset: kept); empty: the one model set by model "
-        "and model_name",
+        "warmup_batch, speculative, draft_model, speculative_tokens, speculative_max_batch, on_demand_wait, kv_bits, "
+        "which default to the top-level settings; and load ('startup', or 'on_demand': loaded by its first request) "
+        "with ttl_s (seconds idle before an on-demand model is unloaded; unset: kept); empty: the one model set by "
+        "model and model_name",
     )
     on_demand_wait: Literal["wait", "503"] = Field(
         "wait",
@@ -297,9 +298,7 @@ class Settings(BaseSettings):
     @field_validator("kv_bits")
     @classmethod
     def _check_kv_bits(cls, bits: int | None) -> int | None:
-        if bits is not None and bits not in (4, 8):
-            raise ValueError(f"kv_bits must be 4 or 8 (got {bits}), or unset for full-precision KV")
-        return bits
+        return check_kv_bits(bits)
 
     @model_validator(mode="after")
     def _check_models(self) -> Settings:
@@ -343,6 +342,13 @@ class Settings(BaseSettings):
                 f"kv_bits = {self.kv_bits} quantizes the blocks of the paged KV pool, but kv_cache is "
                 f"'{self.kv_cache}'; set kv_cache = 'paged' too, or remove kv_bits"
             )
+        for i, entry in enumerate(self.models):
+            if entry.kv_bits is not None and self.kv_cache != "paged":
+                raise ValueError(
+                    f"models[{i}].kv_bits: model '{entry.name}' sets kv_bits = {entry.kv_bits}, which quantizes the "
+                    f"blocks of the paged KV pool, but kv_cache is '{self.kv_cache}'; set kv_cache = 'paged' too, "
+                    "or remove kv_bits from its [[models]] entry"
+                )
         if self.max_batched_tokens < self.prefill_chunk_tokens:
             raise ValueError(
                 f"max_batched_tokens ({self.max_batched_tokens}) is below prefill_chunk_tokens "

@@ -51,11 +51,25 @@ class ModelSettings(BaseModel):
     load: Literal["startup", "on_demand"] | None = None  # None: "startup"
     ttl_s: float | None = Field(default=None, gt=0)
     on_demand_wait: Literal["wait", "503"] | None = None
+    kv_bits: int | None = None  # None: the top-level kv_bits
 
     @field_validator("batch_buckets", "prompt_buckets", "capacity_buckets")
     @classmethod
     def _check_buckets(cls, values: list[int] | None) -> list[int] | None:
         return None if values is None else ascending(values)
+
+    @field_validator("kv_bits")
+    @classmethod
+    def _check_kv_bits(cls, bits: int | None) -> int | None:
+        return check_kv_bits(bits)
+
+
+def check_kv_bits(bits: int | None) -> int | None:
+    """``bits`` when it is a ``kv_bits`` value (4, 8, or None: the compute dtype). Raises
+    ValueError otherwise."""
+    if bits is not None and bits not in (4, 8):
+        raise ValueError(f"kv_bits must be 4 or 8 (got {bits}), or unset for full-precision KV")
+    return bits
 
 
 @dataclass(frozen=True)
@@ -83,6 +97,7 @@ class ServedModel:
     load: Literal["startup", "on_demand"] = "startup"
     ttl_s: float | None = None  # seconds idle before an on-demand model is unloaded (None: kept)
     on_demand_wait: Literal["wait", "503"] = "wait"  # a request while it loads: waits, or 503 + Retry-After
+    kv_bits: int | None = None  # its paged pool's quantization (4 or 8 bits; None: the compute dtype)
 
     @property
     def embedding(self) -> bool:
@@ -111,4 +126,5 @@ INHERITED = {
     "speculative_tokens": "speculative_tokens",
     "speculative_max_batch": "speculative_max_batch",
     "on_demand_wait": "on_demand_wait",
+    "kv_bits": "kv_bits",
 }

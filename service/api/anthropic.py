@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 
@@ -41,7 +42,7 @@ from service.api.schemas import (
 )
 from service.api.state import AppState, State
 from service.engine.core import Engine
-from service.engine.sequence import FinalEvent, FinishReason
+from service.engine.sequence import FinalEvent, FinishReason, TokenEvent
 
 router = APIRouter(prefix="/v1")
 ERRORS: dict[int | str, dict] = {
@@ -225,22 +226,43 @@ async def _prompt(body: MessagesInput, state: AppState) -> tuple[Engine, list[in
     return engine, ids, planned
 
 
+def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict:
+    """A message's ``usage`` as Anthropic counts it: the prompt's ``prompt_tokens`` split into
+    ``cache_read_input_tokens`` (``cached_tokens``, from the prefix cache),
+    ``cache_creation_input_tokens`` (always 0: stepserve caches prefixes by itself, with no
+    ``cache_control`` breakpoint to write) and ``input_tokens`` (the rest, prefilled), so the
+    three add up to ``prompt_tokens``; ``output_tokens`` generated. Counts of tokens."""
+    cached = min(cached_tokens, prompt_tokens)
+    return {
+        "input_tokens": prompt_tokens - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": output_tokens,
+    }
+
+
 class MessagesFormat:
     """``/v1/messages`` answers (:class:`service.api.pipeline.ResponseFormat`): a message, or
     Anthropic's events: ``message_start``, ``ping``, per content block ``content_block_start``,
     ``content_block_delta`` (``thinking_delta`` in a ``thinking`` block, ``text_delta``; a tool
     call's whole ``input`` as one ``input_json_delta``) and ``content_block_stop``, then
-    ``message_delta`` (``stop_reason``, ``usage.output_tokens``) and ``message_stop``. Thinking
-    and tool calls are parsed as they stream (:class:`service.api.reasoning.AnswerStream`);
-    a thinking block's ``signature`` is empty (stepserve signs nothing)."""
+    ``message_delta`` (``stop_reason``, the whole ``usage`` as at the end) and ``message_stop``.
+    Thinking and tool calls are parsed as they stream
+    (:class:`service.api.reasoning.AnswerStream`); a thinking block's ``signature`` is empty
+    (stepserve signs nothing).
+
+    ``usage`` (:func:`usage`): ``message_start`` carries the prompt's split as it stands at the
+    first token (``cached``: the prompt tokens the prefix cache held then), ``output_tokens`` 0;
+    ``message_delta`` and the whole message the request's end figures."""
 
     done_marker = False
     partial_ends = False  # a request ended early answers as an error, as on the OpenAI routes
     shape: Shape = "anthropic"
     named_events = True
 
-    def __init__(self, model: str, input_tokens: int, plan: AnswerPlan):
+    def __init__(self, model: str, input_tokens: int, plan: AnswerPlan, cached: Callable[[], int] = lambda: 0):
         self.id, self.model, self.input_tokens = f"msg_{secrets.token_hex(12)}", model, input_tokens
+        self._cached = cached
         self.plan = plan
         self._answer = plan.stream()
         self._started = False
@@ -250,7 +272,6 @@ class MessagesFormat:
 
     def _message(self, content: list[dict], final: FinalEvent | None) -> dict:
         reason, stop = self._stop_reason(final) if final is not None else (None, None)
-        out = final.completion_tokens if final is not None else 0
         return {
             "id": self.id,
             "type": "message",
@@ -259,8 +280,14 @@ class MessagesFormat:
             "content": content,
             "stop_reason": reason,
             "stop_sequence": stop,
-            "usage": {"input_tokens": final.prompt_tokens if final else self.input_tokens, "output_tokens": out},
+            "usage": self._usage(final),
         }
+
+    def _usage(self, final: FinalEvent | None) -> dict:
+        """The request's end figures, or before its end the prompt's (nothing generated yet)."""
+        if final is not None:
+            return usage(final.prompt_tokens, final.cached_tokens, final.completion_tokens)
+        return usage(self.input_tokens, self._cached(), 0)
 
     def _stop_reason(self, final: FinalEvent) -> tuple[str, str | None]:
         """(``stop_reason``, ``stop_sequence``) of a request's end."""
@@ -272,11 +299,16 @@ class MessagesFormat:
             return "stop_sequence", final.stop_string
         return "end_turn", None
 
-    def _start(self) -> list[dict]:
+    def _start(self, final: FinalEvent | None = None) -> list[dict]:
+        """``message_start`` and ``ping`` once (``final``: the request ended before its first
+        token event; its figures, less the output)."""
         if self._started:
             return []
         self._started = True
-        return [{"type": "message_start", "message": self._message([], None)}, {"type": "ping"}]
+        message = self._message([], None)
+        if final is not None:
+            message["usage"] = usage(final.prompt_tokens, final.cached_tokens, 0)
+        return [{"type": "message_start", "message": message}, {"type": "ping"}]
 
     def _close_text(self) -> list[dict]:
         if self._open is None:
@@ -315,21 +347,21 @@ class MessagesFormat:
                 ]
         return out
 
-    def chunks(self, text: str, logprobs: tuple = ()) -> list[dict]:
+    def chunks(self, text: str, logprobs: tuple = (), tokens: int | None = None) -> list[dict]:
         return self._start() + self._deltas(self._answer.feed(text))
 
-    def add(self, logprobs: tuple) -> None:
+    def add(self, event: TokenEvent) -> None:
         """Nothing to keep: Messages answers carry no logprobs."""
 
     def final_chunks(self, final: FinalEvent) -> list[dict]:
-        out = self._start() + self._deltas(self._answer.finish())
+        out = self._start(final) + self._deltas(self._answer.finish())
         out += self._close_text()
         reason, stop = self._stop_reason(final)
         return out + [
             {
                 "type": "message_delta",
                 "delta": {"stop_reason": reason, "stop_sequence": stop},
-                "usage": {"output_tokens": final.completion_tokens},
+                "usage": self._usage(final),
             },
             {"type": "message_stop"},
         ]
@@ -379,7 +411,15 @@ async def messages(body: MessagesRequest, request: Request, state: State):
     """Anthropic's Messages API: the answer as a ``message`` (text and ``tool_use`` blocks), or
     with ``stream`` as Anthropic's named server-sent events; ``tools`` with ``input_schema``,
     ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``), ``stop_sequences``,
-    ``temperature``, ``top_p``, ``top_k``. Errors in Anthropic's shape."""
+    ``temperature``, ``top_p``, ``top_k``. Errors in Anthropic's shape.
+
+    ``usage`` counts as Anthropic's prompt caching does (its total prompt is ``input_tokens +
+    cache_read_input_tokens + cache_creation_input_tokens``): ``cache_read_input_tokens`` the
+    prompt tokens whose keys and values came from stepserve's prefix cache, ``input_tokens``
+    those prefilled, ``cache_creation_input_tokens`` 0 (prefixes are cached by themselves; a
+    ``cache_control`` on a block is accepted and changes nothing, the output included). In
+    ``message_start``, in the last ``message_delta`` (the whole usage, as Anthropic sends it
+    there) and in the message."""
     engine, ids, planned = await _prompt(body, state)
     params = pipeline.sampling_params(
         engine,
@@ -393,7 +433,7 @@ async def messages(body: MessagesRequest, request: Request, state: State):
     )
     plan = pipeline.answer_plan(state, engine, planned.form, ids)
     gen = pipeline.start(state, engine, ids, params, keep_special=plan.keep_special)
-    fmt = MessagesFormat(engine.model.name, len(ids), plan)
+    fmt = MessagesFormat(engine.model.name, len(ids), plan, cached=lambda: gen.seq.cached_tokens)
     return await pipeline.respond(request, gen, fmt, body.stream)
 
 

@@ -61,10 +61,22 @@ class HarmonyStream:
         self._in_header = True  # _buf is a message's header so far (until <|message|>)
         self._route: tuple[str, str | None] = ("", None)
         self._body = ""  # a function call's arguments so far
+        self.reasoned = False  # in an analysis message's body at some point of the last feed
+
+    @property
+    def reasoning(self) -> bool:
+        """In the body of an ``analysis`` message (reasoning) now."""
+        return not self._in_header and self._route == ("analysis", None)
+
+    @property
+    def undecided(self) -> bool:
+        """In a message's header (its channel is not known yet)."""
+        return self._in_header
 
     def feed(self, text: str) -> list[dict]:
         """Deltas made certain by ``text``, the next piece of the output."""
         self._buf += text
+        self.reasoned = self.reasoning
         out: list[dict] = []
         while self._buf:
             if self._in_header:
@@ -73,6 +85,7 @@ class HarmonyStream:
                     break
                 self._route = header_route(self._buf[:at])
                 self._in_header, self._buf = False, self._buf[at + len(MESSAGE) :]
+                self.reasoned = self.reasoned or self.reasoning
                 continue
             ends = [(i, m) for m in _ENDS if (i := self._buf.find(m)) >= 0]
             if ends:

@@ -38,7 +38,11 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _usage(choices: list[_Choice]) -> dict:
-    """Token counts over all choices; each prompt is counted once (its first choice's figures)."""
+    """Token counts over all choices; each prompt is counted once (its first choice's figures):
+    ``prompt_tokens`` (of which ``prompt_tokens_details.cached_tokens`` came from the prefix
+    cache), ``completion_tokens`` (of which ``completion_tokens_details.reasoning_tokens`` were
+    spent reasoning, as :attr:`service.api.reasoning.AnswerStream.reasoning_tokens` counts them;
+    0 on ``/v1/completions`` and for a model without a reasoning parser)."""
     finals = [c.final for c in choices if c.final is not None]
     firsts = [c.final for c in choices if c.final is not None and c.first_of_prompt]
     prompt = sum(f.prompt_tokens for f in firsts)
@@ -48,6 +52,7 @@ def _usage(choices: list[_Choice]) -> dict:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in firsts)},
+        "completion_tokens_details": {"reasoning_tokens": sum(c.reasoning_tokens for c in choices)},
     }
 
 
@@ -74,6 +79,8 @@ class _Choice:
         self.answer = plan.stream() if plan is not None else None  # the streamed parser
         self.final: FinalEvent | None = None
         self.echo = echo
+        self.pieces: list[tuple[str, int]] = []  # (text, output tokens through it), not streamed
+        self.reasoning_tokens = 0  # output tokens spent reasoning, once it ended
 
 
 class _Route:
@@ -202,6 +209,7 @@ async def _collect(request: Request, route: _Route, choices: list[_Choice]):
                 choice.final = event
                 return True
             choice.text += event.text
+            choice.pieces.append((event.text, event.tokens))
             choice.logprobs += event.logprobs
 
     try:
@@ -222,6 +230,8 @@ async def _collect(request: Request, route: _Route, choices: list[_Choice]):
         if route.chat:
             assert c.plan is not None
             thought, content, c.calls = c.plan.parse(c.text)
+            assert c.final is not None
+            c.reasoning_tokens = c.plan.reasoning_tokens(c.pieces, c.final.completion_tokens)
             message: dict = {"role": "assistant", "content": content or (None if c.calls else "")}
             if c.plan.parser is not None:
                 message["reasoning_content"] = thought
@@ -309,7 +319,7 @@ def _token_chunks(route: _Route, c: _Choice, event: TokenEvent) -> list[str]:
     if not route.chat:
         return [_data(route.chunk([{"index": c.index, "text": event.text, "logprobs": lp, "finish_reason": None}]))]
     assert c.answer is not None
-    deltas = c.answer.feed(event.text)
+    deltas = c.answer.feed(event.text, event.tokens)
     return [
         _data(route.chunk([{"index": c.index, "delta": d, "logprobs": lp if i == 0 else None, "finish_reason": None}]))
         for i, d in enumerate(deltas)
@@ -323,11 +333,12 @@ def _final_chunks(route: _Route, c: _Choice, event: FinalEvent) -> list[str]:
         return [_data(error.body())]
     out = []
     if c.answer is not None:
-        for delta in c.answer.finish():
+        for delta in c.answer.finish(event.completion_tokens):
             out.append(
                 _data(route.chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}]))
             )
         c.calls = list(c.answer.calls)
+        c.reasoning_tokens = c.answer.reasoning_tokens
     end = {"delta": {}} if route.chat else {"text": ""}
     out.append(_data(route.chunk([{"index": c.index, **end, "logprobs": None, "finish_reason": _reason(c)}])))
     return out

@@ -49,8 +49,9 @@ class ResponseFormat(Protocol):
     # error, 504 or 503 (OpenAI, whose finish_reason is only stop or length).
     partial_ends: bool
 
-    def chunks(self, text: str, logprobs: tuple = ()) -> list[dict]: ...
-    def add(self, logprobs: tuple) -> None: ...
+    # A token event's text as events; ``tokens``: the output tokens through it (cumulative).
+    def chunks(self, text: str, logprobs: tuple = (), tokens: int | None = None) -> list[dict]: ...
+    def add(self, event: TokenEvent) -> None: ...  # a token event of an answer that is not streamed
     def final_chunks(self, final: FinalEvent) -> list[dict]: ...
     def body(self, text: str, final: FinalEvent) -> dict: ...
     def error_chunks(self, error: ApiError) -> list[dict]: ...  # the events that end a failed stream
@@ -280,7 +281,7 @@ async def _collect(request: Request, gen: Generation, fmt: ResponseFormat, first
     pieces, event = [], first
     while not isinstance(event, FinalEvent):
         pieces.append(event.text)
-        fmt.add(event.logprobs)
+        fmt.add(event)
         event = await gen.next_or_gone(request)
         if event is None:
             return client_closed()
@@ -304,7 +305,7 @@ async def _sse(gen: Generation, fmt: ResponseFormat, first: Event) -> AsyncItera
             # The events already queued go out in one write (a client or a loop behind the engine);
             # a disconnect ends this generator while it awaits (Starlette cancels it).
             batch = [event, *gen.ready()]
-            chunks = [c for e in batch if isinstance(e, TokenEvent) for c in fmt.chunks(e.text, e.logprobs)]
+            chunks = [c for e in batch if isinstance(e, TokenEvent) for c in fmt.chunks(e.text, e.logprobs, e.tokens)]
             yield "".join(_data(c, fmt.named_events) for c in chunks)
             event = batch[-1] if isinstance(batch[-1], FinalEvent) else await gen.next()
         finished = True

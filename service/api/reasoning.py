@@ -60,10 +60,18 @@ class ThinkSplitter:
         self.thinking = thinking  # inside <think>
         self._buf = ""
         self._lead = True  # at the start of a segment: drop whitespace
+        self.reasoned = thinking  # inside <think> at some point of the last feed
+        self.undecided = False  # (a header whose channel is not known yet: never, for <think>)
+
+    @property
+    def reasoning(self) -> bool:
+        """Inside ``<think>`` now."""
+        return self.thinking
 
     def feed(self, text: str) -> list[dict]:
         """Deltas made certain by ``text``, the next piece of the output."""
         self._buf += text
+        self.reasoned = self.thinking
         out: list[dict] = []
         while self._buf:
             tag = END_THINK if self.thinking else THINK
@@ -71,6 +79,7 @@ class ThinkSplitter:
             if at >= 0:
                 self._emit(self._buf[:at], out)
                 self._buf, self.thinking, self._lead = self._buf[at + len(tag) :], not self.thinking, True
+                self.reasoned = self.reasoned or self.thinking
                 continue
             keep = _held(self._buf, tag)
             self._emit(self._buf[: len(self._buf) - keep], out)
@@ -96,7 +105,13 @@ class ThinkSplitter:
 class AnswerStream:
     """A chat answer split as it streams: reasoning (``parser``; ``thinking``: the prompt opened
     it), answer text, and tool calls in ``form`` (None: not parsed). :meth:`feed` and
-    :meth:`finish` return the chat route's deltas; :attr:`calls` holds the calls so far."""
+    :meth:`finish` return the chat route's deltas; :attr:`calls` holds the calls so far.
+
+    :attr:`reasoning_tokens` counts the output tokens spent reasoning, from the cumulative token
+    counts passed with each piece (:attr:`service.engine.sequence.TokenEvent.tokens`): a piece's
+    tokens count when the output was inside the reasoning at any point of it: ``<think>``
+    through ``</think>`` (the tags included), or a Harmony ``analysis`` message from its
+    ``<|start|>`` header through its ``<|end|>``. Nothing is counted without a parser."""
 
     def __init__(self, parser: Parser | None, thinking: bool, form: Form | None):
         # a Harmony model's calls are read from its channels, whatever reasoning_parser says
@@ -104,6 +119,25 @@ class AnswerStream:
         self._think = ThinkSplitter(thinking) if parser == "think" else None
         self._tools = ToolCallStream(form) if form is not None and self._harmony is None else None
         self.tool_form: bool = form is not None  # calls parsed (harmony: only with tools)
+        # reasoning is told apart only where a parser reads it (a Harmony model without one: none)
+        self._reader = self._think or (self._harmony if parser == "harmony" else None)
+        self.reasoning_tokens = 0  # output tokens spent reasoning so far (with token counts fed)
+        self._tokens = 0  # the output tokens fed so far
+        self._pending = 0  # tokens of a Harmony header whose channel is not known yet
+
+    def _count(self, tokens: int | None, before: bool) -> None:
+        """Add the tokens through ``tokens`` (cumulative) to :attr:`reasoning_tokens` when the
+        output was in the reasoning ``before`` the piece or during it."""
+        if tokens is None or self._reader is None:
+            return
+        new, self._tokens = tokens - self._tokens, tokens
+        if before or self._reader.reasoned:
+            self.reasoning_tokens += self._pending + new
+            self._pending = 0
+        elif self._reader.undecided:
+            self._pending += new
+        else:
+            self._pending = 0
 
     @property
     def calls(self) -> list[dict]:
@@ -111,13 +145,25 @@ class AnswerStream:
             return self._harmony.calls if self.tool_form else []
         return self._tools.calls if self._tools is not None else []
 
-    def feed(self, text: str) -> list[dict]:
+    def feed(self, text: str, tokens: int | None = None) -> list[dict]:
+        """The deltas of the output's next piece ``text``; ``tokens``: the output tokens generated
+        through it (cumulative; None: not counted)."""
+        before = self._reader is not None and self._reader.reasoning
         if self._harmony is not None:
-            return self._harmony_deltas(self._harmony.feed(text))
-        pieces = self._think.feed(text) if self._think is not None else [{"content": text}]
-        return self._answer(pieces, final=False)
+            out = self._harmony_deltas(self._harmony.feed(text))
+        else:
+            pieces = self._think.feed(text) if self._think is not None else [{"content": text}]
+            out = self._answer(pieces, final=False)
+        self._count(tokens, before)
+        return out
 
-    def finish(self) -> list[dict]:
+    def finish(self, tokens: int | None = None) -> list[dict]:
+        """The deltas left at the end of the output; ``tokens``: all the output's tokens (the
+        request's ``completion_tokens``; those after the last piece count as reasoning when the
+        output ended inside it)."""
+        if self._reader is not None and tokens is not None:
+            new, self._tokens = tokens - self._tokens, tokens
+            self.reasoning_tokens += new if self._reader.reasoning else 0
         if self._harmony is not None:
             return self._harmony_deltas(self._harmony.finish())
         pieces = self._think.finish() if self._think is not None else []
@@ -163,6 +209,18 @@ class AnswerPlan:
     def parse(self, text: str) -> tuple[str | None, str, list[dict]]:
         """(reasoning or None, answer text, tool calls) of the whole answer."""
         return parse_answer(text, self.parser, self.thinking, self.form)
+
+    def reasoning_tokens(self, pieces: list[tuple[str, int]], total: int) -> int:
+        """Output tokens spent reasoning (as :attr:`AnswerStream.reasoning_tokens` counts them) of
+        an answer that came as ``pieces`` (text, output tokens through it, cumulative) and
+        ``total`` output tokens in all; 0 without a parser."""
+        if self.parser is None:
+            return 0
+        stream = self.stream()
+        for text, tokens in pieces:
+            stream.feed(text, tokens)
+        stream.finish(total)
+        return stream.reasoning_tokens
 
 
 def parse_answer(text: str, parser: Parser | None, thinking: bool, form: Form | None) -> tuple[str | None, str, list]:

@@ -47,7 +47,7 @@ from service.api.schemas import (
 )
 from service.api.state import AppState, State
 from service.engine.core import Engine
-from service.engine.sequence import FinalEvent, FinishReason
+from service.engine.sequence import FinalEvent, FinishReason, TokenEvent
 
 router = APIRouter(prefix="/v1")
 
@@ -262,12 +262,16 @@ def skeleton(body: ResponsesRequest, model: str) -> dict:
     }
 
 
-def _usage(final: FinalEvent) -> dict:
+def usage(final: FinalEvent, reasoning_tokens: int = 0) -> dict:
+    """A response's ``usage`` (token counts): ``input_tokens`` all the prompt's, of which
+    ``input_tokens_details.cached_tokens`` came from the prefix cache; ``output_tokens`` all the
+    generated ones, of which ``output_tokens_details.reasoning_tokens`` (``reasoning_tokens``,
+    :attr:`service.api.reasoning.AnswerStream.reasoning_tokens`) were spent reasoning."""
     return {
         "input_tokens": final.prompt_tokens,
         "input_tokens_details": {"cached_tokens": final.cached_tokens},
         "output_tokens": final.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": final.prompt_tokens + final.completion_tokens,
     }
 
@@ -331,6 +335,7 @@ class ResponsesFormat:
         self.response, self._keep = response, keep
         self.plan = plan
         self._answer = plan.stream()
+        self._pieces: list[tuple[str, int]] = []  # (text, output tokens through it) not streamed
         self._reasoning: dict | None = None  # the reasoning item still open
         self._reasoning_index = 0
         self._sequence = 0  # the next event's sequence_number
@@ -437,30 +442,31 @@ class ResponsesFormat:
                 out += self._close_reasoning() + self._close_message("completed") + self._call(call)
         return out
 
-    def _finish(self, final: FinalEvent) -> dict:
+    def _finish(self, final: FinalEvent, reasoning_tokens: int) -> dict:
         """The finished response object (kept when asked)."""
         incomplete = final.finish_reason is FinishReason.LENGTH
         self.response["status"] = "incomplete" if incomplete else "completed"
         self.response["incomplete_details"] = {"reason": "max_output_tokens"} if incomplete else None
-        self.response["usage"] = _usage(final)
+        self.response["usage"] = usage(final, reasoning_tokens)
         if self._keep is not None:
             self._keep(self.response)
         return self.response
 
-    def chunks(self, text: str, logprobs: tuple = ()) -> list[dict]:
-        return self._start() + self._deltas(self._answer.feed(text))
+    def chunks(self, text: str, logprobs: tuple = (), tokens: int | None = None) -> list[dict]:
+        return self._start() + self._deltas(self._answer.feed(text, tokens))
 
-    def add(self, logprobs: tuple) -> None:
-        """Nothing to keep: Responses answers carry no logprobs."""
+    def add(self, event: TokenEvent) -> None:
+        """Keep the piece's text and token count (for the reasoning tokens; no logprobs here)."""
+        self._pieces.append((event.text, event.tokens))
 
     def final_chunks(self, final: FinalEvent) -> list[dict]:
-        out = self._start() + self._deltas(self._answer.finish())
+        out = self._start() + self._deltas(self._answer.finish(final.completion_tokens))
         status = "incomplete" if final.finish_reason is FinishReason.LENGTH else "completed"
         out += self._close_reasoning(status)
         if not any(item["type"] != "reasoning" for item in self.response["output"]):  # no text, no call
             out += self._open_message()
         out += self._close_message(status)
-        response = self._finish(final)
+        response = self._finish(final, self._answer.reasoning_tokens)
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         return [*out, self._event(kind, response=response)]
 
@@ -485,7 +491,7 @@ class ResponsesFormat:
             message = {**_message_item(), "status": status, "content": [_text_part(content or "")]}
             self.response["output"].append(message)
         self.response["output"] += [_call_item(c) for c in calls]
-        return self._finish(final)
+        return self._finish(final, self.plan.reasoning_tokens(self._pieces, final.completion_tokens))
 
 
 def _keeper(store: ResponseStore, turns: list[dict]) -> Callable[[dict], None]:

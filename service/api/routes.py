@@ -11,7 +11,7 @@ from service.api import pipeline
 from service.api.errors import ERRORS, ApiError, Shape
 from service.api.schemas import ErrorBody, InferChunk, InferRequest, InferResponse, ModelCard, ModelList
 from service.api.state import State
-from service.engine.sequence import FinalEvent
+from service.engine.sequence import FinalEvent, TokenEvent
 
 router = APIRouter()
 
@@ -65,15 +65,15 @@ class InferFormat:
             for e in entries
         ]
 
-    def chunks(self, text: str, logprobs=()) -> list[dict]:
+    def chunks(self, text: str, logprobs=(), tokens: int | None = None) -> list[dict]:
         chunk = InferChunk(id=self.id, model=self.model, text=text).model_dump(exclude_none=True)
         if self._logprobs:
             chunk["logprobs"] = self._lp(logprobs)
         return [chunk]
 
-    def add(self, logprobs) -> None:
+    def add(self, event: TokenEvent) -> None:
         """Keep a non-streamed answer's logprobs (``body`` returns them)."""
-        self._entries += self._lp(logprobs) if self._logprobs else []
+        self._entries += self._lp(event.logprobs) if self._logprobs else []
 
     def final_chunks(self, final: FinalEvent) -> list[dict]:
         return [InferChunk.model_validate({"id": self.id, "model": self.model, "text": "", **_end(final)}).model_dump()]

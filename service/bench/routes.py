@@ -167,8 +167,9 @@ def route_request(route: str, chat: dict) -> tuple[str, dict]:
 def messages_event(event: dict) -> EventParts:
     """:data:`~service.bench.common.EventParts` of one Anthropic Messages event: the text of a
     ``content_block_delta`` (``text_delta``, ``thinking_delta`` or a tool call's
-    ``input_json_delta``); ``message_start``'s ``usage.input_tokens`` as ``prompt_tokens``
-    (``cache_read_input_tokens`` as the cached ones) and ``message_delta``'s
+    ``input_json_delta``); ``message_start``'s ``usage`` as ``prompt_tokens`` (Anthropic's
+    ``input_tokens`` + ``cache_read_input_tokens`` + ``cache_creation_input_tokens``, the whole
+    prompt; ``cache_read_input_tokens`` as the cached ones) and ``message_delta``'s
     ``usage.output_tokens`` as ``completion_tokens`` (``message_start``'s own output count is
     not the answer's, and is not read); an ``error`` event's ``error``."""
     kind = event.get("type")
@@ -181,7 +182,8 @@ def messages_event(event: dict) -> EventParts:
             return "", None, None
         cached = usage.get("cache_read_input_tokens")
         details = {"prompt_tokens_details": {"cached_tokens": cached}} if cached is not None else {}
-        return "", {"prompt_tokens": usage["input_tokens"], **details}, None
+        prompt = usage["input_tokens"] + (cached or 0) + (usage.get("cache_creation_input_tokens") or 0)
+        return "", {"prompt_tokens": prompt, **details}, None
     if kind == "message_delta":
         out = (event.get("usage") or {}).get("output_tokens")
         return "", ({"completion_tokens": out} if out is not None else None), None

@@ -162,8 +162,9 @@ class Engine:
 
     def kv_summary(self) -> dict:
         """How this engine keeps its KV cache, for ``/readyz``: ``{"cache": "static"}``, or for a
-        paged pool its size in tokens and blocks, the blocks used now (held by requests), cached
-        and free, and the preemptions so far."""
+        paged pool its size in tokens and blocks, its ``kv_bits`` (4 or 8: quantized; None: the
+        compute dtype), the blocks used now (held by requests), cached and free, and the
+        preemptions so far."""
         paged = self.paged
         if paged is None:
             return {"cache": "static"}
@@ -172,6 +173,7 @@ class Engine:
             "cache": "paged",
             "tokens": stats.total * bt,
             "block_tokens": bt,
+            "kv_bits": self.executor.kv_bits,
             "blocks": {"total": stats.total, "used": stats.used, "cached": stats.cached, "free": stats.free},
             "preemptions": paged.preemptions,
         }

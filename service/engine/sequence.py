@@ -95,6 +95,7 @@ class TokenEvent:
     text: str
     token_id: int
     logprobs: tuple[TokenLogprob, ...] = ()  # the tokens this text covers, when logprobs were asked
+    tokens: int = 0  # output tokens generated through this event (cumulative, stop token excluded)
 
 
 @dataclass(frozen=True)
@@ -232,7 +233,8 @@ class Sequence:
                         break
         ready = len(self.text) - hold
         if ready > self._sent:
-            self.emit(TokenEvent(self.text[self._sent : ready], token_id, tuple(self.logprob_entries)))
+            piece = self.text[self._sent : ready]
+            self.emit(TokenEvent(piece, token_id, tuple(self.logprob_entries), len(self.output_ids)))
             self.logprob_entries.clear()
             self._sent = ready
 

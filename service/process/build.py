@@ -63,7 +63,7 @@ def build_engine(
         served.speculative_max_batch,
         paged_pool_tokens(settings, served, model) if settings.kv_cache == "paged" else None,
         settings.kv_block_tokens,
-        settings.kv_bits,
+        served.kv_bits,
     )
     if proposer is not None:
         metrics.init_speculative(model.name, proposer.method)
@@ -94,7 +94,7 @@ def paged_pool_tokens(settings: Settings, served: ServedModel, model: LoadedMode
         settings.max_batched_tokens,
         0,  # the pool's cached blocks are the prefix cache: no budget of its own
         memory_budget(settings),
-        settings.kv_bits,
+        served.kv_bits,
     )
 
 

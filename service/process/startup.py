@@ -292,7 +292,9 @@ def _check_paged(
     prefill step, its prefix cache and a pool, not a worst-case batch. ``max_sequences``, unset,
     is the largest batch bucket (a cap on running rows; the pool's blocks decide how many fit);
     ``kv_pool_tokens``, unset, splits what the budget leaves after the embedding models
-    (``embedding``) evenly between the models.
+    (``embedding``) evenly in bytes between the models, each share in tokens at its model's
+    bytes per position (its ``kv_bits``); ``kv_pool_tokens`` being one value, every pool gets the
+    smallest share's tokens (logged and checked as such).
 
     A sequence may grow to the model's context (``max_model_len``, else its
     ``max_position_embeddings``) where the pool holds that much: unless the capacity buckets
@@ -302,7 +304,10 @@ def _check_paged(
     Raises:
         MemoryBudgetError: a pool would hold less than the smallest capacity bucket; the message
             names the figures and the fix.
+        ModelLoadError: a model's ``kv_bits`` cannot quantize its heads (:func:`check_kv_heads`).
     """
+    for s in specs:
+        check_kv_heads(settings, s, models[s.name])
     resolved = {s.name: s.max_sequences or s.batch_buckets[-1] for s in specs}
     bt, gb = settings.kv_block_tokens, 1e9
     ladders = {s.name: list(s.capacity_buckets) for s in specs}
@@ -331,10 +336,11 @@ def _check_paged(
     embedded = sum(e.total for e in embedding)
     rest = limit - sum(e.weights + e.prefill + e.prefix_cache for e in fixed.values()) - embedded
     beside = f" beside the embedding models' {embedded / 1e9:.2f} GB" if embedding else ""
-    pools = {}
+    per_position = {s.name: memory.pool_bytes_per_position(models[s.name], s.kv_bits) for s in specs}
+    # every engine's pool takes kv_pool_tokens (one value): the smallest of the models' even shares
+    pool = settings.kv_pool_tokens or min(max(0, rest // len(specs) // per) for per in per_position.values())
     for s in specs:
-        per = memory.pool_bytes_per_position(models[s.name], settings.kv_bits)
-        pools[s.name] = pool = settings.kv_pool_tokens or max(0, rest // len(specs) // per)
+        per = per_position[s.name]
         if pool < ladders[s.name][0]:
             raise MemoryBudgetError(
                 f"model '{s.name}': its paged KV pool would hold {pool} tokens, fewer than the smallest capacity "
@@ -345,15 +351,53 @@ def _check_paged(
             ladders[s.name] = context_ladder(ladders[s.name], pool, bt)
         e = fixed[s.name]
         log.info(
-            "model %s: paged KV pool of %d tokens (%.2f GB, blocks of %d; prefix caching %s, in the pool's unheld "
-            "blocks), up to %d sequences, each up to %d tokens (capacity buckets %s); weights %.2f GB, prefill "
-            "%.2f GB, against %s %.2f GB",
-            s.name, pool, pool * per / gb, bt, "on" if settings.prefix_cache_bytes else "off", resolved[s.name],
+            "model %s: paged KV pool of %d tokens (%.2f GB, %s, blocks of %d; prefix caching %s, in the pool's "
+            "unheld blocks), up to %d sequences, each up to %d tokens (capacity buckets %s); weights %.2f GB, "
+            "prefill %.2f GB, against %s %.2f GB",
+            s.name, pool, pool * per / gb, kv_storage(s.kv_bits), bt, "on" if settings.prefix_cache_bytes else "off",
+            resolved[s.name],
             ladders[s.name][-1], ladders[s.name], e.weights / gb, e.prefill / gb, name, limit / gb,
         )  # fmt: skip
     settings = _with_max_sequences(settings, resolved)
     settings = _with_model_values(settings, "capacity_buckets", ladders)
-    return settings.model_copy(update={"kv_pool_tokens": min(pools.values())})
+    return settings.model_copy(update={"kv_pool_tokens": pool})
+
+
+KV_GROUP_SIZE = 64  # values of a head quantized together in a kv_bits pool (the executor's group size)
+
+
+def kv_storage(bits: int | None) -> str:
+    """How a paged pool keeps keys and values, for the start-up log: ``kv_bits 8`` or
+    ``unquantized``."""
+    return f"kv_bits {bits}" if bits else "unquantized"
+
+
+def check_kv_heads(settings: Settings, spec: ServedModel, model: LoadedModel) -> None:
+    """Refuse a ``kv_bits`` that ``model``'s heads cannot take: its pool quantizes groups of
+    :data:`KV_GROUP_SIZE` values of a head, so the head dim must be a multiple of it.
+
+    Raises:
+        ModelLoadError: naming the model, the key that set the bits (its ``[[models]]`` entry's
+            ``models[N].kv_bits`` or the top-level ``kv_bits``), the head dim and the fix.
+    """
+    if spec.kv_bits is None:
+        return
+    head_dim = getattr(model.args, "dim_per_head", None)
+    if head_dim is not None and head_dim % KV_GROUP_SIZE == 0:
+        return
+    entry = next((i for i, m in enumerate(settings.models) if m.name == spec.name and m.kv_bits is not None), None)
+    where = f"models[{entry}].kv_bits" if entry is not None else "kv_bits"
+    if entry is not None:
+        fix = "remove kv_bits from its [[models]] entry"
+    elif settings.models:
+        where += " (top level)"
+        fix = "remove the top-level kv_bits and set kv_bits on the [[models]] entries of the models that take it"
+    else:
+        fix = "remove kv_bits"
+    raise ModelLoadError(
+        f"model '{spec.name}': {where} = {spec.kv_bits} quantizes groups of {KV_GROUP_SIZE} values of a head, "
+        f"but its head dim is {head_dim}, not a multiple of {KV_GROUP_SIZE}; {fix}"
+    )
 
 
 def _embedding_fix(embedding: list[memory.EmbeddingEstimate]) -> str:

@@ -7,6 +7,8 @@ with ``extra_body``, which works with every release."""
 from __future__ import annotations
 
 import json
+import uuid
+from typing import Any
 
 import anthropic
 import jsonschema
@@ -57,15 +59,49 @@ def test_greedy_create_and_stream_match_chat_completions_and_count_tokens(server
     assert whole.id.startswith("msg_") and whole.role == "assistant" and whole.model == MODEL
     reason = {"stop": "end_turn", "length": "max_tokens"}[answer["finish_reason"]]
     assert whole.stop_reason == streamed.stop_reason == reason and whole.stop_sequence is None
-    assert whole.usage.input_tokens == streamed.usage.input_tokens == reference["usage"]["prompt_tokens"]
+    prompt = [u.input_tokens + (u.cache_read_input_tokens or 0) for u in (whole.usage, streamed.usage)]
+    assert prompt == [reference["usage"]["prompt_tokens"]] * 2  # the prompt, however much came from the cache
     assert whole.usage.output_tokens == streamed.usage.output_tokens == reference["usage"]["completion_tokens"]
     counted = c.messages.count_tokens(model=MODEL, system=SYSTEM, messages=ASK)
-    assert counted.input_tokens == whole.usage.input_tokens
+    assert counted.input_tokens == prompt[0]
     assert kinds[:2] == ["message_start", "content_block_start"] and kinds[-3:] == [
         "content_block_stop",
         "message_delta",
         "message_stop",
     ]
+
+
+def long_system() -> str:
+    """A system prompt of several prefix-cache blocks (32 tokens each), new to the server (its
+    first words are unique, so no earlier request shares even its first block)."""
+    rules = " ".join(f"Rule {i}: answer briefly, politely and in plain words." for i in range(12))
+    return f"Session {uuid.uuid4().hex}. You are a careful travel assistant. {rules}"
+
+
+def test_a_repeated_long_system_prompt_is_read_from_the_prefix_cache_streamed_and_not(server):
+    c = client(server)
+    args: dict[str, Any] = dict(model=MODEL, max_tokens=4, system=long_system(), messages=ASK, **GREEDY)
+    first = c.messages.create(**args)
+    again = c.messages.create(**args)
+    with c.messages.stream(**args) as stream:
+        start = next(e for e in stream if e.type == "message_start")
+        streamed = stream.get_final_message()
+    prompt = c.messages.count_tokens(model=MODEL, system=args["system"], messages=args["messages"]).input_tokens
+    assert prompt >= 160  # the system prompt spans several 32-token blocks
+    assert first.usage.cache_read_input_tokens == 0 and first.usage.input_tokens == prompt
+    for usage in (again.usage, start.message.usage, streamed.usage):
+        assert usage.cache_read_input_tokens is not None and usage.cache_read_input_tokens >= 128, usage
+        assert usage.input_tokens + usage.cache_read_input_tokens == first.usage.input_tokens, usage
+        assert usage.cache_creation_input_tokens == 0
+    assert streamed.usage.cache_read_input_tokens == start.message.usage.cache_read_input_tokens
+    assert text_of(again) == text_of(streamed) == text_of(first)  # the cache changes nothing in the answer
+    # a cache_control breakpoint is accepted and changes nothing (the prefix cache works by itself)
+    marked = [{"type": "text", "text": args["system"], "cache_control": {"type": "ephemeral"}}]
+    hinted = c.messages.create(**{**args, "system": marked})
+    assert (
+        text_of(hinted) == text_of(first)
+        and hinted.usage.input_tokens + (hinted.usage.cache_read_input_tokens or 0) == prompt
+    )
 
 
 def test_stream_on_the_wire_names_each_event_in_order(server):

@@ -58,6 +58,38 @@ def raw_split(server) -> tuple[str, str]:
     return thought.strip(), answer.strip()
 
 
+def raw_reasoning_tokens(server) -> int:
+    """The output tokens of the greedy raw text through its first </think> (all of them when it
+    never closes): what the routes report as reasoning tokens."""
+    body = {"prompt": "t5 t6 t7 <think>", "max_tokens": N, "temperature": 0, "logprobs": 0}
+    with server.client() as http:
+        reply = http.post("/v1/completions", json=body).json()
+    tokens = reply["choices"][0]["logprobs"]["tokens"]
+    total = reply["usage"]["completion_tokens"]
+    return tokens.index("</think>") + 1 if "</think>" in tokens else total
+
+
+def test_reasoning_tokens_are_counted_through_the_closing_tag_on_chat_and_responses(server):
+    expected = raw_reasoning_tokens(server)
+    assert expected > 0
+    with server.client() as http:
+        chat = {"model": "thinker", "messages": ASK, "max_tokens": N, "temperature": 0}
+        whole = http.post("/v1/chat/completions", json=chat).json()
+        stream = {**chat, "stream": True, "stream_options": {"include_usage": True}}
+        lines = http.post("/v1/chat/completions", json=stream).text.split("\n\n")
+        usage = next(json.loads(x[6:])["usage"] for x in lines if x.startswith("data: {") and '"usage": {' in x)
+        answers = [
+            http.post("/v1/responses", json={"model": "thinker", "input": "t5 t6 t7", "max_output_tokens": N, **extra})
+            for extra in ({"temperature": 0}, {"temperature": 0, "stream": True})
+        ]
+    assert whole["usage"]["completion_tokens_details"]["reasoning_tokens"] == expected
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == expected
+    response = answers[0].json()
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == expected
+    last = [x for x in answers[1].text.split("\n\n") if x][-1].split("data: ", 1)[1]
+    assert json.loads(last)["response"]["usage"]["output_tokens_details"]["reasoning_tokens"] == expected
+
+
 def test_chat_completions_give_reasoning_content_streamed_and_not(server):
     thought, answer = raw_split(server)
     assert thought, "the random model's greedy text starts with reasoning"

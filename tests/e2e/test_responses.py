@@ -4,6 +4,8 @@ would hide the wire) against a real `stepserve serve` of the default model."""
 from __future__ import annotations
 
 import json
+import uuid
+from typing import Any
 
 import jsonschema
 import openai
@@ -67,6 +69,26 @@ def test_greedy_create_and_stream_match_chat_completions(server):
     final = events[-1].response
     assert deltas == done.text == final.output_text == whole.output_text
     assert final.usage == whole.usage and final.id != whole.id
+
+
+def test_a_repeated_long_instruction_is_read_from_the_prefix_cache_streamed_and_not(server):
+    rules = " ".join(f"Rule {i}: answer briefly, politely and in plain words." for i in range(12))
+    instructions = f"Session {uuid.uuid4().hex}. You are a careful travel assistant. {rules}"  # new to the server
+    c = client(server)
+    args: dict[str, Any] = dict(
+        model=MODEL, instructions=instructions, input=ASK, max_output_tokens=4, temperature=0, store=False
+    )
+    first, again = c.responses.create(**args), c.responses.create(**args)
+    completed: list[Any] = [
+        e for e in c.responses.create(**args, stream=True) if e.type in ("response.completed", "response.incomplete")
+    ]
+    assert first.usage is not None and first.usage.input_tokens >= 160  # several 32-token blocks
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    for usage in (again.usage, completed[0].response.usage):
+        assert usage is not None and usage.input_tokens == first.usage.input_tokens
+        assert 128 <= usage.input_tokens_details.cached_tokens < usage.input_tokens, usage
+        assert usage.output_tokens_details.reasoning_tokens == 0  # the default model does not reason
+    assert again.output_text == first.output_text == completed[0].response.output_text
 
 
 def test_the_wire_names_each_event_and_the_output_limit_makes_it_incomplete(server):

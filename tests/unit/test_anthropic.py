@@ -10,7 +10,7 @@ import json
 import pytest
 
 from service.api import pipeline
-from service.api.anthropic import MessagesFormat, conversation
+from service.api.anthropic import MessagesFormat, conversation, usage
 from service.api.errors import ApiError, error_body
 from service.api.reasoning import AnswerPlan
 from service.api.schemas import MessagesInput
@@ -19,8 +19,10 @@ from service.engine.sequence import FinalEvent, FinishReason, TokenEvent
 from tests.support import FinishedGeneration
 
 
-def _final(reason: FinishReason, completion: int = 5, stop: str | None = None, error: str | None = None) -> FinalEvent:
-    return FinalEvent(reason, 12, completion, 0.0, 0.1, 0.2, 0.3, error=error, stop_string=stop)
+def _final(
+    reason: FinishReason, completion: int = 5, stop: str | None = None, error: str | None = None, cached: int = 0
+) -> FinalEvent:
+    return FinalEvent(reason, 12, completion, 0.0, 0.1, 0.2, 0.3, error=error, stop_string=stop, cached_tokens=cached)
 
 
 def test_blocks_become_the_chat_routes_turns_in_order():
@@ -106,7 +108,8 @@ def test_a_streamed_text_and_tool_call_add_up_to_the_whole_message():
     assert [json.loads(p) for p in partial] == [json.loads(c["function"]["arguments"]) for c in calls]
     assert whole["content"][1]["input"] == {"city": "Paris"} and whole["content"][1]["id"].startswith("toolu_")
     assert whole["stop_reason"] == events[-2]["delta"]["stop_reason"] == "tool_use"
-    assert whole["usage"] == {"input_tokens": 12, "output_tokens": 5}
+    no_cache = {"input_tokens": 12, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 5}
+    assert whole["usage"] == no_cache
 
 
 @pytest.mark.parametrize(
@@ -147,3 +150,37 @@ def test_error_bodies_in_anthropics_shape_name_the_field():
     assert error_body(503, "not ready", "unavailable", shape="anthropic")["error"]["type"] == "overloaded_error"
     assert error_body(500, "boom", "server_error", shape="anthropic")["error"]["type"] == "api_error"
     assert error_body(404, "no model", "not_found_error", "model")["error"]["code"] == "404"  # OpenAI's, unchanged
+
+
+def test_usage_splits_the_prompt_into_prefilled_and_cache_read_tokens_as_anthropic_does():
+    # Anthropic: total prompt = input_tokens + cache_read_input_tokens + cache_creation_input_tokens
+    for prompt, cached in ((12, 0), (12, 8), (100, 96)):
+        got = usage(prompt, cached, 3)
+        assert got["input_tokens"] == prompt - cached and got["cache_read_input_tokens"] == cached
+        assert got["input_tokens"] + got["cache_read_input_tokens"] + got["cache_creation_input_tokens"] == prompt
+        assert got["cache_creation_input_tokens"] == 0 and got["output_tokens"] == 3
+
+
+def test_a_cache_hit_shows_in_message_start_the_last_message_delta_and_the_message():
+    final = _final(FinishReason.STOP, completion=2, cached=8)
+    fmt = MessagesFormat("m", 12, AnswerPlan(None, None), cached=lambda: 8)
+    events = _stream(fmt, ["Par", "is"], final)
+    start, delta = events[0], events[-2]
+    assert start["message"]["usage"] == {
+        "input_tokens": 4,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 8,
+        "output_tokens": 0,
+    }
+    whole = MessagesFormat("m", 12, AnswerPlan(None, None), cached=lambda: 8).body("Paris", final)
+    assert delta["type"] == "message_delta" and delta["usage"] == whole["usage"] == {
+        **start["message"]["usage"],
+        "output_tokens": 2,
+    }
+
+
+def test_a_request_that_ends_before_its_first_token_starts_with_its_end_figures():
+    final = _final(FinishReason.STOP, completion=1, cached=8)  # the stop token came first: no text
+    events = MessagesFormat("m", 12, AnswerPlan(None, None), cached=lambda: 0).final_chunks(final)
+    assert events[0]["type"] == "message_start" and events[0]["message"]["usage"]["cache_read_input_tokens"] == 8
+    assert events[-2]["usage"]["output_tokens"] == 1

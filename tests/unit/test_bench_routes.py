@@ -45,7 +45,18 @@ def sse(events: list[dict], named: bool) -> bytes:
 # In the shapes stepserve's routes write them (service/api/anthropic.py, responses.py), trimmed:
 # a text answer cut by the output limit, and on Messages a tool call after the text.
 MESSAGES_STREAM = [
-    {"type": "message_start", "message": {"id": "msg_1", "usage": {"input_tokens": 31, "output_tokens": 0}}},
+    {
+        "type": "message_start",
+        "message": {
+            "id": "msg_1",
+            "usage": {
+                "input_tokens": 7,  # Anthropic's: the prompt tokens neither read from nor written to the cache
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 24,
+                "output_tokens": 0,
+            },
+        },
+    },
     {"type": "ping"},
     {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
     {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "The"}},
@@ -151,7 +162,12 @@ def test_responses_body_is_the_chat_conversation_as_instructions_and_input():
 def test_each_route_counts_its_own_usage_field_and_times_its_deltas():
     messages = read("/v1/messages", MESSAGES_STREAM, messages_event)
     # message_start's output_tokens (0) is not the answer's count; message_delta's is
-    assert messages.usage == {"prompt_tokens": 31, "completion_tokens": 9}
+    assert messages.usage == {
+        "prompt_tokens": 31,
+        "prompt_tokens_details": {"cached_tokens": 24},
+        "completion_tokens": 9,
+    }
+    assert messages.prompt_tokens == 31 and messages.cached_tokens == 24  # the whole prompt, 24 of it cached
     assert messages.tokens == 9 and len(messages.arrivals) == 3  # two text deltas and the tool call's JSON
     responses = read("/v1/responses", RESPONSES_STREAM, responses_event)
     assert responses.tokens == 6 and responses.prompt_tokens == 29 and responses.cached_tokens == 16
@@ -166,7 +182,7 @@ def test_each_route_counts_its_own_usage_field_and_times_its_deltas():
 
 def test_a_stream_without_its_usage_or_with_an_error_event_is_an_error():
     no_usage = read("/v1/messages", MESSAGES_STREAM[:-2], messages_event)  # cut before message_delta
-    assert no_usage.usage == {"prompt_tokens": 31} and not no_usage.counted and no_usage.tokens == 3
+    assert (no_usage.usage or {}).get("prompt_tokens") == 31 and not no_usage.counted and no_usage.tokens == 3
     assert checked(no_usage).error == "missing usage: the stream ended after 3 deltas without its token count"
     completed_without = [*RESPONSES_STREAM[:-1], {"type": "response.completed", "response": {"usage": None}}]
     assert str(checked(read("/v1/responses", completed_without, responses_event)).error).startswith("missing usage")

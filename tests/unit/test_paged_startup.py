@@ -66,7 +66,8 @@ def test_kv_bits_without_the_paged_pool_is_refused_naming_the_fix():
         load_settings(model_name="tiny", kv_bits=6, kv_cache="paged")
 
 
-def test_a_quantized_pool_holds_more_tokens_in_the_same_budget(model):
+def test_a_quantized_pool_holds_more_tokens_in_the_same_budget():
+    model = wide_model("tiny")
     full = check_memory(settings(memory_budget_bytes=10**8), {"tiny": model}).kv_pool_tokens
     eight = check_memory(settings(memory_budget_bytes=10**8, kv_bits=8), {"tiny": model}).kv_pool_tokens
     four = check_memory(settings(memory_budget_bytes=10**8, kv_bits=4), {"tiny": model}).kv_pool_tokens
@@ -86,3 +87,69 @@ def test_prefix_cache_bytes_takes_nothing_from_the_pool_and_an_explicit_value_is
     assert on.kv_pool_tokens == off
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any(f"prefix_cache_bytes = {budget // 2} does not apply with kv_cache = 'paged'" in m for m in warned)
+
+
+#: The tiny model with heads of 64 (kv_bits quantizes groups of 64 values of a head; TINY's are 16).
+WIDE = TINY.__class__(**{**TINY.__dict__, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
+
+
+def wide_model(name: str) -> LoadedModel:
+    params, tokenizer = random_params(WIDE, seed=3), cast(Any, WordTokenizer(frozenset()))
+    return LoadedModel(name, Path("-"), WIDE, params, tokenizer, mx.float32, "dequantized", 0.0)
+
+
+def two_models(**keys) -> Settings:
+    """Two [[models]] entries, "a" and "b", with a paged pool; ``a`` and ``b``: their own keys."""
+    a, b = keys.pop("a", {}), keys.pop("b", {})
+    return settings(models=[{"name": "a", **a}, {"name": "b", **b}], **keys)
+
+
+def test_kv_bits_per_model_defaults_to_the_top_level_and_is_checked_naming_the_entry():
+    from service.config import ConfigError, load_settings
+
+    def bits(**keys) -> list[int | None]:
+        models = [{"name": "a", **keys.pop("a", {})}, {"name": "b", **keys.pop("b", {})}]
+        return [m.kv_bits for m in load_settings(models=models, kv_cache="paged", **keys).served_models()]
+
+    assert bits(a={"kv_bits": 8}) == [8, None]
+    assert bits(a={"kv_bits": 8}, b={"kv_bits": 4}) == [8, 4]
+    assert bits(kv_bits=4, a={"kv_bits": 8}) == [8, 4]  # the top level is b's default
+    with pytest.raises(ConfigError, match=r"models\[1\]\.kv_bits: kv_bits must be 4 or 8 \(got 6\)"):
+        bits(b={"kv_bits": 6})
+    static = [{"name": "a"}, {"name": "b", "kv_bits": 8}]
+    with pytest.raises(ConfigError, match=r"models\[1\]\.kv_bits: model 'b' sets kv_bits = 8, .* kv_cache is 'static'"):
+        load_settings(models=static)
+
+
+def test_a_head_dim_the_groups_do_not_divide_is_refused_naming_the_key(model):
+    from models.errors import ModelLoadError
+
+    models = {"a": wide_model("a"), "b": model}  # b: TINY, heads of 16
+    with pytest.raises(ModelLoadError, match=r"model 'b': models\[1\]\.kv_bits = 8 .* head dim is 16"):
+        check_memory(two_models(memory_budget_bytes=10**8, b={"kv_bits": 8}), models)
+    with pytest.raises(ModelLoadError, match=r"model 'b': kv_bits \(top level\) = 4 .* remove the top-level kv_bits"):
+        check_memory(two_models(memory_budget_bytes=10**8, kv_bits=4, a={"kv_bits": 8}), models)
+    with pytest.raises(ModelLoadError, match=r"model 'tiny': kv_bits = 8 .* head dim is 16, .*; remove kv_bits$"):
+        check_memory(settings(memory_budget_bytes=10**8, kv_bits=8), {"tiny": model})
+    check_memory(two_models(memory_budget_bytes=10**8, a={"kv_bits": 8}), models)  # b unquantized: served
+
+
+def test_two_models_get_pools_with_their_own_bits(caplog):
+    from prometheus_client import CollectorRegistry
+
+    from service.metrics import Metrics
+    from service.process.build import build_engine
+
+    models = {"a": wide_model("a"), "b": wide_model("b")}
+    config = two_models(memory_budget_bytes=10**8, capacity_buckets=[64, 128], a={"kv_bits": 8}, b={"kv_bits": 4})
+    with caplog.at_level("INFO", logger="stepserve"):
+        resolved = check_memory(config, models)
+    logged = [r.getMessage() for r in caplog.records if "paged KV pool" in r.getMessage()]
+    assert any(m.startswith("model a:") and "kv_bits 8" in m for m in logged), logged
+    assert any(m.startswith("model b:") and "kv_bits 4" in m for m in logged), logged
+    metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
+    engines = {s.name: build_engine(resolved, s, models[s.name], metrics) for s in resolved.served_models()}
+    assert {name: e.kv_summary()["kv_bits"] for name, e in engines.items()} == {"a": 8, "b": 4}  # /readyz's kv
+    pools = {name: e.executor.pool for name, e in engines.items()}
+    packed = {name: p.keys[0][0].shape[-1] for name, p in pools.items() if p is not None}  # uint32 words per head
+    assert packed == {"a": WIDE.dim_per_head * 8 // 32, "b": WIDE.dim_per_head * 4 // 32}

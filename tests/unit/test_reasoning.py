@@ -152,3 +152,45 @@ def test_template_controls_honour_what_the_template_takes_and_name_the_field_oth
         with pytest.raises(ValueError, match="^reasoning_effort: "):
             template_controls(parser, template, effort, "reasoning_effort")  # type: ignore[arg-type]
     assert json.dumps(template_controls("think", "<think>", None, "x")) == "{}"
+
+
+def _pieces(tokens: list[str]) -> list[tuple[str, int]]:
+    """One piece per token, with the output tokens through it (as TokenEvent.tokens counts)."""
+    return [(t, i + 1) for i, t in enumerate(tokens)]
+
+
+def _counted(plan_: AnswerPlan, pieces: list[tuple[str, int]], total: int) -> int:
+    """The streamed count, checked against the whole-answer count."""
+    stream = plan_.stream()
+    for text, tokens in pieces:
+        stream.feed(text, tokens)
+    stream.finish(total)
+    assert plan_.reasoning_tokens(pieces, total) == stream.reasoning_tokens
+    return stream.reasoning_tokens
+
+
+def test_reasoning_tokens_run_through_the_closing_think_tag():
+    tokens = ["<think>", "The", " user", " greets", ".", "</think>", "\n\n", "Hello", "!"]
+    think = AnswerPlan("think", None)
+    assert _counted(think, _pieces(tokens), len(tokens) + 1) == 6  # + the stop token: not reasoning
+    # several tokens in one piece (an incomplete UTF-8 character held back): counted with it
+    merged = [("<think>The", 2), (" user greets", 4), (".</think>", 6), ("\n\nHello!", 9)]
+    assert _counted(think, merged, 10) == 6
+    # the prompt opened <think>: the output starts as reasoning
+    assert _counted(AnswerPlan("think", None, thinking=True), _pieces(["Greets", ".", "</think>", "Hi"]), 5) == 3
+    # the output limit ended it inside the reasoning: every token, the last one with no text yet too
+    assert _counted(think, _pieces(["<think>", "Hmm", "m"]), 4) == 4
+    # no reasoning at all, or no parser
+    assert _counted(think, _pieces(["Hello", "!"]), 3) == 0
+    assert _counted(AnswerPlan(None, None), _pieces(tokens), 10) == 0
+
+
+def test_harmony_reasoning_tokens_are_the_analysis_messages_header_to_end():
+    analysis = ["<|channel|>", "analysis", "<|message|>", "User", " asks", ".", "<|end|>"]
+    final = ["<|start|>", "assistant", "<|channel|>", "final", "<|message|>", "4", "."]
+    assert _counted(AnswerPlan("harmony", None), _pieces(analysis + final), 15) == len(analysis)
+    # a call on the commentary channel after the reasoning is not reasoning
+    call = ["<|start|>", "assistant", "<|channel|>", "commentary to=functions.f", "<|message|>", "{}"]
+    assert _counted(AnswerPlan("harmony", "harmony"), _pieces(analysis + call), 14) == len(analysis)
+    # a Harmony model's calls read without a reasoning parser: nothing is counted
+    assert _counted(AnswerPlan(None, "harmony"), _pieces(analysis + call), 14) == 0

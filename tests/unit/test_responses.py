@@ -240,3 +240,24 @@ def test_the_store_keeps_what_fits_and_evicts_the_least_recently_used():
     assert store.pop("resp_0") is entry and store.get("resp_0") is None
     nothing = ResponseStore(0)
     assert not nothing.put(_response(0), []) and len(nothing) == 0
+
+
+def test_usage_counts_cached_prompt_tokens_and_reasoning_tokens_streamed_and_whole():
+    tokens = ["<think>", "Greets", ".", "</think>", "\n\n", "Hi", "!"]
+    final = FinalEvent(FinishReason.STOP, 40, len(tokens) + 1, 0.0, 0.1, 0.2, 0.3, cached_tokens=32)
+    request = ResponsesRequest.model_validate({"input": "Hi"})
+    streamed = ResponsesFormat(skeleton(request, "m"), AnswerPlan("think", None))
+    events = [e for i, t in enumerate(tokens) for e in streamed.chunks(t, (), i + 1)] + streamed.final_chunks(final)
+    whole = ResponsesFormat(skeleton(request, "m"), AnswerPlan("think", None))
+    for i, t in enumerate(tokens):
+        whole.add(TokenEvent(t, i, (), i + 1))
+    body = whole.body("".join(tokens), final)
+    expected = {
+        "input_tokens": 40,
+        "input_tokens_details": {"cached_tokens": 32},
+        "output_tokens": 8,
+        "output_tokens_details": {"reasoning_tokens": 4},  # <think> through </think>
+        "total_tokens": 48,
+    }
+    assert events[-1]["type"] == "response.completed" and events[-1]["response"]["usage"] == expected
+    assert body["usage"] == expected and body["output"][0]["type"] == "reasoning"
