@@ -28,6 +28,7 @@ import numpy as np
 from models.sentence import EmbeddingModel
 from service.engine.compile_cache import CompileCache, StepKey, StepSpec
 from service.engine.stall import StallClock
+from service.engine.threads import on_own_thread
 from service.metrics import EmbeddingStat, Metrics, StepStat
 
 log = logging.getLogger("stepserve.embed")
@@ -183,13 +184,17 @@ class Embedder:
 
     def _run(self, warmup: list[tuple[int, int]], progress: Callable[[str], None] | None) -> None:
         start = time.perf_counter()
-        try:
+
+        def warm_up() -> None:
             for batch, length in warmup:
                 if progress is not None:
                     progress(f"{self.model.name}: compiling embed b{batch}x{length}")
                 ones = mx.ones((batch, length), mx.int32)
                 with self.clock.running():  # a compile: its time says nothing of a step's
                     mx.eval(self._fn(batch, length)(ones, ones))
+
+        try:
+            on_own_thread(warm_up, f"stepserve-warmup-{self.model.name}")  # its allocations off this thread's arena
         except Exception as exc:  # noqa: BLE001 - reported by /readyz, the thread ends
             log.exception("embedding warm-up of %s failed", self.model.name)
             self.not_ready_reason = f"warm-up failed: {type(exc).__name__}"

@@ -4,8 +4,8 @@ glibc's malloc gives each thread an arena of its own. A warm-up that traces ever
 allocates a great deal that lives on (the traces) between a great deal it frees (their
 temporaries), leaving its thread's arena large and fragmented, and every later allocation on
 that thread pays for it: a decode step makes thousands (MLX's arrays and graph nodes). The
-warm-up of an engine and of a pipeline group's follower ranks therefore runs on a thread of its
-own, and serving allocates in an arena the warm-up did not touch (measured in
+warm-up of an engine, of a pipeline group's follower ranks and of an embedding model therefore
+runs on a thread of its own, and serving allocates in an arena the warm-up did not touch (measured in
 docs/BENCHMARKS.md, "One stream").
 """
 

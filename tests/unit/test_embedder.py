@@ -3,6 +3,7 @@ the vector it gets alone, and concurrent requests share steps."""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
@@ -61,6 +62,35 @@ def test_concurrent_requests_share_steps(model):
     assert np.allclose(got[0], alone[0], atol=1e-5)
     steps = metrics.embedding_steps.labels("minilm")._value.get()
     assert metrics.embedding_requests.labels("minilm")._value.get() == 17 and steps < 17
+
+
+def test_the_warm_up_compiles_on_a_thread_of_its_own_and_steps_run_on_the_embedders(model):
+    """Warm-up's allocations stay off the serving thread's malloc arena (service.engine.threads):
+    the buckets compile on another thread, ended before ready; requests step on the embedder's."""
+    metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
+    cache = CompileCache("on", metrics.record_lookup, metrics.record_compile)
+    embedder = Embedder(model, (1,), length_buckets([16], model.max_tokens), cache, metrics)
+    seen: dict[str, threading.Thread] = {}
+    fn, step = embedder._fn, embedder.step
+
+    def recording_fn(batch, length):
+        seen.setdefault("warm-up", threading.current_thread())
+        return fn(batch, length)
+
+    def recording_step():
+        seen["step"] = threading.current_thread()
+        embedder._fn = fn
+        return step()
+
+    embedder._fn, embedder.step = recording_fn, recording_step
+    embedder.start([(1, 16)])
+    try:
+        assert embedder.ready.wait(120)
+        assert len(embedder.submit(model.tokenize(["hello"])).result(60)[0]) == model.dimensions
+    finally:
+        embedder.stop()
+    assert seen["step"] is embedder._thread
+    assert seen["warm-up"] is not embedder._thread and not seen["warm-up"].is_alive()
 
 
 def test_a_decoder_directory_is_refused_by_name(tmp_path):
