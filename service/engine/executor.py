@@ -262,13 +262,7 @@ class Executor:
 
         ``kv`` may be the rows' block tables (:class:`PagedTables`, int32 [B, C / bt]) instead:
         the step then reads and writes the paged pool (:meth:`use_paged`), which it replaces."""
-        fn = self.step_fn("decode", kv.batch, kv.capacity)
-        at = mx.array(positions, mx.int32)
-        if isinstance(kv, PagedTables):
-            assert self.pool is not None, "use_paged() first"
-            logits, self.pool = fn(self.model.params, tokens, at, kv.table, self.pool)
-            return logits, kv
-        return fn(self.model.params, tokens, at, kv)
+        return self._run(self.step_fn("decode", kv.batch, kv.capacity), kv, tokens, positions)
 
     def verify(self, kv: DecodeCache, tokens: mx.array, positions: list[int]) -> tuple[mx.array, DecodeCache]:
         """One verify step (speculative decoding) of every row of ``kv``: ``tokens`` int32 [B, W]
@@ -280,7 +274,13 @@ class Executor:
 
         Raises:
             KeyError: no verify step runs here (:attr:`can_verify`)."""
-        fn = self.step_fn("verify", kv.batch, tokens.shape[1], kv.capacity)
+        return self._run(self.step_fn("verify", kv.batch, tokens.shape[1], kv.capacity), kv, tokens, positions)
+
+    def _run(
+        self, fn: Callable, kv: DecodeCache, tokens: mx.array, positions: list[int]
+    ) -> tuple[mx.array, DecodeCache]:
+        """Call a decode or verify step ``fn`` over ``kv``: a static cache is passed and returned
+        by the step; with block tables the step reads and writes the paged pool, kept here."""
         at = mx.array(positions, mx.int32)
         if isinstance(kv, PagedTables):
             assert self.pool is not None, "use_paged() first"
