@@ -144,8 +144,16 @@ class MemoryAdmissionError(RuntimeError):
 def kv_bytes_per_position(model: LoadedModel) -> int:
     """Bytes one row of a linear (prefill or staging) KV cache takes per position in this
     process: keys and values of every layer it holds (all, or a pipeline stage's),
-    2 x layers x Hkv x D x the compute dtype's size."""
-    return _row_bytes(model, 1, ring=False)
+    2 x layers x Hkv x D x the compute dtype's size. A recurrent layer's state is a row's
+    whatever its length (:func:`state_bytes_per_row`), not a position's."""
+    return _row_bytes(model, 1, ring=False) - state_bytes_per_row(model)
+
+
+def state_bytes_per_row(model: LoadedModel) -> int:
+    """Bytes of one row's recurrent states in this process (a gated delta net's or a
+    Mamba layer's state and convolution window, :class:`models.adapter.AdapterArgs`), the
+    same at any length: a cache at 0 positions. 0 for a model of attention layers only."""
+    return _row_bytes(model, 0, ring=False)
 
 
 def pool_bytes_per_position(model: LoadedModel, bits: int | None = None, group_size: int = 64) -> int:
@@ -182,27 +190,29 @@ def prefill_bytes(
     batched: bool = False,
 ) -> int:
     """Bytes of the largest prefill call for up to ``rows`` requests of up to ``prompt`` tokens:
-    a whole prefill of as many prompts of one bucket as one call runs (their KV cache and
-    float32 attention scores, rows x heads x T x T), or one chunk of a longer prompt (heads x T
-    x C scores against its staging cache, C the capacity it needs); with ``batched``, the last
+    a whole prefill of as many prompts of one bucket as one call runs (their KV cache, their
+    recurrent states if any, and float32 attention scores, rows x heads x T x T), or one chunk
+    of a longer prompt (heads x T x C scores against its staging cache, C the capacity it
+    needs, and the row's states); with ``batched``, the last
     chunks of several prompts in one call (:func:`service.engine.prefill.last_chunk_rows` rows
     at chunk bucket t: a copy of their staging rows, B x C positions, and B x heads x t x C
     scores)."""
     per_position, heads = kv_bytes_per_position(model), model.args.num_attention_heads
+    state = state_bytes_per_row(model)
     chunk_tokens = buckets.chunk_tokens(chunk_tokens)  # as the engine caps it
     T = buckets.prompt_for(min(prompt, chunk_tokens))
     admitted = buckets.batch_for(max(1, min(rows, max_batched_tokens // max(1, T // 2))))
     whole_rows = min(admitted, buckets.prefill_rows(T, chunk_tokens))
-    whole = whole_rows * T * (per_position + heads * T * SCORES_BYTES)
+    whole = whole_rows * (state + T * (per_position + heads * T * SCORES_BYTES))
     if prompt <= chunk_tokens:
         return whole
     C = buckets.staging_for(min(prompt + T, buckets.capacity[-1]))
-    chunk = T * per_position + heads * T * C * SCORES_BYTES
+    chunk = state + T * per_position + heads * T * C * SCORES_BYTES
     if batched:
         budget = max(max_batched_tokens, chunk_tokens)
         for t in (b for b in buckets.prompt if b <= T):
             B = min(last_chunk_rows(buckets, t, budget), buckets.batch_for(max(1, rows)))
-            chunk = max(chunk, B * (C * per_position + heads * t * C * SCORES_BYTES))
+            chunk = max(chunk, B * (state + C * per_position + heads * t * C * SCORES_BYTES))
     return max(whole, chunk)
 
 

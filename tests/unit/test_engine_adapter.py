@@ -30,6 +30,7 @@ from service.engine.executor import Executor
 from service.engine.sequence import FinalEvent, SamplingParams, Sequence
 from service.engine.warmup import WarmupSpec
 from service.metrics import Metrics
+from service.process.memory import SCORES_BYTES, kv_bytes_per_position, prefill_bytes, state_bytes_per_row
 from tests.parity.build import build_tiny
 from tests.support import engine_at, start_engine, tiny_config, write_lm_dir
 
@@ -307,3 +308,19 @@ def test_a_staging_cache_growing_past_a_sliding_window_stays_linear(tmp_path):
     served = step_by_hand(engine_at(model, BUCKETS, prefill_chunk_tokens=8, max_batched_tokens=16), [(prompt, 6)])
     expected = [int(t) for t, _ in generate_step(mx.array(prompt, mx.int32), reference, max_tokens=6)]
     assert served[0].tokens == expected
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "llama"])
+def test_the_memory_estimate_counts_a_recurrent_state_once_per_row(name):
+    """A gated delta net's state is a row's whatever its length: the worst case counts it once
+    per prefill row, not once per position (which sized a 0.26B Qwen3-Next-shaped model's
+    prefill at tens of GB and its max_sequences at 2)."""
+    model = tiny_model(name)
+    assert isinstance(model.args, AdapterArgs)
+    held = [model.args.allocate(1, n, mx.float32).nbytes for n in (16, 17)]
+    assert kv_bytes_per_position(model) == held[1] - held[0]
+    assert state_bytes_per_row(model) == held[0] - 16 * kv_bytes_per_position(model)
+    assert (state_bytes_per_row(model) > 0) == (name == "qwen3_next")
+    buckets = BucketTable((1, 2), (16, 32), (64,))
+    scores = model.args.num_attention_heads * 16 * 16 * SCORES_BYTES
+    assert prefill_bytes(model, buckets, 1, 16, 32, 64) == held[0] + scores  # one whole 16-token row
