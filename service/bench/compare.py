@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import shlex
 import sys
 import tempfile
@@ -32,7 +33,7 @@ from rich.table import Table
 
 from models.default import default_model_path
 from models.gguf.convert import convert_gguf
-from service.bench.common import device_defaults, fmt, machine_info, plot_levels, report
+from service.bench.common import device_defaults, fmt, machine_info, plot_levels, print_table, report
 from service.bench.load import LOAD_WORKLOADS, Workload, add_workload_flags, run, table
 from service.bench.servers import STEPSERVE_SERVE, openblas_env, process_blas, serving
 
@@ -121,8 +122,10 @@ def ratios(ours: dict, peer: dict) -> list[dict]:
 def measure_all(model_dir: Path, args: argparse.Namespace) -> tuple[dict[str, dict], dict[str, dict]]:
     """Serve ``model_dir`` with each server of :func:`servers` (one at a time) and run the same
     load against each. Returns ({name: load.run() result}, {name: how it ran: command, the
-    LD_PRELOAD it was given, the BLAS its process had mapped, log}). Raises SystemExit when a
-    server does not come up (see :func:`service.bench.servers.serving`)."""
+    LD_PRELOAD it was given, the BLAS its process had mapped, log}). As each server is done,
+    its table goes to stderr and its result and how to ``OUT_DIR/NAME.json``, so a run cut short
+    keeps the servers it finished. Raises SystemExit when a server does not come up (see
+    :func:`service.bench.servers.serving`)."""
     results, how = {}, {}
     for server in servers(model_dir, args):
         with serving(server.name, server.command, server.ready_path, server.log, env=server.env) as (url, pid):
@@ -135,6 +138,9 @@ def measure_all(model_dir: Path, args: argparse.Namespace) -> tuple[dict[str, di
             "blas": blas,
             "log": str(server.log),
         }
+        print_table(table(results[server.name], server.name))
+        done = {"server": server.name, "how": how[server.name], "result": results[server.name]}
+        (args.out_dir / f"{server.name}.json").write_text(json.dumps(done, indent=2))
     return results, how
 
 

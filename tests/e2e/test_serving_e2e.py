@@ -305,6 +305,8 @@ def test_side_by_side_smoke(tmp_path):
     ours = report["results"]["stepserve"]["levels"][0]
     assert ours["warmup_compile_misses"] == 0 and ours["compile_misses"] == 0, "stepserve compiled after its warm-up"
     assert (tmp_path / "side-by-side.png").stat().st_size > 1000
+    for name, r in report["results"].items():  # each server's own record, written as it finished
+        assert json.loads((tmp_path / f"{name}.json").read_text())["result"] == r
 
 
 def test_the_bench_report_schema_keeps_a_constrained_row_as_long_as_a_free_one(server):
