@@ -58,13 +58,15 @@ class Server:
 def servers(model_dir: Path, args: argparse.Namespace) -> list[Server]:
     """stepserve (once per ``args.speculative`` setting: ``stepserve`` without speculation,
     ``stepserve-lookup``, ``stepserve-draft`` with ``args.draft_model``, default the weights
-    themselves), then each of ``args.peers``, all serving ``model_dir``, logs in ``args.out_dir``.
-    Raises SystemExit when vllm-mlx is asked for and not installed."""
+    themselves; each with ``args.serve_args`` last), then each of ``args.peers``, all serving
+    ``model_dir``, logs in ``args.out_dir``. Raises SystemExit when vllm-mlx is asked for and
+    not installed."""
     warm = 256 if args.workload in ("essays", "chat") else max(256, args.system_tokens * 5 // 4 + 64)
     stepserve = [
         *STEPSERVE_SERVE,
         *("--model", str(model_dir), "--model-name", "model"),
         *("--warmup-batch", str(max(args.concurrency)), "--warmup-prompt-tokens", str(warm)),
+        *shlex.split(args.serve_args),  # last: it overrides the warm-up flags above
     ]
     out = []
     for mode in args.speculative:
@@ -174,6 +176,11 @@ def _parser() -> argparse.ArgumentParser:
         help="run stepserve once per setting (the first is the one ratios are taken against)",
     )
     parser.add_argument("--draft-model", type=Path, help="speculative draft: the draft (default: the weights served)")
+    parser.add_argument(
+        "--serve-args",
+        default="",
+        help='extra `stepserve serve` flags (quoted; write --serve-args="..."), after the warm-up flags set here',
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--requests", type=int, default=2)
     add_workload_flags(parser, LOAD_WORKLOADS)
