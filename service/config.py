@@ -184,8 +184,9 @@ class Settings(BaseSettings):
     kv_pool_tokens: int | None = Field(
         None,
         ge=1,
-        description="kv_cache = 'paged': token positions the pool holds; unset: what the memory budget leaves after "
-        "the weights and the largest prefill step",
+        description="kv_cache = 'paged': token positions each model's pool holds (the default of every [[models]] "
+        "entry, which may set its own); unset: its share of what the memory budget leaves after the weights and the "
+        "largest prefill steps",
     )
     responses_store_bytes: int = Field(
         64 * 1024 * 1024,
@@ -226,6 +227,7 @@ class Settings(BaseSettings):
         description="several models, each a JSON object ([[models]] tables in TOML): 'name', and any of path, "
         "model_impl, reasoning_parser, compile, dtype, weights, *_buckets, max_sequences, warmup_prompt_tokens, "
         "warmup_batch, speculative, draft_model, speculative_tokens, speculative_max_batch, on_demand_wait, kv_bits, "
+        "kv_pool_tokens, "
         "which default to the top-level settings; and load ('startup', or 'on_demand': loaded by its first request) "
         "with ttl_s (seconds idle before an on-demand model is unloaded; unset: kept); empty: the one model set by "
         "model and model_name",
@@ -348,6 +350,12 @@ class Settings(BaseSettings):
                     f"models[{i}].kv_bits: model '{entry.name}' sets kv_bits = {entry.kv_bits}, which quantizes the "
                     f"blocks of the paged KV pool, but kv_cache is '{self.kv_cache}'; set kv_cache = 'paged' too, "
                     "or remove kv_bits from its [[models]] entry"
+                )
+            if entry.kv_pool_tokens is not None and self.kv_cache != "paged":
+                raise ValueError(
+                    f"models[{i}].kv_pool_tokens: model '{entry.name}' sizes a paged KV pool "
+                    f"({entry.kv_pool_tokens} tokens), but kv_cache is '{self.kv_cache}'; set kv_cache = 'paged' "
+                    "too, or remove kv_pool_tokens from its [[models]] entry"
                 )
         if self.max_batched_tokens < self.prefill_chunk_tokens:
             raise ValueError(

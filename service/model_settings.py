@@ -52,6 +52,7 @@ class ModelSettings(BaseModel):
     ttl_s: float | None = Field(default=None, gt=0)
     on_demand_wait: Literal["wait", "503"] | None = None
     kv_bits: int | None = None  # None: the top-level kv_bits
+    kv_pool_tokens: int | None = Field(default=None, ge=1)  # None: the top-level kv_pool_tokens
 
     @field_validator("batch_buckets", "prompt_buckets", "capacity_buckets")
     @classmethod
@@ -98,6 +99,7 @@ class ServedModel:
     ttl_s: float | None = None  # seconds idle before an on-demand model is unloaded (None: kept)
     on_demand_wait: Literal["wait", "503"] = "wait"  # a request while it loads: waits, or 503 + Retry-After
     kv_bits: int | None = None  # its paged pool's quantization (4 or 8 bits; None: the compute dtype)
+    kv_pool_tokens: int | None = None  # its paged pool's token positions (None: its share of the budget)
 
     @property
     def embedding(self) -> bool:
@@ -127,4 +129,5 @@ INHERITED = {
     "speculative_max_batch": "speculative_max_batch",
     "on_demand_wait": "on_demand_wait",
     "kv_bits": "kv_bits",
+    "kv_pool_tokens": "kv_pool_tokens",
 }

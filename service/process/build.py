@@ -80,12 +80,13 @@ def build_engine(
 
 
 def paged_pool_tokens(settings: Settings, served: ServedModel, model: LoadedModel) -> int:
-    """Token positions of ``model``'s paged KV pool: ``kv_pool_tokens``, else what the memory
-    budget leaves after the weights and the largest prefill step
+    """Token positions of ``model``'s paged KV pool: its ``kv_pool_tokens`` (as start-up
+    resolved it, :func:`service.process.startup.check_memory`), else what the memory budget
+    leaves after the weights and the largest prefill step
     (:func:`service.process.memory.paged_pool_tokens`; the prefix cache is the pool's own
     cached blocks, with no budget of its own)."""
-    if settings.kv_pool_tokens is not None:
-        return settings.kv_pool_tokens
+    if served.kv_pool_tokens is not None:
+        return served.kv_pool_tokens
     return memory.paged_pool_tokens(
         model,
         buckets_of(served),

@@ -290,11 +290,12 @@ def _check_paged(
 ) -> Settings:
     """:func:`check_memory` with paged KV pools: each model holds its weights, its largest
     prefill step, its prefix cache and a pool, not a worst-case batch. ``max_sequences``, unset,
-    is the largest batch bucket (a cap on running rows; the pool's blocks decide how many fit);
-    ``kv_pool_tokens``, unset, splits what the budget leaves after the embedding models
-    (``embedding``) evenly in bytes between the models, each share in tokens at its model's
-    bytes per position (its ``kv_bits``); ``kv_pool_tokens`` being one value, every pool gets the
-    smallest share's tokens (logged and checked as such).
+    is the largest batch bucket (a cap on running rows; the pool's blocks decide how many fit).
+    A model's ``kv_pool_tokens`` (its ``[[models]]`` entry's, else the top level's) is its pool's
+    size as given; the models without one split what the budget leaves after the embedding
+    models (``embedding``) and the given pools evenly in bytes, each share in tokens at its
+    model's bytes per position (its ``kv_bits``: a quantized pool holds more tokens). Pools over
+    the budget are logged as a warning.
 
     A sequence may grow to the model's context (``max_model_len``, else its
     ``max_position_embeddings``) where the pool holds that much: unless the capacity buckets
@@ -337,10 +338,20 @@ def _check_paged(
     rest = limit - sum(e.weights + e.prefill + e.prefix_cache for e in fixed.values()) - embedded
     beside = f" beside the embedding models' {embedded / 1e9:.2f} GB" if embedding else ""
     per_position = {s.name: memory.pool_bytes_per_position(models[s.name], s.kv_bits) for s in specs}
-    # every engine's pool takes kv_pool_tokens (one value): the smallest of the models' even shares
-    pool = settings.kv_pool_tokens or min(max(0, rest // len(specs) // per) for per in per_position.values())
+    pools = {s.name: s.kv_pool_tokens for s in specs if s.kv_pool_tokens is not None}  # set: taken as given
+    unset = [s for s in specs if s.name not in pools]
+    left = rest - sum(pools[n] * per_position[n] for n in pools)  # the unset ones split the rest evenly in bytes
+    pools |= {s.name: max(0, left // len(unset) // per_position[s.name]) for s in unset}
+    held = sum(pools[n] * per_position[n] for n in pools)
+    if held > rest:
+        log.warning(
+            "the paged KV pools (%s) take %.2f GB, over the %.2f GB %s %.2f GB leaves after the weights and "
+            "prefill steps%s",
+            ", ".join(f"{n} {t} tokens" for n, t in pools.items()), held / gb, max(0, rest) / gb, name,
+            limit / gb, beside,
+        )  # fmt: skip
     for s in specs:
-        per = per_position[s.name]
+        per, pool = per_position[s.name], pools[s.name]
         if pool < ladders[s.name][0]:
             raise MemoryBudgetError(
                 f"model '{s.name}': its paged KV pool would hold {pool} tokens, fewer than the smallest capacity "
@@ -360,7 +371,7 @@ def _check_paged(
         )  # fmt: skip
     settings = _with_max_sequences(settings, resolved)
     settings = _with_model_values(settings, "capacity_buckets", ladders)
-    return settings.model_copy(update={"kv_pool_tokens": pool})
+    return _with_model_values(settings, "kv_pool_tokens", pools)
 
 
 KV_GROUP_SIZE = 64  # values of a head quantized together in a kv_bits pool (the executor's group size)

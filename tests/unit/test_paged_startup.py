@@ -153,3 +153,25 @@ def test_two_models_get_pools_with_their_own_bits(caplog):
     pools = {name: e.executor.pool for name, e in engines.items()}
     packed = {name: p.keys[0][0].shape[-1] for name, p in pools.items() if p is not None}  # uint32 words per head
     assert packed == {"a": WIDE.dim_per_head * 8 // 32, "b": WIDE.dim_per_head * 4 // 32}
+
+
+def test_each_model_gets_a_pool_of_its_own_size():
+    """A pool holds its own model's share: a 4-bit pool more tokens than an 8-bit one in the same
+    bytes, and a model's kv_pool_tokens is its pool as given, the others splitting the rest."""
+    from service.config import ConfigError, load_settings
+    from service.process.memory import pool_bytes_per_position
+
+    models = {"a": wide_model("a"), "b": wide_model("b")}
+    budget = dict(memory_budget_bytes=10**8, capacity_buckets=[64, 128])
+    shares = check_memory(two_models(**budget, a={"kv_bits": 8}, b={"kv_bits": 4}), models).served_models()
+    per = {s.name: pool_bytes_per_position(models[s.name], s.kv_bits) for s in shares}
+    tokens = {s.name: s.kv_pool_tokens for s in shares}
+    assert tokens["b"] > tokens["a"] and abs(tokens["a"] * per["a"] - tokens["b"] * per["b"]) <= per["a"] + per["b"]
+    fixed = check_memory(two_models(**budget, a={"kv_pool_tokens": 512}), models).served_models()
+    plain = check_memory(two_models(**budget), models).served_models()
+    assert fixed[0].kv_pool_tokens == 512 and plain[0].kv_pool_tokens == plain[1].kv_pool_tokens
+    assert fixed[1].kv_pool_tokens > plain[1].kv_pool_tokens  # b takes what a leaves
+    both = check_memory(two_models(**budget, kv_pool_tokens=256, b={"kv_pool_tokens": 1024}), models)
+    assert [s.kv_pool_tokens for s in both.served_models()] == [256, 1024]  # the top level is a's default
+    with pytest.raises(ConfigError, match=r"models\[0\]\.kv_pool_tokens: model 'a' sizes a paged KV pool"):
+        load_settings(models=[{"name": "a", "kv_pool_tokens": 512}])
