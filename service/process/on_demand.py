@@ -180,7 +180,7 @@ class OnDemandModels:
         Raises:
             ModelLoadError: the files cannot be read; MemoryBudgetError: it does not fit.
         """
-        models = load_served(spec)
+        models = load_served(spec, paged=self.settings.kv_cache == "paged")
         held = dict(self._resident)
         for slot in self._slots.values():
             held |= slot.models

@@ -69,7 +69,7 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
                     resolve_model_path(path)
             log.info("model %s: loaded on demand (%s)", spec.name, spec.path or "the default model")
             continue
-        models |= load_served(spec)
+        models |= load_served(spec, paged=settings.kv_cache == "paged")
     return models
 
 
@@ -83,17 +83,19 @@ def model_path(path: Path | None) -> Path:
     return default_model_path() if path is None else resolve_model_path(path)
 
 
-def load_served(spec: ServedModel) -> dict[str, LoadedModel]:
+def load_served(spec: ServedModel, paged: bool = False) -> dict[str, LoadedModel]:
     """Load one served model (and its draft model, with ``speculative = "draft"``, as
     ``"NAME/draft"``, :func:`draft_name`), each as its ``model_impl`` says
     (:func:`models.loader.load_model`; a draft model as ``auto`` does); its path through
-    :func:`model_path`.
+    :func:`model_path`. ``paged``: decode runs on a paged KV pool (``kv_cache = "paged"``), whose
+    verify step takes a model with sliding-window layers too (its view of a row is linear).
 
     Raises:
         ModelLoadError: a file is missing, unreadable or unsupported (the message names it),
             a repo id cannot be resolved, a draft's vocabulary differs from its model's, a draft
-            keeps a recurrent state, or a model with sliding-window layers or recurrent state is
-            given a draft (with ``speculative = "lookup"`` it decodes plain).
+            keeps a recurrent state, or a model with recurrent state, or with sliding-window
+            layers on the static cache, is given a draft (with ``speculative = "lookup"`` it
+            decodes plain).
     """
     dtype, weights = compute_dtype(spec.dtype), weights_mode(spec.weights)
     model = load_model(model_path(spec.path), spec.name, dtype, weights, impl=spec.model_impl)
@@ -107,11 +109,15 @@ def load_served(spec: ServedModel) -> dict[str, LoadedModel]:
         log.info(
             "model '%s' has %s: it decodes without speculation unless kv_cache = 'paged'", spec.name, _no_verify(model)
         )
-    if spec.speculative == "draft" and not model.args.can_verify:
+    pool_verifies = paged and not model.args.has_states  # the pool's linear view takes a window as a mask
+    if spec.speculative == "draft" and not model.args.can_verify and not pool_verifies:
+        fix = "set speculative = 'off' for it"
+        if not model.args.has_states:
+            fix = "set kv_cache = 'paged', or speculative = 'off'"
         raise ModelLoadError(
             f"model '{spec.name}': speculative = '{spec.speculative}' is not implemented for models with "
-            f"{_no_verify(model)} (a verify step cannot write a ring nor take back a state); set "
-            f"speculative = 'off' for it"
+            f"{_no_verify(model)} on the static cache (a verify step cannot write a ring nor take back a state); "
+            f"{fix}"
         )
     if spec.speculative == "draft" and spec.draft_model is not None:
         draft = load_model(model_path(spec.draft_model), draft_name(spec.name), dtype, weights)

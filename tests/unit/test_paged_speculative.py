@@ -274,3 +274,16 @@ def test_a_model_with_sliding_window_layers_speculates_on_the_pool(tmp_path, par
         if a.params.temperature == 0:
             assert b.output_ids == a.output_ids, f"{a.prompt_ids}: plain {a.output_ids}, speculative {b.output_ids}"
     assert counter(metrics, "accepted", "lookup") > 0
+    # a Gemma 3 draft (drafting for itself): its own static cache rings its sliding layers, so a
+    # rejected proposal overwrites a position at the window's far end; that costs acceptance only
+    draft = LoadedModel(
+        "tiny/draft", Path("-"), gemma.args, gemma.params, WordTokenizer(frozenset()), mx.float32, "dequantized", 0.0
+    )
+    metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
+    engine = engine_at(gemma, BUCKETS, metrics, draft, **speculating("draft"), **common)
+    engine.ready.set()
+    drafted = run(engine, consistent)
+    for a, b in zip(plain, drafted, strict=True):
+        if a.params.temperature == 0:
+            assert b.output_ids == a.output_ids, f"{a.prompt_ids}: plain {a.output_ids}, draft {b.output_ids}"
+    assert counter(metrics, "accepted", "draft") > 0

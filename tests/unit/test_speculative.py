@@ -398,5 +398,9 @@ def test_a_model_with_sliding_window_layers_decodes_without_lookup_and_refuses_a
     settings = load_settings(model=str(tmp_path / "m"), speculative="lookup")
     assert settings.served_models()[0].speculative == "lookup"
     assert load_models(settings)[settings.model_name].args.windows is not None  # loads (the builder skips lookup)
-    with pytest.raises(ModelLoadError, match="speculative = 'draft' is not implemented for models with sliding"):
-        load_models(load_settings(model=str(tmp_path / "m"), speculative="draft", draft_model=tmp_path / "m"))
+    drafted = dict(model=str(tmp_path / "m"), speculative="draft", draft_model=tmp_path / "m")
+    with pytest.raises(ModelLoadError, match=r"not implemented for models with sliding.*set kv_cache = 'paged'"):
+        load_models(load_settings(**drafted))
+    # on the paged pool a verify step sees each row linearly (the window a mask): a draft is served
+    paged = load_settings(**drafted, kv_cache="paged")
+    assert set(load_models(paged)) == {paged.model_name, draft_name(paged.model_name)}
