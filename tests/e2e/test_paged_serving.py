@@ -2,8 +2,9 @@
 prefix cache in the pool's blocks): a burst of concurrent requests that outgrows a small pool is
 served with preemptions (the preempted requests resuming from their own cached blocks), every
 answer the one the static cache's server gives; a prompt sharing a long prefix with an earlier one
-reuses its blocks (``cached_tokens``) and answers as the static cache's prefix cache does; and
-``/readyz`` and ``/metrics`` say what the pool holds."""
+reuses its blocks (``cached_tokens``) and answers as the static cache's prefix cache does; a
+copying answer speculates (prompt lookup, verify steps over the pool) and is the static cache's
+answer without speculation; and ``/readyz`` and ``/metrics`` say what the pool holds."""
 
 from __future__ import annotations
 
@@ -27,12 +28,14 @@ PROMPTS = [f"Write a short story about a {thing} who learns to {skill}." for thi
 def paged():
     """The default model with a 256-token pool (one capacity bucket of 256, so one sequence fits
     alone) in blocks of 16: five 64-token answers to ~15-token prompts need ~400. Prefix caching
-    is on (the default ``prefix_cache_bytes``): it lives in the pool's blocks."""
+    is on (the default ``prefix_cache_bytes``): it lives in the pool's blocks. Prompt lookup
+    speculates in every batch bucket (no calibration: this CPU's verdict would vary), its verify
+    steps over the pool's blocks too."""
     proc = ServerProcess.start(
         [
             "--kv-cache", "paged", "--kv-pool-tokens", str(POOL_TOKENS), "--kv-block-tokens", "16",
             "--capacity-buckets", "[256]", "--prompt-buckets", "[32, 64]", "--warmup-batch", "8",
-            "--warmup-prompt-tokens", "64",
+            "--warmup-prompt-tokens", "64", "--speculative", "lookup", "--speculative-max-batch", "8",
         ]
     )  # fmt: skip
     try:
@@ -90,3 +93,24 @@ def test_a_shared_prefix_reuses_the_pools_blocks_and_answers_as_the_static_prefi
     assert cached >= 64 and cached % 16 == 0, got[1]["usage"]  # the shared prefix's full blocks
     after = paged.metric("stepserve_prefix_cache_hit_tokens_total", model="SmolLM2-135M-Instruct")
     assert after - hits >= cached
+
+
+PASSAGE = (
+    "The river near the old mill was quiet in winter, and the keeper of the lantern wrote a letter about it. "
+    "In the spring the market filled with stone carvers, and the harbour smelled of salt and bread."
+)
+
+
+def test_a_copying_answer_speculates_over_the_pool_and_answers_as_the_static_cache(paged, server):
+    def chat(proc: ServerProcess) -> str:
+        messages = [{"role": "user", "content": f"Repeat the following text exactly, word for word:\n\n{PASSAGE}"}]
+        with proc.client() as http:
+            reply = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 48, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["message"]["content"]
+
+    name = "SmolLM2-135M-Instruct"
+    before = paged.metric("stepserve_speculative_accepted_tokens_total", model=name)
+    assert chat(paged) == chat(server)  # the static cache, no speculation
+    assert paged.metric("stepserve_speculative_accepted_tokens_total", model=name) > before
+    assert paged.metric("stepserve_kv_pool_blocks", model=name, state="used") == 0
