@@ -28,11 +28,11 @@ W = 4  # each row's newest token and 3 proposals: 3..6, 7..10 and 13..16 each cr
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory) -> dict[str, tuple]:
-    """(args, params) of llama (random), and of tiny random gemma3_text (sliding window 8) and
-    qwen3_moe loaded from model directories."""
+    """(args, params) of llama (random), and of tiny random qwen2 (Q/K/V biases), qwen3 (Q/K
+    norms), gemma3_text (sliding window 8) and qwen3_moe loaded from model directories."""
     out: dict[str, tuple] = {"llama": (TINY, random_params(seed=5))}
     root = tmp_path_factory.mktemp("paged-verify")
-    for model_type in ("gemma3_text", "qwen3_moe"):
+    for model_type in ("qwen2", "qwen3", "gemma3_text", "qwen3_moe"):
         write_lm_dir(root / model_type, tiny_config(model_type))
         model = load_model(root / model_type, model_type, mx.float32, "dequantized")
         out[model_type] = (model.args, model.params)
@@ -87,7 +87,7 @@ def static_of(args, prompts_kv: list[KVCache]) -> KVCache:
     return kv
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe"])
 def test_paged_verify_scores_every_position_as_prefilling_it_alone(families, family):
     args, params = families[family]
     arch = architecture(args.model_type)
