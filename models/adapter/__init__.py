@@ -27,7 +27,7 @@ if TYPE_CHECKING:
         UnusedLayout,
         learn_layouts,
     )
-    from models.adapter.steps import decode, prefill, prefill_chunk, verify
+    from models.adapter.steps import decode, decode_paged, prefill, prefill_chunk, verify
     from models.adapter.support import REFUSED, SUPPORTED, check_module, check_supported
 
 _LAZY = {
@@ -41,6 +41,7 @@ _LAZY = {
     "UnusedLayout": "layout",
     "learn_layouts": "layout",
     "decode": "steps",
+    "decode_paged": "steps",
     "prefill": "steps",
     "prefill_chunk": "steps",
     "verify": "steps",
@@ -74,6 +75,7 @@ __all__ = [
     "check_module",
     "check_supported",
     "decode",
+    "decode_paged",
     "learn_layouts",
     "prefill",
     "prefill_chunk",

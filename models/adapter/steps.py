@@ -1,6 +1,7 @@
-"""The four step functions over an unmodified mlx-lm module, with the hand-written
-architectures' signatures (:mod:`models.llama`): ``prefill``, ``prefill_chunk``, ``decode`` and
-``verify``, each compiled once per bucket with ``params`` an input pytree.
+"""The step functions over an unmodified mlx-lm module, with the hand-written architectures'
+signatures (:mod:`models.llama`): ``prefill``, ``prefill_chunk``, ``decode`` and ``verify``, and
+``decode_paged`` over a paged KV pool, each compiled once per bucket with ``params`` an input
+pytree.
 
 Inside a step the module's parameters are replaced by ``params`` (under ``mx.compile`` these
 are the trace's placeholders) and always restored afterwards, so the module left behind holds
@@ -31,6 +32,7 @@ from models.adapter.layout import (
     UnusedLayout,
 )
 from models.kv_cache import KVCache
+from models.paged import PagedKV, gather_at, paged_index, write_at
 
 Params = dict[str, Any]
 
@@ -97,6 +99,58 @@ def decode(
     """
     logits, cache = _forward(args, params, tokens[:, None], cache, positions, None, prefill=False)
     return logits[:, 0, :], cache
+
+
+def decode_paged(
+    params: Params,
+    tokens: mx.array,
+    positions: mx.array,
+    table: mx.array,
+    pool: PagedKV,
+    *,
+    args: AdapterArgs,
+    bits: int | None = None,
+    group_size: int = 64,
+) -> tuple[mx.array, PagedKV]:
+    """One token per row at its own position over a paged KV pool
+    (:func:`models.llama.decode_paged`'s contract): each attention cache sees its rows' blocks
+    gathered into a linear view [B, Hkv, M * bt, D] (:func:`models.paged.gather_at`; a sliding
+    layer's window is a mask there), the module writes the new token into that view, and the
+    token's keys and values are scattered into the pool (:func:`models.paged.write_at`).
+
+    Args:
+        params: the module's parameter tree.
+        tokens: int32 [B], each row's newest token.
+        positions: int32 [B], its position (< M * bt).
+        table: int32 [B, M], each row's blocks in position order (null-block padded).
+        pool: per attention cache, [N, Hkv, bt, D] keys and values (every cache of one shape:
+            :attr:`AdapterArgs.prefix_blocks`).
+        args: the model (static).
+        bits, group_size: a quantized pool's; not implemented here.
+
+    Returns:
+        (float32 logits [B, V], the pool with each row's token written).
+
+    Raises:
+        ValueError: ``bits`` (a quantized pool), or a model whose caches a pool cannot hold
+            (recurrent states, or attention caches of several shapes).
+    """
+    if bits:
+        raise ValueError(f"{args.model_type}: kv_bits pools are not implemented for mlx-lm's classes")
+    if not args.prefix_blocks or args.capacity_pair:
+        raise ValueError(f"{args.model_type}: a paged pool needs attention caches of one shape and no states")
+    k0 = pool.keys[0]
+    index = paged_index(table, positions[:, None], k0.shape[1], k0.shape[2])
+    view = KVCache([gather_at(k, index) for k in pool.keys], [gather_at(v, index) for v in pool.values])
+    logits, view = _forward(args, params, tokens[:, None], view, positions, None, prefill=False)
+    at = positions[:, None, None, None]  # each row's new token in its view: index p is position p
+
+    def new(buffer: mx.array) -> mx.array:  # [B, Hkv, 1, D]
+        return mx.take_along_axis(buffer, mx.broadcast_to(at, (*buffer.shape[:2], 1, buffer.shape[3])), axis=2)
+
+    keys = [write_at(k, index, new(v)) for k, v in zip(pool.keys, view.keys, strict=True)]
+    values = [write_at(k, index, new(v)) for k, v in zip(pool.values, view.values, strict=True)]
+    return logits[:, 0, :], PagedKV(keys, values)
 
 
 def verify(

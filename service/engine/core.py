@@ -146,8 +146,9 @@ class Engine:
         """
         if not self.executor.can_page:
             raise ValueError(
-                f"kv_cache = 'paged' needs a hand-written model family in one process; model type "
-                f"{self.model.args.model_type!r} here is not one (set kv_cache = 'static')"
+                f"kv_cache = 'paged' needs, in one process, a hand-written model family or an mlx-lm class whose "
+                f"attention caches are all of one shape with no recurrent state; model type "
+                f"{self.model.args.model_type!r} here is neither (set kv_cache = 'static')"
             )
         if any(c % block_tokens for c in self.buckets.capacity):
             raise ValueError(f"every capacity bucket must be a multiple of kv_block_tokens ({block_tokens})")
@@ -306,10 +307,21 @@ class Engine:
             log.critical("%s", exc)
             self.failure = f"{exc}; the group is restarting"
 
+    def _prepare(self, prepare: Callable[[Engine], None]) -> None:
+        """Run ``prepare`` (the warm-up, on a thread of its own), then evaluate what the engine
+        keeps from one step to the next (the paged pool, the decode cache, a draft's cache)
+        there: MLX schedules an array on its creating thread's stream, and one still lazy when
+        that thread ends cannot be evaluated by the engine thread ("There is no Stream(cpu, 1)
+        in current thread")."""
+        prepare(self)
+        draft = self.speculator.proposer if self.speculator is not None else None
+        held = [self.executor.pool, getattr(self.batch, "kv", None), getattr(draft, "kv", None)]
+        mx.eval([a for a in held if a is not None])
+
     def _serve(self, prepare: Callable[[Engine], None] | None) -> None:
         try:
             if prepare is not None:
-                on_own_thread(partial(prepare, self), f"stepserve-warmup-{self.model.name}")
+                on_own_thread(partial(self._prepare, prepare), f"stepserve-warmup-{self.model.name}")
         except Exception as exc:  # a model that cannot run is not ready, and says why
             log.exception("warm-up failed")
             self.not_ready_reason = f"warm-up failed: {type(exc).__name__}"

@@ -112,11 +112,16 @@ class Executor:
 
     @property
     def can_page(self) -> bool:
-        """Whether this model's decode can read and write a paged KV pool: a hand-written
-        family in one process (an mlx-lm module's caches and a pipeline stage's are static)."""
+        """Whether this model's decode can read and write a paged KV pool, in one process (a
+        pipeline stage's caches are static): a hand-written family with a ``decode_paged``, or
+        an mlx-lm module whose attention caches are all of one shape, keys as wide as values,
+        with no recurrent state and at least one full-attention layer
+        (:func:`models.adapter.decode_paged`)."""
         a = self.model.args
-        if isinstance(a, AdapterArgs) or self.model.stage is not None:
+        if self.model.stage is not None:
             return False
+        if isinstance(a, AdapterArgs):
+            return a.prefix_blocks and not a.capacity_pair
         return hasattr(architecture(a.model_type), "decode_paged")
 
     @property
@@ -140,14 +145,19 @@ class Executor:
         if not self.can_page:
             raise ValueError(f"model type {self.model.args.model_type!r} has no paged decode here")
         a = self.model.args
-        arch = architecture(a.model_type)
+        if bits and isinstance(a, AdapterArgs):
+            raise ValueError(
+                f"kv_bits is not implemented for mlx-lm's class of model type {a.model_type!r} (only for the "
+                "hand-written llama, qwen2, qwen3, gemma3_text and qwen3_moe); remove kv_bits for it"
+            )
+        arch = adapter if isinstance(a, AdapterArgs) else architecture(a.model_type)
         self._specs["decode"] = StepSpec(partial(arch.decode_paged, args=a, bits=bits, group_size=group_size))
         self._specs.pop("verify", None)  # a static cache's verify step cannot run over the pool
         if hasattr(arch, "verify_paged"):
             self._specs["verify"] = StepSpec(partial(arch.verify_paged, args=a, bits=bits, group_size=group_size))
         self.kv_bits, self.kv_group_size = bits, group_size
         self.pool = PagedKV.allocate(
-            self.model.layers,
+            len(a.kv_layouts) if isinstance(a, AdapterArgs) else self.model.layers,
             num_blocks,
             a.num_key_value_heads,
             block_tokens,

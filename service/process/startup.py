@@ -391,7 +391,8 @@ def kv_storage(bits: int | None) -> str:
 
 def check_kv_heads(settings: Settings, spec: ServedModel, model: LoadedModel) -> None:
     """Refuse a ``kv_bits`` that ``model``'s heads cannot take: its pool quantizes groups of
-    :data:`KV_GROUP_SIZE` values of a head, so the head dim must be a multiple of it.
+    :data:`KV_GROUP_SIZE` values of a head, so the head dim must be a multiple of it; and one
+    for a model served by mlx-lm's class (its paged decode attends an unquantized pool only).
 
     Raises:
         ModelLoadError: naming the model, the key that set the bits (its ``[[models]]`` entry's
@@ -400,7 +401,8 @@ def check_kv_heads(settings: Settings, spec: ServedModel, model: LoadedModel) ->
     if spec.kv_bits is None:
         return
     head_dim = getattr(model.args, "dim_per_head", None)
-    if head_dim is not None and head_dim % KV_GROUP_SIZE == 0:
+    adapted = isinstance(model.args, AdapterArgs)
+    if head_dim is not None and head_dim % KV_GROUP_SIZE == 0 and not adapted:
         return
     entry = next((i for i, m in enumerate(settings.models) if m.name == spec.name and m.kv_bits is not None), None)
     where = f"models[{entry}].kv_bits" if entry is not None else "kv_bits"
@@ -411,6 +413,11 @@ def check_kv_heads(settings: Settings, spec: ServedModel, model: LoadedModel) ->
         fix = "remove the top-level kv_bits and set kv_bits on the [[models]] entries of the models that take it"
     else:
         fix = "remove kv_bits"
+    if adapted:
+        raise ModelLoadError(
+            f"model '{spec.name}': {where} = {spec.kv_bits} is not implemented for {_served_by(model)} (a "
+            f"quantized pool is attended by the hand-written families only); {fix}"
+        )
     raise ModelLoadError(
         f"model '{spec.name}': {where} = {spec.kv_bits} quantizes groups of {KV_GROUP_SIZE} values of a head, "
         f"but its head dim is {head_dim}, not a multiple of {KV_GROUP_SIZE}; {fix}"

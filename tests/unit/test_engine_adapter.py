@@ -324,3 +324,39 @@ def test_the_memory_estimate_counts_a_recurrent_state_once_per_row(name):
     buckets = BucketTable((1, 2), (16, 32), (64,))
     scores = model.args.num_attention_heads * 16 * 16 * SCORES_BYTES
     assert prefill_bytes(model, buckets, 1, 16, 32, 64) == held[0] + scores  # one whole 16-token row
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3_text", "phi3"])
+def test_mlx_lm_classes_decode_over_a_small_paged_pool_with_mlx_lms_tokens(name):
+    """mlx-lm's own module decodes over the paged pool (each row's blocks gathered into a linear
+    view, Gemma 3's window a mask there): mixed requests on a pool too small for all of them at
+    once are preempted and resumed, and every request still gets mlx-lm's greedy tokens; once
+    idle every block is free or cached."""
+    model = tiny_model(name)
+    metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
+    pool = {"kv_cache": "paged", "kv_block_tokens": 8, "kv_pool_tokens": 48, "prefix_cache_bytes": 10**6}
+    engine = chunking_engine(model, metrics, **pool)
+    assert engine.paged is not None
+    served = step_by_hand(engine, MIXED)
+    for (prompt, max_tokens), got in zip(MIXED, served, strict=True):
+        expected = mlx_lm_tokens(model, prompt, max_tokens)
+        assert got.tokens == expected, f"{name}, prompt of {len(prompt)}: got {got.tokens}, mlx-lm {expected}"
+    assert metrics.registry.get_sample_value("stepserve_preemptions_total", {"model": name}), "nothing preempted"
+    stats = engine.paged.blocks.stats()
+    assert stats.used == 0 and stats.free + stats.cached == stats.total
+
+
+def test_a_model_whose_caches_a_pool_cannot_hold_is_refused_naming_the_fix():
+    with pytest.raises(ValueError, match=r"model type 'qwen3_next' here is neither \(set kv_cache = 'static'\)"):
+        engine_at(tiny_model("qwen3_next"), BUCKETS, kv_cache="paged", kv_block_tokens=8, kv_pool_tokens=96)
+
+
+def test_a_pool_written_by_the_warm_up_thread_serves_on_the_engine_thread():
+    """The warm-up runs on a thread of its own and leaves the pool's last writes lazy; the
+    engine thread must still read it (MLX streams are per thread: it failed with "There is no
+    Stream(cpu, 1) in current thread" until the warm-up evaluated what it leaves behind)."""
+    model = tiny_model("llama")
+    engine = engine_at(model, BUCKETS, kv_cache="paged", kv_block_tokens=8, kv_pool_tokens=96, prefill_chunk_tokens=8)
+    requests = MIXED[:3]
+    for (prompt, max_tokens), got in zip(requests, serve(engine, requests), strict=True):
+        assert got.tokens == mlx_lm_tokens(model, prompt, max_tokens)
