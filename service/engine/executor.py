@@ -49,6 +49,16 @@ def batches_last_chunks() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu
 
 
+def pool_verifies(model: LoadedModel) -> bool:
+    """Whether speculative decoding's verify step runs over the paged KV pool for ``model``: a
+    hand-written family with a ``verify_paged`` (sliding-window layers included: the pool's view
+    of a row is linear), in one process. mlx-lm's classes decode plain on the pool."""
+    a = model.args
+    if isinstance(a, AdapterArgs) or model.stage is not None:
+        return False
+    return hasattr(architecture(a.model_type), "verify_paged")
+
+
 class PagedTables(NamedTuple):
     """A paged decode step's view of its rows: their block tables (int32 [batch, capacity /
     block_tokens], null-block padded) at a batch bucket and a capacity bucket; the pool itself

@@ -21,6 +21,7 @@ from service.engine.compile_cache import CompileCache
 from service.engine.core import Engine
 from service.engine.draft import DraftProposer
 from service.engine.embedder import Embedder, length_buckets
+from service.engine.executor import pool_verifies
 from service.engine.lookup import PromptLookup
 from service.engine.prefix_cache import PrefixCache
 from service.engine.warmup import WarmupSpec
@@ -45,8 +46,9 @@ def build_engine(
     chunk_tokens = buckets.chunk_tokens(settings.prefill_chunk_tokens)  # the engine's chunk, for the draft's steps
     proposer: PromptLookup | DraftProposer | None = None
     # Rings and states decode plain (load_models); the paged pool's view is linear, so a model with
-    # sliding-window layers verifies there (the engine refuses a family without a paged verify step).
-    if served.speculative != "off" and (model.args.can_verify or settings.kv_cache == "paged"):
+    # sliding-window layers verifies there; mlx-lm's classes have no paged verify step (plain).
+    paged = settings.kv_cache == "paged"
+    if served.speculative != "off" and (pool_verifies(model) if paged else model.args.can_verify):
         proposer = PromptLookup() if draft is None else DraftProposer(draft, buckets, cache, chunk_tokens)
     engine = Engine(
         model,

@@ -20,6 +20,7 @@ from models.sentence import EmbeddingModel, load_embedding_model
 from service.config import ServedModel, Settings
 from service.engine.buckets import BucketTable
 from service.engine.embedder import length_buckets
+from service.engine.executor import pool_verifies
 from service.engine.warmup import WarmupSpec
 from service.process import memory, warm_sizing
 from service.process.warm_sizing import Coverage
@@ -105,14 +106,20 @@ def load_served(spec: ServedModel, paged: bool = False) -> dict[str, LoadedModel
     if device_name() == "cpu" and None in (spec.warmup_prompt_tokens, spec.warmup_batch):
         args = model.args  # the host's matmul rate (warmup_extent), before any engine runs
         warm_sizing.measure_gflops(args.hidden_size, args.intermediate_size, dtype)
-    if spec.speculative == "lookup" and not model.args.can_verify:
-        log.info(
-            "model '%s' has %s: it decodes without speculation unless kv_cache = 'paged'", spec.name, _no_verify(model)
-        )
-    pool_verifies = paged and not model.args.has_states  # the pool's linear view takes a window as a mask
-    if spec.speculative == "draft" and not model.args.can_verify and not pool_verifies:
+    if spec.speculative == "lookup" and not paged and not model.args.can_verify:
+        unless = " unless kv_cache = 'paged'" if pool_verifies(model) else ""
+        log.info("model '%s' has %s: it decodes without speculation%s", spec.name, _no_verify(model), unless)
+    verifies = pool_verifies(model) if paged else model.args.can_verify
+    if spec.speculative == "lookup" and paged and not verifies:
+        log.info("model '%s': %s decodes without speculation on the paged pool", spec.name, _served_by(model))
+    if spec.speculative == "draft" and not verifies:
+        if paged:
+            raise ModelLoadError(
+                f"model '{spec.name}': speculative = 'draft' on the paged pool needs a paged verify step, which "
+                f"{_served_by(model)} has not; set speculative = 'off', or kv_cache = 'static'"
+            )
         fix = "set speculative = 'off' for it"
-        if not model.args.has_states:
+        if pool_verifies(model):
             fix = "set kv_cache = 'paged', or speculative = 'off'"
         raise ModelLoadError(
             f"model '{spec.name}': speculative = '{spec.speculative}' is not implemented for models with "

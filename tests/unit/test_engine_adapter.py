@@ -360,3 +360,19 @@ def test_a_pool_written_by_the_warm_up_thread_serves_on_the_engine_thread():
     requests = MIXED[:3]
     for (prompt, max_tokens), got in zip(requests, serve(engine, requests), strict=True):
         assert got.tokens == mlx_lm_tokens(model, prompt, max_tokens)
+
+
+def test_mlx_lm_classes_on_the_pool_decode_plain_with_lookup_and_refuse_a_draft(tmp_path):
+    from models.errors import ModelLoadError
+    from service.config import load_settings
+    from service.process.startup import load_models
+
+    pool = {"kv_cache": "paged", "kv_block_tokens": 8, "kv_pool_tokens": 96}
+    engine = engine_at(tiny_model("llama"), BUCKETS, speculative="lookup", **pool)
+    assert engine.paged is not None and engine.speculator is None  # no paged verify step: plain
+    write_lm_dir(tmp_path / "m", tiny_config("llama"))
+    drafted = load_settings(
+        model=str(tmp_path / "m"), model_impl="mlx_lm", speculative="draft", draft_model=tmp_path / "m", **pool
+    )
+    with pytest.raises(ModelLoadError, match=r"speculative = 'draft' on the paged pool needs a paged verify step"):
+        load_models(drafted)
