@@ -162,7 +162,7 @@ def test_an_on_demand_load_counts_the_embedding_models(minilm_dir, minilm, tiny,
 
     need = worst_case(tiny, buckets_of(spec_of(1).chat_models()[0]), 1, 32, 64).total
     embed = startup.embedding_estimates(spec_of(1), {"minilm": minilm})[0].total
-    monkeypatch.setattr("service.process.on_demand.load_served", lambda spec: {"tiny": tiny})
+    monkeypatch.setattr("service.process.on_demand.load_served", lambda spec, paged=False: {"tiny": tiny})
     metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
 
     def load(budget: int) -> int | None:
