@@ -140,7 +140,7 @@ def measure_all(model_dir: Path, args: argparse.Namespace) -> tuple[dict[str, di
             "blas": blas,
             "log": str(server.log),
         }
-        print_table(table(results[server.name], server.name))
+        print_table(table(results[server.name], f"{server.name} (BLAS {blas})"))
         done = {"server": server.name, "how": how[server.name], "result": results[server.name]}
         (args.out_dir / f"{server.name}.json").write_text(json.dumps(done, indent=2))
     return results, how
@@ -228,5 +228,5 @@ def main(argv: list[str]) -> int:
     title = f"stepserve vs {', '.join(args.peers)} ({info['device']}, MLX {info['mlx']}, {args.workload})"
     plot = plot_levels(results, args.out_dir / "side-by-side.png", title)
     result["plot"] = str(plot) if plot else None
-    tables = [table(r, f"{name} (BLAS {how[name]['blas']})") for name, r in results.items()]
-    return report(result, argv, [*tables, _ratio_table(by_peer)], args.out_dir / "side-by-side.json")
+    # each server's table went to stderr as it finished (measure_all): only the ratios here
+    return report(result, argv, [_ratio_table(by_peer)], args.out_dir / "side-by-side.json")

@@ -163,7 +163,7 @@ class Executor:
         arch = adapter if isinstance(a, AdapterArgs) else architecture(a.model_type)
         self._specs["decode"] = StepSpec(partial(arch.decode_paged, args=a, bits=bits, group_size=group_size))
         self._specs.pop("verify", None)  # a static cache's verify step cannot run over the pool
-        if hasattr(arch, "verify_paged"):
+        if pool_verifies(self.model):
             self._specs["verify"] = StepSpec(partial(arch.verify_paged, args=a, bits=bits, group_size=group_size))
         self.kv_bits, self.kv_group_size = bits, group_size
         self.pool = PagedKV.allocate(
