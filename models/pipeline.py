@@ -27,8 +27,9 @@ import mlx.core as mx
 from models.attention import CacheAttention, PromptAttention
 from models.kv_cache import KVCache
 from models.layers import Params, embed, linear
-from models.llama import LLAMA, run_blocks
+from models.llama import LLAMA, Cache, run_blocks
 from models.model_args import ModelArgs
+from models.paged import PagedAttention, PagedKV, QuantizedPagedAttention
 
 
 @dataclass(frozen=True)
@@ -174,16 +175,17 @@ def _run(
     params: Params,
     tokens: mx.array,
     offset: int | mx.array,
-    cache: KVCache,
+    cache: Cache,
     attention: Callable,
     last_rows: Callable[[mx.array], mx.array],
     args: ModelArgs,
     stage: Stage,
     group: mx.distributed.Group | None,
-) -> tuple[mx.array, KVCache]:
+) -> tuple[mx.array, Cache]:
     """The stage's part of a step: embed (first stage) or receive x [B, L, H] from the rank
     above, run its layers, then send x to the rank below, or (last stage) take each row's last
-    real position (``last_rows``: [B, L, H] -> [B, H]) through the norm and the head."""
+    real position (``last_rows``: [B, L, H] -> [B, H]) through the norm and the head. ``cache``
+    is the stage's static cache or its layers' paged pools (:class:`models.paged.PagedKV`)."""
     B, L = tokens.shape
     if stage.first:
         x = embed(tokens, params["embed_tokens"], args.quant_group_size)
@@ -254,3 +256,30 @@ def decode(
     states [B, 1, H], to evaluate), the stage's cache."""
     attention = CacheAttention(positions[:, None], args.attention_scale)
     return _run(params, tokens[:, None], positions, cache, attention, lambda x: x[:, 0, :], args, stage, group)
+
+
+def decode_paged(
+    params: Params,
+    tokens: mx.array,
+    positions: mx.array,
+    table: mx.array,
+    pool: PagedKV,
+    *,
+    args: ModelArgs,
+    stage: Stage,
+    group: mx.distributed.Group | None = None,
+    bits: int | None = None,
+    group_size: int = 64,
+) -> tuple[mx.array, PagedKV]:
+    """:func:`models.llama.decode_paged` for one stage: tokens int32 [B], positions int32 [B]
+    (< M * bt), table int32 [B, M] (each row's blocks, null-block padded: rank 0's block ids,
+    the same on every rank), the stage's pools (its layers only, [N, Hkv, bt, D] each; with
+    ``bits`` quantized triples). Returns (rank 0: float32 logits [B, V]; other ranks: the sent
+    hidden states [B, 1, H], to evaluate), the stage's pools with each row's token written."""
+    at = positions[:, None]
+    attention = (
+        QuantizedPagedAttention(table, at, args.attention_scale, bits, group_size)
+        if bits
+        else PagedAttention(table, at, args.attention_scale)
+    )
+    return _run(params, tokens[:, None], positions, pool, attention, lambda x: x[:, 0, :], args, stage, group)

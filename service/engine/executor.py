@@ -4,8 +4,8 @@ The runner decides (which rows, which bucket, which slots); the executor carries
 this process's layers. Every method here is one **operation**: a compiled model step
 (``prefill``, ``chunk``, ``decode``, each at a bucketed shape), or a KV-cache operation
 (``alloc``, ``resize``, ``reorder``, ``resize_batch``, ``insert_rows``, the prefix cache's
-``save_blocks`` and ``gather_blocks``, the paged pool's ``write_blocks``, ``read_blocks`` and
-``copy_pool_blocks``: one process only, as the pool is), or a warm-up step.
+``save_blocks`` and ``gather_blocks``, the paged pool's ``use_paged``, ``write_blocks``,
+``read_blocks`` and ``copy_pool_blocks``), or a warm-up step.
 
 In one process (:class:`Executor`) an operation is a direct call on the whole model. In a
 pipeline group (:mod:`service.engine.group`) rank 0's executor first tells every other rank the
@@ -122,16 +122,16 @@ class Executor:
 
     @property
     def can_page(self) -> bool:
-        """Whether this model's decode can read and write a paged KV pool, in one process (a
-        pipeline stage's caches are static): a hand-written family with a ``decode_paged``, or
-        an mlx-lm module whose attention caches are all of one shape, keys as wide as values,
-        with no recurrent state and at least one full-attention layer
-        (:func:`models.adapter.decode_paged`)."""
+        """Whether this model's decode can read and write a paged KV pool: a hand-written family
+        with a ``decode_paged``, or a pipeline stage of one (:func:`models.pipeline.decode_paged`:
+        each rank's pool holds its own layers), or, in one process, an mlx-lm module whose
+        attention caches are all of one shape, keys as wide as values, with no recurrent state and
+        at least one full-attention layer (:func:`models.adapter.decode_paged`)."""
         a = self.model.args
-        if self.model.stage is not None:
-            return False
         if isinstance(a, AdapterArgs):
-            return a.prefix_blocks and not a.capacity_pair
+            return self.model.stage is None and a.prefix_blocks and not a.capacity_pair
+        if self.model.stage is not None:
+            return True  # the Llama decoder's stages (service.process.group.PIPELINE_TYPES)
         return hasattr(architecture(a.model_type), "decode_paged")
 
     @property
@@ -144,7 +144,8 @@ class Executor:
     def use_paged(self, num_blocks: int, block_tokens: int, bits: int | None = None, group_size: int = 64) -> PagedKV:
         """Allocate the paged KV pool (``num_blocks`` blocks of ``block_tokens`` positions per
         layer, block 0 the null block; ``bits``: quantized, :func:`models.paged.quantized_pool`)
-        and make ``decode`` run over it (:func:`models.llama.decode_paged`), and ``verify`` too
+        and make ``decode`` run over it (:func:`models.llama.decode_paged`; a pipeline stage's
+        pool holds its layers, :func:`models.pipeline.decode_paged`), and ``verify`` too
         where the architecture has a paged one (:func:`models.llama.verify_paged`; else none
         runs: :attr:`can_verify`). Returns the pool.
 
@@ -160,10 +161,18 @@ class Executor:
                 f"kv_bits is not implemented for mlx-lm's class of model type {a.model_type!r} (only for the "
                 "hand-written llama, qwen2, qwen3, gemma3_text and qwen3_moe); remove kv_bits for it"
             )
-        arch = adapter if isinstance(a, AdapterArgs) else architecture(a.model_type)
-        self._specs["decode"] = StepSpec(partial(arch.decode_paged, args=a, bits=bits, group_size=group_size))
+        if self.model.stage is not None and not isinstance(a, AdapterArgs):  # this rank's layers, over the group
+            step = partial(
+                pipeline.decode_paged, args=a, stage=self.model.stage, group=self.model.group, bits=bits,
+                group_size=group_size,
+            )  # fmt: skip
+        else:
+            arch = adapter if isinstance(a, AdapterArgs) else architecture(a.model_type)
+            step = partial(arch.decode_paged, args=a, bits=bits, group_size=group_size)
+        self._specs["decode"] = StepSpec(step)
         self._specs.pop("verify", None)  # a static cache's verify step cannot run over the pool
-        if pool_verifies(self.model):
+        if pool_verifies(self.model):  # one process only
+            arch = architecture(a.model_type)
             self._specs["verify"] = StepSpec(partial(arch.verify_paged, args=a, bits=bits, group_size=group_size))
         self.kv_bits, self.kv_group_size = bits, group_size
         self.pool = PagedKV.allocate(

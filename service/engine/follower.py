@@ -11,7 +11,8 @@ import mlx.core as mx
 
 from models.kv_cache import KVCache
 from models.pipeline import broadcast
-from service.engine.executor import MODEL_PHASES, Executor
+from service.engine.block_pool import BlockCopy
+from service.engine.executor import MODEL_PHASES, Executor, PagedTables
 from service.engine.group import HEADER, Op, Progress, group_of, ints_of
 from service.engine.threads import on_own_thread
 
@@ -30,6 +31,7 @@ class Follower:
         self.progress = Progress()
         self.warming = True  # until rank 0's SEAL
         self.store: dict[int, KVCache | mx.array] = {}  # handle -> this rank's cache or block
+        self.table: mx.array | None = None  # the paged decode steps' block tables, as rank 0 last sent them
         self._ops: dict[Op, Callable[[list[int], mx.array], None]] = {
             Op.ALLOC: self._alloc,
             Op.PREFILL: self._prefill,
@@ -42,6 +44,11 @@ class Follower:
             Op.SAVE_BLOCKS: self._save_blocks,
             Op.GATHER: self._gather,
             Op.WARM: self._warm,
+            Op.USE_PAGED: self._use_paged,
+            Op.DECODE_PAGED: self._decode_paged,
+            Op.WRITE_BLOCKS: lambda i, _: self.executor.write_blocks(self._kv(i[0]), i[1], i[4:], i[2], i[3]),
+            Op.READ_BLOCKS: lambda i, _: self._put(i[0], self.executor.read_blocks(i[2:], i[1])),
+            Op.COPY_POOL: self._copy_pool,
         }
 
     def run(self) -> None:
@@ -69,6 +76,9 @@ class Follower:
             self._nap(ints[0] / 1000)
         elif op == Op.SEAL:
             self.executor.seal()
+            # Evaluated on this (the warm-up) thread, which made them: a lazy array made on a
+            # thread that has ended cannot be evaluated on another (as the engine's _prepare).
+            mx.eval([a for a in (self.executor.pool, *self.store.values()) if a is not None])
             self.warming = False
         else:
             with self.progress.waiting():
@@ -116,6 +126,22 @@ class Follower:
         out, kv = self.executor.decode(kv, data[:B], ints_of(data[B:]))
         self._put(ints[0], kv)
         mx.eval(out, kv)
+
+    def _use_paged(self, ints: list[int], _: mx.array) -> None:
+        num_blocks, block_tokens, bits, group_size = ints
+        self.executor.use_paged(num_blocks, block_tokens, bits or None, group_size)
+
+    def _decode_paged(self, ints: list[int], data: mx.array) -> None:
+        B, C, fresh = ints
+        if fresh:
+            self.table = data[2 * B :].reshape(B, -1)
+        assert self.table is not None and self.table.shape[0] == B, "a paged decode step without its tables"
+        out, _ = self.executor.decode(PagedTables(self.table, B, C), data[:B], ints_of(data[B : 2 * B]))
+        mx.eval(out, self.executor.pool)
+
+    def _copy_pool(self, ints: list[int], _: mx.array) -> None:
+        n = len(ints) // 2
+        self.executor.copy_pool_blocks([BlockCopy(src, dst) for src, dst in zip(ints[:n], ints[n:], strict=True)])
 
     def _insert(self, ints: list[int], _: mx.array) -> None:
         dst, src, *rest = ints

@@ -50,9 +50,11 @@ import mlx.core as mx
 
 from models.kv_cache import KVCache
 from models.loader import LoadedModel
+from models.paged import PagedKV
 from models.pipeline import broadcast
+from service.engine.block_pool import BlockCopy
 from service.engine.compile_cache import CompileCache
-from service.engine.executor import MODEL_PHASES, Executor
+from service.engine.executor import MODEL_PHASES, DecodeCache, Executor, PagedTables
 from service.engine.stall import StallClock
 
 log = logging.getLogger("stepserve.group")
@@ -79,6 +81,11 @@ class Op(IntEnum):
     SAVE_BLOCKS = 11
     GATHER = 12
     WARM = 13
+    USE_PAGED = 14  # the paged KV pool: every rank allocates rank 0's number of blocks for its layers
+    DECODE_PAGED = 15  # a decode step over block tables (rank 0's, sent when they changed)
+    WRITE_BLOCKS = 16
+    READ_BLOCKS = 17
+    COPY_POOL = 18
 
 
 class GroupLost(BaseException):
@@ -158,6 +165,7 @@ class GroupLeader(Executor):
         self._frees: deque[int] = deque()  # handles whose object died, for the next message
         self._next = 0
         self._last_sent = 0.0
+        self._table: mx.array | None = None  # the block tables the followers hold (the last sent)
 
     # -- messages and handles ----------------------------------------------------------------
 
@@ -230,12 +238,44 @@ class GroupLeader(Executor):
         return logits, self._rebind(kv, new)
 
     @_guarded
-    def decode(self, kv: KVCache, tokens: mx.array, positions: list[int]) -> tuple[mx.array, KVCache]:
+    def decode(self, kv: DecodeCache, tokens: mx.array, positions: list[int]) -> tuple[mx.array, DecodeCache]:
         # The tokens may still be the previous step's lazy output: the broadcast waits for them.
-        self._send(Op.DECODE, [self._handle(kv)], (tokens, mx.array(positions, mx.int32)))
+        at = mx.array(positions, mx.int32)
+        if isinstance(kv, PagedTables):  # the tables ride the message only when they changed
+            fresh = kv.table is not self._table
+            self._send(Op.DECODE_PAGED, [kv.batch, kv.capacity, int(fresh)], (tokens, at, kv.table)[: 2 + fresh])
+            self._table = kv.table
+            logits, tables = super().decode(kv, tokens, positions)
+            mx.async_eval(logits, self.pool)
+            return logits, tables
+        self._send(Op.DECODE, [self._handle(kv)], (tokens, at))
         logits, new = super().decode(kv, tokens, positions)
         mx.async_eval(logits, new)
         return logits, self._rebind(kv, new)
+
+    def use_paged(self, num_blocks: int, block_tokens: int, bits: int | None = None, group_size: int = 64) -> PagedKV:
+        if not self.can_page:  # the ValueError of one process, before any rank allocates (not GroupLost)
+            return super().use_paged(num_blocks, block_tokens, bits, group_size)
+        with self.progress.waiting():
+            self._send(Op.USE_PAGED, [num_blocks, block_tokens, bits or 0, group_size])
+            return super().use_paged(num_blocks, block_tokens, bits, group_size)
+
+    @_guarded
+    def write_blocks(self, source: KVCache, row: int, blocks: list[int], length: int, start: int = 0) -> None:
+        if blocks:
+            self._send(Op.WRITE_BLOCKS, [self._handle(source), row, length, start, *blocks])
+        super().write_blocks(source, row, blocks, length, start)
+
+    @_guarded
+    def read_blocks(self, blocks: list[int], capacity: int) -> KVCache:
+        self._send(Op.READ_BLOCKS, [self._new_handle(), capacity, *blocks])
+        return self._bind(super().read_blocks(blocks, capacity))
+
+    @_guarded
+    def copy_pool_blocks(self, copies: list[BlockCopy]) -> None:
+        if copies:
+            self._send(Op.COPY_POOL, [*(c.src for c in copies), *(c.dst for c in copies)])
+        super().copy_pool_blocks(copies)
 
     @_guarded
     def resize(self, kv: KVCache, capacity: int, ring: bool = True) -> KVCache:

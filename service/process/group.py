@@ -122,7 +122,7 @@ def start_group(settings: Settings, group: mx.distributed.Group) -> GroupStart:
             from models.lm_loader import lm_layout  # imports mlx-lm: only for its models
 
             layout = lm_layout(Path(path), dtype, weights)
-            error = speculative_error(spec.speculative)
+            error = speculative_error(spec.speculative) or paged_error(settings.kv_cache, layout.model_type)
         else:
             layout = model_layout(path, dtype, weights)
             error = unsupported(layout.args.model_type, spec.speculative)
@@ -141,6 +141,7 @@ def start_group(settings: Settings, group: mx.distributed.Group) -> GroupStart:
     mine = [resolved.served_models()[0].max_sequences or 0, stage.start, stage.stop]
     mine += [(model.nbytes if model else 0) // KIB, mx.get_active_memory() // KIB, os.getpid()]
     mine += [model.args.traits().packed() if model and isinstance(model.args, AdapterArgs) else 0]
+    mine += [resolved.served_models()[0].kv_pool_tokens or 0]  # kv_cache = 'paged': this rank's pool, tokens
     reports = _exchange(group, mine, error, settings, "loading the stages")
     if model is not None and isinstance(model.args, AdapterArgs):  # what rank 0's engine must know of every stage
         model.args = model.args.joined([StageTraits.unpacked(r[6]) for r, _ in reports])
@@ -159,6 +160,11 @@ def start_group(settings: Settings, group: mx.distributed.Group) -> GroupStart:
             r.max_sequences,
         )
     final = settings.model_copy(update={"max_sequences": least})
+    if settings.kv_cache == "paged":  # every rank holds rank 0's block ids: as many blocks as the least pool
+        pool = min(r[7] for r, _ in reports)
+        final = startup.with_pool_tokens(resolved, pool, least)
+        final = final.model_copy(update={"prefix_cache_bytes": settings.prefix_cache_bytes})  # not a rank's share
+        log.info("paged KV pool: %d tokens on every rank (its own layers' blocks), the least any rank holds", pool)
     return GroupStart(group, final, cast(LoadedModel, model), ranks)
 
 
@@ -184,6 +190,18 @@ def speculative_error(speculative: str) -> str | None:
         return (
             f"--distributed: speculative = '{speculative}' is not supported in a pipeline group; "
             "set speculative = 'off'"
+        )
+    return None
+
+
+def paged_error(kv_cache: str, model_type: str | None) -> str | None:
+    """Why a group cannot keep an mlx-lm class's KV cache in a paged pool, or None: its stages
+    decode over static caches only (the hand-written stages page, :func:`models.pipeline.decode_paged`)."""
+    if kv_cache == "paged":
+        return (
+            f"--distributed: kv_cache = 'paged' is not supported for mlx-lm's class of model_type '{model_type}' "
+            "in a pipeline group (only for the hand-written llama, mistral, smollm, qwen2, qwen3); set "
+            "kv_cache = 'static', or serve it in one process"
         )
     return None
 

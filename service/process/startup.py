@@ -443,6 +443,21 @@ def _per_model(settings: Settings, model: str, key: str) -> bool:
     return any(m.name == model and getattr(m, key) is not None for m in settings.models)
 
 
+def with_pool_tokens(settings: Settings, pool: int, max_sequences: int) -> Settings:
+    """``settings`` (one served model's, resolved by :func:`check_memory` with ``kv_cache =
+    'paged'``) with that model's ``kv_pool_tokens`` set to ``pool`` (a pipeline group's: the
+    least any rank's memory holds, so that every rank holds as many blocks), its capacity
+    ladder cut to what such a pool holds for one sequence (:func:`context_ladder`) and its
+    ``max_sequences`` set (the least any rank allows)."""
+    spec = settings.served_models()[0]
+    ladder = list(spec.capacity_buckets)
+    if pool < ladder[-1]:
+        ladder = context_ladder(ladder, pool, settings.kv_block_tokens)
+    settings = _with_model_values(settings, "capacity_buckets", {spec.name: ladder})
+    settings = _with_max_sequences(settings, {spec.name: max_sequences})
+    return _with_model_values(settings, "kv_pool_tokens", {spec.name: pool})
+
+
 def _with_model_values(settings: Settings, key: str, values: dict) -> Settings:
     """``settings`` with each model's ``key`` set to ``values[name]`` (the top level's, for one model)."""
     if not settings.models:
