@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import cast
 
 import mlx.core as mx
+import pytest
 
 from models.kv_cache import KVCache
 from models.loader import LoadedModel
@@ -34,6 +35,7 @@ FIRST = [[1 + (7 * i + j) % 90 for i in range(n)] for j, n in enumerate((40, 45,
 MAX_TOKENS = [6, 10, 14, 20, 8, 12, 12]  # rows end at different steps: the batch shrinks; row 3 passes 64
 # Then a prompt that starts with the first one (a hit, the rest in a chunk, capacity 128) and a repeat.
 SECOND = [FIRST[0] + [3 + i % 80 for i in range(30)], FIRST[1]]
+POOL_BLOCKS = 12  # the paged run's pool: a request is preempted, and a prompt hits its blocks
 BLOCK_BYTES = 2 * TINY.num_hidden_layers * TINY.num_key_value_heads * 8 * TINY.dim_per_head * 4  # 8 tokens
 
 
@@ -53,9 +55,11 @@ class Rank:
 LEADER, FOLLOWER = Rank(0), Rank(1)
 
 
-def serve(model: LoadedModel) -> tuple[list[list[int]], Engine]:
+def serve(model: LoadedModel, paged: bool = False) -> tuple[list[list[int]], Engine]:
     """Greedy tokens of FIRST (the fourth alone, the others joining its batch) and then SECOND,
-    from a real engine thread, and the engine."""
+    from a real engine thread, and the engine; ``paged``: on a paged pool of
+    :data:`POOL_BLOCKS` blocks of 8 tokens, fewer than the rows need at once."""
+    pool = {"kv_cache": "paged", "kv_pool_tokens": POOL_BLOCKS * 8, "kv_block_tokens": 8} if paged else {}
     engine = engine_at(
         model,
         BUCKETS,
@@ -63,6 +67,7 @@ def serve(model: LoadedModel) -> tuple[list[list[int]], Engine]:
         max_batched_tokens=192,
         prefix_block_tokens=8,
         prefix_cache_bytes=20 * BLOCK_BYTES,  # fewer blocks than the prompts'
+        **pool,
     )
     start_engine(engine, WarmupSpec(prompt_tokens=8, batch=2))
     assert engine.ready.wait(120)
@@ -95,7 +100,12 @@ def serve(model: LoadedModel) -> tuple[list[list[int]], Engine]:
     return outputs, engine
 
 
-def test_a_follower_replays_rank_0_and_frees_what_rank_0_dropped(monkeypatch):
+PAGED_OPS = {group.Op.USE_PAGED, group.Op.DECODE_PAGED, group.Op.WRITE_BLOCKS, group.Op.READ_BLOCKS, group.Op.COPY_POOL}
+
+
+@pytest.mark.parametrize("kv_cache", ["static", "paged"])
+def test_a_follower_replays_rank_0_and_frees_what_rank_0_dropped(monkeypatch, kv_cache):
+    paged = kv_cache == "paged"
     sent: deque[list[int]] = deque()  # each message, read on the engine thread (MLX streams are per thread)
 
     def broadcast(x: mx.array, on) -> mx.array:
@@ -106,16 +116,37 @@ def test_a_follower_replays_rank_0_and_frees_what_rank_0_dropped(monkeypatch):
 
     monkeypatch.setattr(group, "broadcast", broadcast)
     monkeypatch.setattr(follower_module, "broadcast", broadcast)
+    picks: dict[int, list[mx.array]] = {}  # rank -> its chunks' and decode steps' logits (the same model on both)
+
+    def recorded(step):
+        def run(self: Executor, *args):
+            logits, out = step(self, *args)
+            if self.model.group is not None:
+                mx.eval(logits)  # here: on the thread that made it
+                picks.setdefault(self.model.group.rank(), []).append(logits)
+            return logits, out
+
+        return run
+
+    monkeypatch.setattr(Executor, "decode", recorded(Executor.decode))
+    monkeypatch.setattr(Executor, "chunk", recorded(Executor.chunk))
     tokenizer = cast(ChatTokenizer, WordTokenizer(frozenset()))
     whole = LoadedModel("tiny", Path("-"), TINY, random_params(seed=5), tokenizer, mx.float32, "dequantized", 0.0)
-    alone, _ = serve(whole)
-    in_group, engine = serve(replace(whole, group=cast(mx.distributed.Group, LEADER)))
+    alone, _ = serve(whole, paged)
+    in_group, engine = serve(replace(whole, group=cast(mx.distributed.Group, LEADER)), paged)
     leader = engine.executor
     assert isinstance(leader, group.GroupLeader) and in_group == alone
-    assert engine.prefix.evicted_blocks > 0 and engine.prefix.hit_tokens > 0
     ops = {m[0] for m in sent}
-    assert {op.value for op in group.Op} - ops <= {group.Op.IDLE}  # every other operation ran
-    assert any(len(m) > group.HEADER for m in sent)  # a prefill's tokens took a second broadcast
+    if paged:  # rank 0's blocks: preempted and resumed, hit, copied on write; the rest as in one process
+        assert engine.paged is not None and engine.paged.preemptions > 0 and engine.paged.blocks.hit_tokens > 0
+        assert PAGED_OPS - {group.Op.COPY_POOL} <= ops and group.Op.DECODE not in ops
+        # A decode step's tables ride its message only when they changed since the last.
+        fresh = {m[4 + m[1] + 2] for m in sent if m[0] == group.Op.DECODE_PAGED}
+        assert fresh == {0, 1}
+    else:
+        assert engine.prefix.evicted_blocks > 0 and engine.prefix.hit_tokens > 0
+        assert {op.value for op in group.Op} - ops <= {group.Op.IDLE, *PAGED_OPS}  # every other operation ran
+        assert any(len(m) > group.HEADER for m in sent)  # a prefill's tokens took a second broadcast
 
     compiled = CompileCache(True, lambda *a: None, lambda s: None)  # the follower's own, as a rank's process has
     follower = Follower(Executor(replace(whole, group=cast(mx.distributed.Group, FOLLOWER)), compiled))
@@ -123,7 +154,16 @@ def test_a_follower_replays_rank_0_and_frees_what_rank_0_dropped(monkeypatch):
     assert not sent and not follower.warming
     held = {handle: cast(tuple, finalizer.peek())[0] for handle, finalizer in leader._handles.values()}  # rank 0's
     assert set(follower.store) == set(held) | set(leader._frees)  # frees after the STOP message are not sent
-    assert len(held) == len(engine.prefix) > 0  # the prefix cache's blocks: the decode cache is gone
+    # Each step read the same keys and values on both: the follower's logits are rank 0's.
+    assert len(picks[1]) == len(picks[0]) > 10
+    assert all(mx.allclose(a, b, atol=1e-5).item() for a, b in zip(picks[0], picks[1], strict=True))
+    if paged:  # every rank's pool holds the same blocks (here, of the same layers)
+        mine, theirs = follower.executor.pool, leader.pool
+        assert mine is not None and theirs is not None
+        for a, b in zip([*mine.keys, *mine.values], [*theirs.keys, *theirs.values], strict=True):
+            assert mx.array_equal(a, b).item()
+    else:
+        assert len(held) == len(engine.prefix) > 0  # the prefix cache's blocks: the decode cache is gone
     for handle, array in held.items():
         mine = follower.store[handle]
         mine = mine.keys[0] if isinstance(mine, KVCache) else mine
