@@ -146,7 +146,7 @@ class Engine:
         """
         if not self.executor.can_page:
             raise ValueError(
-                f"kv_cache = 'paged' needs, in one process, a hand-written model family or an mlx-lm class whose "
+                f"kv_cache = 'paged' needs a hand-written model family or an mlx-lm class whose "
                 f"attention caches are all of one shape with no recurrent state; model type "
                 f"{self.model.args.model_type!r} here is neither (set kv_cache = 'static')"
             )

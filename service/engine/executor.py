@@ -59,6 +59,21 @@ def pool_verifies(model: LoadedModel) -> bool:
     return hasattr(architecture(a.model_type), "verify_paged")
 
 
+def pages(model: LoadedModel) -> bool:
+    """Whether ``model``'s decode can read and write a paged KV pool: a hand-written family with a
+    ``decode_paged``, or a pipeline stage of one (:func:`models.pipeline.decode_paged`), or an
+    mlx-lm module (or its stage: its ``PipelineMixin`` passes the hidden states) whose attention
+    caches are all of one shape, keys as wide as values, with no recurrent state and at least one
+    full-attention layer (:func:`models.adapter.decode_paged`). A stage's pool holds its own
+    layers."""
+    a = model.args
+    if isinstance(a, AdapterArgs):
+        return a.prefix_blocks and not a.capacity_pair
+    if model.stage is not None:
+        return True  # the Llama decoder's stages (service.process.group.PIPELINE_TYPES)
+    return hasattr(architecture(a.model_type), "decode_paged")
+
+
 class PagedTables(NamedTuple):
     """A paged decode step's view of its rows: their block tables (int32 [batch, capacity /
     block_tokens], null-block padded) at a batch bucket and a capacity bucket; the pool itself
@@ -122,17 +137,8 @@ class Executor:
 
     @property
     def can_page(self) -> bool:
-        """Whether this model's decode can read and write a paged KV pool: a hand-written family
-        with a ``decode_paged``, or a pipeline stage of one (:func:`models.pipeline.decode_paged`:
-        each rank's pool holds its own layers), or, in one process, an mlx-lm module whose
-        attention caches are all of one shape, keys as wide as values, with no recurrent state and
-        at least one full-attention layer (:func:`models.adapter.decode_paged`)."""
-        a = self.model.args
-        if isinstance(a, AdapterArgs):
-            return self.model.stage is None and a.prefix_blocks and not a.capacity_pair
-        if self.model.stage is not None:
-            return True  # the Llama decoder's stages (service.process.group.PIPELINE_TYPES)
-        return hasattr(architecture(a.model_type), "decode_paged")
+        """Whether this model's decode can read and write a paged KV pool (:func:`pages`)."""
+        return pages(self.model)
 
     @property
     def can_verify(self) -> bool:

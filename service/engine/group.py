@@ -254,11 +254,11 @@ class GroupLeader(Executor):
         return logits, self._rebind(kv, new)
 
     def use_paged(self, num_blocks: int, block_tokens: int, bits: int | None = None, group_size: int = 64) -> PagedKV:
-        if not self.can_page:  # the ValueError of one process, before any rank allocates (not GroupLost)
-            return super().use_paged(num_blocks, block_tokens, bits, group_size)
+        # Here first: its ValueError is one process's (not GroupLost), before another rank allocates.
+        pool = super().use_paged(num_blocks, block_tokens, bits, group_size)
         with self.progress.waiting():
             self._send(Op.USE_PAGED, [num_blocks, block_tokens, bits or 0, group_size])
-            return super().use_paged(num_blocks, block_tokens, bits, group_size)
+        return pool
 
     @_guarded
     def write_blocks(self, source: KVCache, row: int, blocks: list[int], length: int, start: int = 0) -> None:

@@ -41,7 +41,7 @@ from models.stage_loader import ModelLayout, load_stage, model_layout
 from models.tokenizer import ChatTokenizer
 from service.config import Settings
 from service.engine.compile_cache import CompileCache
-from service.engine.executor import Executor
+from service.engine.executor import Executor, pages
 from service.engine.follower import Follower
 from service.engine.group import GroupLost, Progress
 from service.process import startup
@@ -122,7 +122,7 @@ def start_group(settings: Settings, group: mx.distributed.Group) -> GroupStart:
             from models.lm_loader import lm_layout  # imports mlx-lm: only for its models
 
             layout = lm_layout(Path(path), dtype, weights)
-            error = speculative_error(spec.speculative) or paged_error(settings.kv_cache, layout.model_type)
+            error = speculative_error(spec.speculative)
         else:
             layout = model_layout(path, dtype, weights)
             error = unsupported(layout.args.model_type, spec.speculative)
@@ -135,7 +135,9 @@ def start_group(settings: Settings, group: mx.distributed.Group) -> GroupStart:
     model, resolved, error = None, settings, None
     try:
         model = _load(settings, stages, group, dtype, weights)
-        resolved = startup.check_memory(_rank_settings(settings, stages, stage), {model.name: model})
+        error = paged_error(settings.kv_cache, model)
+        if error is None:
+            resolved = startup.check_memory(_rank_settings(settings, stages, stage), {model.name: model})
     except Exception as exc:
         error = str(exc)
     mine = [resolved.served_models()[0].max_sequences or 0, stage.start, stage.stop]
@@ -194,16 +196,16 @@ def speculative_error(speculative: str) -> str | None:
     return None
 
 
-def paged_error(kv_cache: str, model_type: str | None) -> str | None:
-    """Why a group cannot keep an mlx-lm class's KV cache in a paged pool, or None: its stages
-    decode over static caches only (the hand-written stages page, :func:`models.pipeline.decode_paged`)."""
-    if kv_cache == "paged":
-        return (
-            f"--distributed: kv_cache = 'paged' is not supported for mlx-lm's class of model_type '{model_type}' "
-            "in a pipeline group (only for the hand-written llama, mistral, smollm, qwen2, qwen3); set "
-            "kv_cache = 'static', or serve it in one process"
-        )
-    return None
+def paged_error(kv_cache: str, model: LoadedModel) -> str | None:
+    """Why this rank's stage cannot keep its KV cache in a paged pool (``kv_cache = 'paged'``),
+    or None: a stage of an mlx-lm class whose caches a pool cannot hold (recurrent states, or
+    attention caches of several shapes, :func:`service.engine.executor.pages`)."""
+    if kv_cache != "paged" or pages(model):
+        return None
+    return (
+        f"--distributed: kv_cache = 'paged' cannot hold the caches of model_type '{model.args.model_type}' "
+        "(recurrent states, or attention caches of several shapes); set kv_cache = 'static'"
+    )
 
 
 def split(
