@@ -3,18 +3,19 @@
 for its own layers while rank 0 decides the block tables, admission and preemption. Greedy
 tokens must be those of one process with a static cache answering each request alone: for
 prompts of mixed lengths decoding in one batch, a prefix hit on the pool's blocks, and requests
-preempted (a pool of 16 blocks) and resumed."""
+preempted (a pool of 16 blocks) and resumed; the same for mlx-lm's class of a tiny Qwen2, and
+a class whose caches no pool holds refused at start."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.e2e.test_pipeline_serving import LONG, TINY_ARGS, launch
-from tests.support import ServerProcess, write_served_dir
+from tests.parity.tiny_configs import TINY_CONFIGS
+from tests.support import ServerProcess, write_mlx_lm_dir, write_served_dir
 
 # The pool: 16 blocks of 8 tokens (and the null block), two sequences of up to 128 tokens.
 PAGED_ARGS = [*TINY_ARGS, "--kv-cache", "paged", "--kv-pool-tokens", "128", "--kv-block-tokens", "8"]
@@ -46,31 +47,11 @@ def pair(tiny):
 
 
 def greedy(client: httpx.Client, prompt: str, max_tokens: int) -> tuple[list[int], int]:
-    """(the greedy token ids of ``prompt``, its prompt tokens served from the prefix cache)."""
-    body = client.post("/infer", json={"prompt": prompt, "max_tokens": max_tokens, "logprobs": 0}).json()
+    """(the greedy token ids of ``prompt``, all ``max_tokens`` of them, its prompt tokens served
+    from the prefix cache)."""
+    request = {"prompt": prompt, "max_tokens": max_tokens, "logprobs": 0, "ignore_eos": True}
+    body = client.post("/infer", json=request).json()
     return [e["token_id"] for e in body["logprobs"]], body["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def at_once(server: ServerProcess, requests: list[tuple[str, int]]) -> list[list[int]]:
-    """The greedy token ids of ``requests`` (prompt, max_tokens), all sent at once."""
-    out: list[list[int]] = [[] for _ in requests]
-
-    def ask(i: int) -> None:
-        with server.client() as client:
-            out[i] = greedy(client, *requests[i])[0]
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
-
-
-def alone(server: ServerProcess, requests: list[tuple[str, int]]) -> list[list[int]]:
-    """The greedy token ids of ``requests``, one after another."""
-    with server.client() as client:
-        return [greedy(client, *r)[0] for r in requests]
 
 
 def pool_state(server: ServerProcess) -> dict:
@@ -90,14 +71,39 @@ def two_row_steps(server: ServerProcess) -> float:
     return steps - server.metric("stepserve_batch_size_bucket", model="tiny", phase="decode", le="1.0")
 
 
+Answer = tuple[str, list[float]]
+
+
+def completions(server: ServerProcess, prompts: list[str], max_tokens: int) -> list[Answer]:
+    """The greedy (text, each token's logprob) of ``prompts``, all ``max_tokens`` tokens long,
+    from one /v1/completions request (its prompts are submitted together: they decode in one
+    batch)."""
+    body = {"model": "tiny", "prompt": prompts, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body["logprobs"] = 0
+    choices = httpx.post(f"{server.url}/v1/completions", json=body, timeout=300).json()["choices"]
+    return [(c["text"], c["logprobs"]["token_logprobs"]) for c in sorted(choices, key=lambda c: c["index"])]
+
+
+def alone(server: ServerProcess, prompts: list[str], max_tokens: int) -> list[Answer]:
+    """:func:`completions` of each prompt alone, one after another."""
+    return [completions(server, [p], max_tokens)[0] for p in prompts]
+
+
+def assert_same(got: list[Answer], want: list[Answer]) -> None:
+    """The same greedy tokens, and logprobs within float32 rounding of the two attention paths:
+    keys and values a rank lost or misplaced move them even where the greedy token holds."""
+    assert [text for text, _ in got] == [text for text, _ in want]
+    for (_, a), (_, b) in zip(got, want, strict=True):
+        assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4, (a, b)
+
+
 def test_mixed_lengths_in_one_batch_answer_as_one_sequence_alone(pair):
     group, single = pair
-    requests = [(SHORT, 24), (" ".join(LONG.split()[:27]), 30)]  # 5 and 27 prompt tokens: blocks 1 and 4
+    prompts = [SHORT, " ".join(LONG.split()[:27])]  # 5 and 27 prompt tokens: 1 and 4 blocks
     before = two_row_steps(group)
-    got = at_once(group, requests)
+    got = completions(group, prompts, 30)
     assert two_row_steps(group) > before  # the two decoded in one batch
-    assert got == alone(single, requests)
-    assert all(len(ids) == n for ids, (_, n) in zip(got, requests, strict=True))
+    assert_same(got, alone(single, prompts, 30))
 
 
 def test_prefix_hit_on_the_pool_answers_as_one_process(pair):
@@ -114,10 +120,10 @@ def test_preempted_and_resumed_answers_as_one_sequence_alone(pair):
     before = pool_state(group)["preemptions"]
     # Two 41-token prompts of 70 tokens each need 14 blocks apiece, the pool has 16: the newer
     # is preempted when the pool runs out, then resumes (its prompt and output prefilled again).
-    requests = [(LONG, 70), (LONG.replace("t2 ", "t3 ", 1) + " t6", 70)]
-    got = at_once(group, requests)
+    prompts = [LONG, LONG.replace("t2 ", "t3 ", 1)]
+    got = completions(group, prompts, 70)
     assert pool_state(group)["preemptions"] > before
-    assert got == alone(single, requests)
+    assert_same(got, alone(single, prompts, 70))
     assert pool_state(group)["blocks"]["used"] == 0  # every block back: free or cached
 
 
@@ -126,6 +132,46 @@ def test_one_prompt_twice_at_once_shares_blocks_and_copies_on_write(pair):
     # 13 tokens: one full block and a partial one, both shared by the twin requests; the first
     # decode step copies the partial block for one of them (copy-on-write, on every rank).
     prompt = "t8 t1 t30 t7 t60 t2 t9 t44 t3 t71 t5 t6 t12"
-    got = at_once(group, [(prompt, 16), (prompt, 16)])
-    want = alone(single, [(prompt, 16)])[0]
-    assert got == [want, want]
+    assert_same(completions(group, [prompt, prompt], 16), alone(single, [prompt, prompt], 16))
+
+
+# -- mlx-lm's classes -------------------------------------------------------------------------
+
+
+def test_an_mlx_lm_class_split_in_two_on_the_pool_answers_as_one_process(tmp_path):
+    """A tiny Qwen2 through mlx-lm's class (its PipelineMixin passes the hidden states): each
+    rank's pool holds its layers' blocks; a prefix hit, and two requests preempted and resumed."""
+    directory = tmp_path / "qwen2"
+    write_mlx_lm_dir(directory, {**TINY_CONFIGS["qwen2"], "num_hidden_layers": 5}, seed=1)
+    args = [*TINY_ARGS, "--model-impl", "mlx_lm"]
+    group = launch(directory, [*args, "--kv-cache", "paged", "--kv-pool-tokens", "128", "--kv-block-tokens", "8"])
+    single = ServerProcess.start(["--model", str(directory), *args])
+    sequential = [(SHORT, 16), (LONG, 24), (LONG + " t4", 24)]
+    together = [LONG, LONG.replace("t2 ", "t3 ", 1)]  # preempted, as above
+    try:
+        group.wait_ready()
+        single.wait_ready()
+        with group.client() as client, single.client() as one:
+            got, want = [greedy(client, *r) for r in sequential], [greedy(one, *r)[0] for r in sequential]
+        got_together, kv = completions(group, together, 70), pool_state(group)
+        want_together = alone(single, together, 70)
+    finally:
+        single.stop()
+        code = group.stop()
+    assert code == 0, group.log()
+    assert [ids for ids, _ in got] == want
+    assert_same(got_together, want_together)
+    assert got[2][1] == 40 and kv["preemptions"] > 0 and kv["blocks"]["used"] == 0
+
+
+def test_an_mlx_lm_class_the_pool_cannot_hold_is_refused_at_start_naming_the_keys(tmp_path):
+    """DeepSeek-V3's latent attention keeps keys wider than values: no pool holds them, so
+    every rank refuses at start (exit 2), naming kv_cache, the model type and the fix."""
+    directory = tmp_path / "deepseek_v3"
+    write_mlx_lm_dir(directory, {**TINY_CONFIGS["deepseek_v3"], "num_hidden_layers": 3}, seed=1)
+    group = launch(directory, [*TINY_ARGS, "--model-impl", "mlx_lm", "--kv-cache", "paged", "--kv-pool-tokens", "128"])
+    code = group.process.wait(120)
+    log = group.log()
+    assert code == 2, log
+    assert "--distributed: kv_cache = 'paged' cannot hold the caches of model_type 'deepseek_v3'" in log
+    assert "set kv_cache = 'static'" in log and "Traceback" not in log
