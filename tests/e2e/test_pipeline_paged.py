@@ -8,6 +8,7 @@ a class whose caches no pool holds refused at start."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import httpx
@@ -63,6 +64,28 @@ def test_group_on_the_pool_holds_every_rank_s_layers(pair):
     kv = pool_state(group)
     assert kv["cache"] == "paged" and kv["blocks"]["total"] == 16 and kv["block_tokens"] == 8
     assert "paged KV pool: 128 tokens on every rank" in group.log()
+
+
+def test_a_pool_sized_by_the_budget_is_the_least_any_rank_holds(tiny):
+    """Unset kv_pool_tokens: each rank sizes a pool from its budget for its own layers (rank 1
+    holds 3 of the 5, rank 0 2), and every rank allocates the least, rank 0's block ids naming
+    the same blocks everywhere."""
+    args = [a for a in PAGED_ARGS if a not in ("--kv-pool-tokens", "128")]
+    group = launch(tiny, [*args, "--memory-budget-bytes", "20000000"])
+    try:
+        group.wait_ready()
+        kv = pool_state(group)
+        with group.client() as client:
+            assert len(greedy(client, LONG, 8)[0]) == 8
+    finally:
+        code = group.stop()
+    log = group.log()
+    assert code == 0, log
+    each = re.findall(r"rank (\d) stepserve: model tiny: paged KV pool of (\d+) tokens", log)
+    sized = {int(rank): int(tokens) for rank, tokens in each}
+    assert sized[1] < sized[0]  # rank 1's layers take more bytes per token
+    assert f"paged KV pool: {sized[1]} tokens on every rank" in log
+    assert kv["tokens"] == -(-sized[1] // 8) * 8  # whole blocks, as in one process
 
 
 def two_row_steps(server: ServerProcess) -> float:
