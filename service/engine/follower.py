@@ -78,7 +78,7 @@ class Follower:
             self.executor.seal()
             # Evaluated on this (the warm-up) thread, which made them: a lazy array made on a
             # thread that has ended cannot be evaluated on another (as the engine's _prepare).
-            mx.eval([a for a in (self.executor.pool, *self.store.values()) if a is not None])
+            mx.eval([a for a in (self.executor.pool, self.table, *self.store.values()) if a is not None])
             self.warming = False
         else:
             with self.progress.waiting():
