@@ -165,8 +165,9 @@ class Settings(BaseSettings):
         "static",
         description="where decode keeps keys and values: 'static' one buffer per batch at its capacity bucket; "
         "'paged' a pool of fixed-size blocks each request takes as its tokens need them, preempting the newest "
-        "request when it runs out (one process; the hand-written model families, speculative decoding and kv_bits "
-        "included, and mlx-lm's classes whose attention caches are of one shape with no recurrent state)",
+        "request when it runs out (one process; the hand-written model families and mlx-lm's classes whose attention "
+        "caches are of one shape with no recurrent state, speculative decoding included; kv_bits for the "
+        "hand-written families)",
     )
     kv_block_tokens: int = Field(16, ge=1, description="kv_cache = 'paged': token positions per block")
     kv_bits: int | None = Field(
