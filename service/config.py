@@ -166,8 +166,8 @@ class Settings(BaseSettings):
         description="where decode keeps keys and values: 'static' one buffer per batch at its capacity bucket; "
         "'paged' a pool of fixed-size blocks each request takes as its tokens need them, preempting the newest "
         "request when it runs out (one process, or a pipeline group whose every rank pools its own layers; the "
-        "hand-written model families, speculative decoding (one process) and kv_bits included, and mlx-lm's classes "
-        "whose attention caches are of one shape with no recurrent state)",
+        "hand-written model families and mlx-lm's classes whose attention caches are of one shape with no recurrent "
+        "state, speculative decoding (one process) included; kv_bits for the hand-written families)",
     )
     kv_block_tokens: int = Field(16, ge=1, description="kv_cache = 'paged': token positions per block")
     kv_bits: int | None = Field(

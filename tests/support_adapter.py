@@ -5,8 +5,9 @@ compiled steps against each row run alone with mlx-lm's own caches.
 every architecture): rows of different lengths right-padded to one prompt bucket, prefill, the
 rows inserted into a decode cache with an empty slot, decode steps, a bucket move (capacity
 grown, rows reordered), then the same prompts in two chunks and, where the model can verify,
-every decode step at once. Each phase's logits are compared with the reference's, and the
-greedy tokens with the reference's greedy continuation.
+every decode step at once; where the paged KV pool holds the model, every decode step at once
+over the pool too (``verify_paged``: sliding-window layers included). Each phase's logits are
+compared with the reference's, and the greedy tokens with the reference's greedy continuation.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from models.adapter import AdapterArgs, decode, prefill, prefill_chunk, verify
+from models.adapter import AdapterArgs, decode, prefill, prefill_chunk, verify, verify_paged
 from models.kv_cache import KVCache
+from models.paged import PagedKV, write
 
 
 @dataclass
@@ -31,7 +33,8 @@ class ParityReport:
     Attributes:
         model_type: the module's ``model_type``.
         diffs: phase -> max |Δ logits| against the reference, float32 (phases: prefill,
-            decode (before and after the bucket move), chunk, chunk-decode, verify).
+            decode (before and after the bucket move), chunk, chunk-decode, verify,
+            verify-paged).
         token_mismatches: phases whose greedy tokens differ from the reference's.
         tolerance: the largest |Δ logits| :attr:`ok` accepts.
         error: the exception a step raised, as "Type: message", or None.
@@ -112,6 +115,10 @@ def check_parity(
             _verified(args, prompts, ref, report)
         else:
             report.notes.append("no verify: the model has sliding-window rings or recurrent states")
+        if args.prefix_blocks and not args.capacity_pair:
+            _verified_paged(args, prompts, ref, report)
+        else:
+            report.notes.append("no paged verify: the pool cannot hold its caches")
     except Exception as e:  # noqa: BLE001 - the report names whatever a model raised
         report.error = f"{type(e).__name__}: {e}"
     return report
@@ -243,3 +250,44 @@ def _verified(args: AdapterArgs, prompts: list[list[int]], ref: _Reference, repo
     got = [logits[b, j] for b in range(B) for j in range(K1)]
     want = [ref.decode[b][j] for b in range(B) for j in range(K1)]
     _compare(report, "verify", got, want, [_greedy(w) for w in want])
+
+
+def _verified_paged(args: AdapterArgs, prompts: list[list[int]], ref: _Reference, report: ParityReport) -> None:
+    """Prefill, write each row into a paged pool of noise through a table of blocks in
+    descending order (4 positions each, then a null column), then every reference decode token
+    in one ``verify_paged`` step over the pool: entry j must equal mlx-lm's own forward over the
+    prompt and the first j + 1 tokens, prefilled at once (a sliding layer's window is a mask on
+    the row's linear view, slid past where the prompt is longer than the window). That is the
+    reference decode step j wherever mlx-lm's decode agrees with its prefill; plamo3's does not
+    (its prefill masks W + 1 keys, its ring keeps W: tests/parity/tiny_configs.py QUIRKS), and a
+    several-token step on the pool masks as its prefill does."""
+    params, B = args.module.parameters(), len(prompts)
+    lengths = [len(p) for p in prompts]
+    K1, bt = len(ref.tokens[0]), 4
+    T = max(lengths) + 1
+    M = -(-(max(lengths) + K1) // bt) + 1  # one null column past the longest row's blocks
+    run_prefill, run_verify = (mx.compile(partial(f, args=args)) for f in (prefill, verify_paged))
+    _, staged = run_prefill(params, _padded(prompts, T), mx.array(lengths, mx.int32), args.allocate(B, T, mx.float32))
+    N = 1 + B * (M - 1)
+    order = list(range(N - 1, 0, -1))  # every row's positions run backwards through the pool
+    table = mx.array([order[b * (M - 1) : (b + 1) * (M - 1)] + [0] for b in range(B)], mx.int32)
+    mx.random.seed(1)
+    kv = args.kv_layouts[0]
+    shape = (N, kv.heads, bt, kv.key_dim)
+    pool = PagedKV(
+        [mx.random.normal(shape) for _ in args.kv_layouts], [mx.random.normal(shape) for _ in args.kv_layouts]
+    )
+    for b, n in enumerate(lengths):
+        at = mx.arange(n, dtype=mx.int32)[None]
+        for layer in range(len(args.kv_layouts)):
+            pool.keys[layer] = write(pool.keys[layer], table[b : b + 1], at, staged.keys[layer][b : b + 1, :, :n])
+            pool.values[layer] = write(pool.values[layer], table[b : b + 1], at, staged.values[layer][b : b + 1, :, :n])
+    logits, _ = run_verify(params, mx.array(ref.tokens, mx.int32), mx.array(lengths, mx.int32), table, pool)
+    got = [logits[b, j] for b in range(B) for j in range(K1)]
+    want = [_prefilled(args.module, prompts[b] + ref.tokens[b][: j + 1]) for b in range(B) for j in range(K1)]
+    _compare(report, "verify-paged", got, want, [_greedy(w) for w in want])
+
+
+def _prefilled(model: nn.Module, ids: list[int]) -> mx.array:
+    """mlx-lm's float32 logits [V] after ``ids``, prefilled at once through its own caches."""
+    return model(mx.array([ids], mx.int32), cache=make_prompt_cache(model))[0, -1].astype(mx.float32)

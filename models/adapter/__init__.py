@@ -27,7 +27,7 @@ if TYPE_CHECKING:
         UnusedLayout,
         learn_layouts,
     )
-    from models.adapter.steps import decode, decode_paged, prefill, prefill_chunk, verify
+    from models.adapter.steps import decode, decode_paged, prefill, prefill_chunk, verify, verify_paged
     from models.adapter.support import REFUSED, SUPPORTED, check_module, check_supported
 
 _LAZY = {
@@ -45,6 +45,7 @@ _LAZY = {
     "prefill": "steps",
     "prefill_chunk": "steps",
     "verify": "steps",
+    "verify_paged": "steps",
     "REFUSED": "support",
     "SUPPORTED": "support",
     "check_module": "support",
@@ -80,4 +81,5 @@ __all__ = [
     "prefill",
     "prefill_chunk",
     "verify",
+    "verify_paged",
 ]

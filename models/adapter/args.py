@@ -162,9 +162,11 @@ class AdapterArgs:
 
     @property
     def can_verify(self) -> bool:
-        """Whether :func:`verify` serves this model: no sliding layer (its decode ring would be
-        written past its size) and no recurrent state (a rejected proposal cannot be undone
-        by position); in a group, on every stage."""
+        """Whether :func:`verify` serves this model on the static cache: no sliding layer (its
+        decode ring would be written past its size) and no recurrent state (a rejected proposal
+        cannot be undone by position); in a group, on every stage. On the paged pool,
+        :func:`models.adapter.verify_paged` serves sliding layers too
+        (:func:`service.engine.executor.pool_verifies` decides)."""
         if self.group is not None:
             return self.group.can_verify
         return self.windows is None and not self.has_states

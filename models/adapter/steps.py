@@ -1,7 +1,7 @@
 """The step functions over an unmodified mlx-lm module, with the hand-written architectures'
 signatures (:mod:`models.llama`): ``prefill``, ``prefill_chunk``, ``decode`` and ``verify``, and
-``decode_paged`` over a paged KV pool, each compiled once per bucket with ``params`` an input
-pytree.
+``decode_paged`` and ``verify_paged`` over a paged KV pool, each compiled once per bucket with
+``params`` an input pytree.
 
 Inside a step the module's parameters are replaced by ``params`` (under ``mx.compile`` these
 are the trace's placeholders) and always restored afterwards, so the module left behind holds
@@ -135,22 +135,88 @@ def decode_paged(
         ValueError: ``bits`` (a quantized pool), or a model whose caches a pool cannot hold
             (recurrent states, or attention caches of several shapes).
     """
+    logits, pool = _forward_paged(args, params, tokens[:, None], positions, table, pool, bits)
+    return logits[:, 0, :], pool
+
+
+def verify_paged(
+    params: Params,
+    tokens: mx.array,
+    positions: mx.array,
+    table: mx.array,
+    pool: PagedKV,
+    *,
+    args: AdapterArgs,
+    bits: int | None = None,
+    group_size: int = 64,
+) -> tuple[mx.array, PagedKV]:
+    """Score each row's newest token and its proposals over a paged KV pool
+    (:func:`models.llama.verify_paged`'s contract): as :func:`decode_paged` with W tokens per
+    row. The module sees each row's blocks as a linear view (index p is position p), writes the
+    W tokens at positions[b]..positions[b] + W - 1 there as a prefill chunk does, and they are
+    scattered into the pool. No ring is involved, so a sliding-window layer verifies too: its
+    window is the mask :func:`models.attention.cache_layout` gives several tokens per row
+    (query at position p sees p - window + 1..p), as in :func:`prefill_chunk`.
+
+    Args:
+        params: the module's parameter tree.
+        tokens: int32 [B, W], each row's newest token then up to W - 1 proposals, padded.
+        positions: int32 [B], the newest token's position; positions[b] + W - 1 < M * bt for
+            every row (empty slots pass 0 and a table row of null blocks). A position past the
+            row's own blocks must map to a null-block column: its write lands in the null
+            block, which attention never reads unmasked.
+        table: int32 [B, M], each row's blocks in position order (null-block padded).
+        pool: per attention cache, [N, Hkv, bt, D] keys and values (see :func:`decode_paged`).
+        args: the model (static).
+        bits, group_size: a quantized pool's; not implemented here.
+
+    Returns:
+        (float32 logits [B, W, V]: entry j scores the token after tokens[b, j]; the pool with
+        tokens[b, j]'s keys and values written at positions[b] + j). A rejected proposal's keys
+        and values stay in the row's block past its new position, masked until a later step
+        overwrites them; every block the W positions fall in is written, so none may be shared
+        or published (the caller's copy-on-write).
+
+    Raises:
+        ValueError: as :func:`decode_paged`.
+    """
+    return _forward_paged(args, params, tokens, positions, table, pool, bits)
+
+
+def _forward_paged(
+    args: AdapterArgs,
+    params: Params,
+    tokens: mx.array,
+    positions: mx.array,
+    table: mx.array,
+    pool: PagedKV,
+    bits: int | None,
+) -> tuple[mx.array, PagedKV]:
+    """The module on tokens int32 [B, L] at positions[b]..positions[b] + L - 1 over each row's
+    blocks ``table`` int32 [B, M] of ``pool``: (float32 logits [B, L, V], the pool with the L
+    tokens' keys and values written).
+
+    Raises:
+        ValueError: see :func:`decode_paged`.
+    """
     if bits:
         raise ValueError(f"{args.model_type}: kv_bits pools are not implemented for mlx-lm's classes")
     if not args.prefix_blocks or args.capacity_pair:
         raise ValueError(f"{args.model_type}: a paged pool needs attention caches of one shape and no states")
+    L = tokens.shape[1]
+    at = positions[:, None] + mx.arange(L, dtype=mx.int32)[None, :] if L > 1 else positions[:, None]  # [B, L]
     k0 = pool.keys[0]
-    index = paged_index(table, positions[:, None], k0.shape[1], k0.shape[2])
+    index = paged_index(table, at, k0.shape[1], k0.shape[2])
     view = KVCache([gather_at(k, index) for k in pool.keys], [gather_at(v, index) for v in pool.values])
-    logits, view = _forward(args, params, tokens[:, None], view, positions, None, prefill=False)
-    at = positions[:, None, None, None]  # each row's new token in its view: index p is position p
+    logits, view = _forward(args, params, tokens, view, positions, None, prefill=False)
+    where = at[:, None, :, None]  # each row's new tokens in its view: index p is position p
 
-    def new(buffer: mx.array) -> mx.array:  # [B, Hkv, 1, D]
-        return mx.take_along_axis(buffer, mx.broadcast_to(at, (*buffer.shape[:2], 1, buffer.shape[3])), axis=2)
+    def new(buffer: mx.array) -> mx.array:  # [B, Hkv, L, D]
+        return mx.take_along_axis(buffer, mx.broadcast_to(where, (*buffer.shape[:2], L, buffer.shape[3])), axis=2)
 
     keys = [write_at(k, index, new(v)) for k, v in zip(pool.keys, view.keys, strict=True)]
     values = [write_at(k, index, new(v)) for k, v in zip(pool.values, view.values, strict=True)]
-    return logits[:, 0, :], PagedKV(keys, values)
+    return logits, PagedKV(keys, values)
 
 
 def verify(

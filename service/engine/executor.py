@@ -50,25 +50,34 @@ def batches_last_chunks() -> bool:
 
 
 def pool_verifies(model: LoadedModel) -> bool:
-    """Whether speculative decoding's verify step runs over the paged KV pool for ``model``: a
-    hand-written family with a ``verify_paged`` (sliding-window layers included: the pool's view
-    of a row is linear), in one process. mlx-lm's classes decode plain on the pool."""
+    """Whether speculative decoding's verify step runs over the paged KV pool for ``model``, in
+    one process: a hand-written family with a ``verify_paged``, or an mlx-lm module the pool
+    holds at all (attention caches of one shape, no recurrent state: :attr:`Executor.can_page`;
+    :func:`models.adapter.verify_paged`). Sliding-window layers included: the pool's view of a
+    row is linear, so their window is a mask there and a verify step writes no ring."""
     a = model.args
-    if isinstance(a, AdapterArgs) or model.stage is not None:
+    if model.stage is not None:
         return False
+    if isinstance(a, AdapterArgs):
+        return adapter_pages(a)
     return hasattr(architecture(a.model_type), "verify_paged")
+
+
+def adapter_pages(args: AdapterArgs) -> bool:
+    """Whether the paged pool holds an mlx-lm module's caches (:func:`models.adapter.decode_paged`
+    and ``verify_paged`` serve it): every attention cache of one shape, keys as wide as values,
+    no recurrent state, and at least one full-attention layer (no :attr:`AdapterArgs.capacity_pair`)."""
+    return args.prefix_blocks and not args.capacity_pair
 
 
 def pages(model: LoadedModel) -> bool:
     """Whether ``model``'s decode can read and write a paged KV pool: a hand-written family with a
     ``decode_paged``, or a pipeline stage of one (:func:`models.pipeline.decode_paged`), or an
-    mlx-lm module (or its stage: its ``PipelineMixin`` passes the hidden states) whose attention
-    caches are all of one shape, keys as wide as values, with no recurrent state and at least one
-    full-attention layer (:func:`models.adapter.decode_paged`). A stage's pool holds its own
-    layers."""
+    mlx-lm module (or its stage: its ``PipelineMixin`` passes the hidden states) the pool holds
+    (:func:`adapter_pages`). A stage's pool holds its own layers."""
     a = model.args
     if isinstance(a, AdapterArgs):
-        return a.prefix_blocks and not a.capacity_pair
+        return adapter_pages(a)
     if model.stage is not None:
         return True  # the Llama decoder's stages (service.process.group.PIPELINE_TYPES)
     return hasattr(architecture(a.model_type), "decode_paged")
@@ -152,8 +161,9 @@ class Executor:
         layer, block 0 the null block; ``bits``: quantized, :func:`models.paged.quantized_pool`)
         and make ``decode`` run over it (:func:`models.llama.decode_paged`; a pipeline stage's
         pool holds its layers, :func:`models.pipeline.decode_paged`), and ``verify`` too
-        where the architecture has a paged one (:func:`models.llama.verify_paged`; else none
-        runs: :attr:`can_verify`). Returns the pool.
+        where the model has a paged one (:func:`pool_verifies`: :func:`models.llama.verify_paged`,
+        :func:`models.adapter.verify_paged`; a stage has none; else none runs: :attr:`can_verify`).
+        Returns the pool.
 
         Raises:
             ValueError: the model cannot page (:attr:`can_page`), or ``bits`` with a head dim that
@@ -178,7 +188,7 @@ class Executor:
         self._specs["decode"] = StepSpec(step)
         self._specs.pop("verify", None)  # a static cache's verify step cannot run over the pool
         if pool_verifies(self.model):  # one process only
-            arch = architecture(a.model_type)
+            arch = adapter if isinstance(a, AdapterArgs) else architecture(a.model_type)
             self._specs["verify"] = StepSpec(partial(arch.verify_paged, args=a, bits=bits, group_size=group_size))
         self.kv_bits, self.kv_group_size = bits, group_size
         self.pool = PagedKV.allocate(

@@ -46,7 +46,7 @@ def build_engine(
     chunk_tokens = buckets.chunk_tokens(settings.prefill_chunk_tokens)  # the engine's chunk, for the draft's steps
     proposer: PromptLookup | DraftProposer | None = None
     # Rings and states decode plain (load_models); the paged pool's view is linear, so a model with
-    # sliding-window layers verifies there; mlx-lm's classes have no paged verify step (plain).
+    # sliding-window layers verifies there (a hand-written family's or mlx-lm's class: pool_verifies).
     paged = settings.kv_cache == "paged"
     if served.speculative != "off" and (pool_verifies(model) if paged else model.args.can_verify):
         proposer = PromptLookup() if draft is None else DraftProposer(draft, buckets, cache, chunk_tokens)

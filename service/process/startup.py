@@ -89,14 +89,16 @@ def load_served(spec: ServedModel, paged: bool = False) -> dict[str, LoadedModel
     ``"NAME/draft"``, :func:`draft_name`), each as its ``model_impl`` says
     (:func:`models.loader.load_model`; a draft model as ``auto`` does); its path through
     :func:`model_path`. ``paged``: decode runs on a paged KV pool (``kv_cache = "paged"``), whose
-    verify step takes a model with sliding-window layers too (its view of a row is linear).
+    verify step (:func:`service.engine.executor.pool_verifies`: a hand-written family's, or
+    mlx-lm's class wherever the pool holds it) takes a model with sliding-window layers too (its
+    view of a row is linear).
 
     Raises:
         ModelLoadError: a file is missing, unreadable or unsupported (the message names it),
             a repo id cannot be resolved, a draft's vocabulary differs from its model's, a draft
-            keeps a recurrent state, or a model with recurrent state, or with sliding-window
-            layers on the static cache, is given a draft (with ``speculative = "lookup"`` it
-            decodes plain).
+            keeps a recurrent state, or a model with recurrent state, with sliding-window
+            layers on the static cache, or without a paged verify step on the pool is given a
+            draft (with ``speculative = "lookup"`` it decodes plain, logged).
     """
     dtype, weights = compute_dtype(spec.dtype), weights_mode(spec.weights)
     model = load_model(model_path(spec.path), spec.name, dtype, weights, impl=spec.model_impl)
@@ -106,13 +108,20 @@ def load_served(spec: ServedModel, paged: bool = False) -> dict[str, LoadedModel
     if device_name() == "cpu" and None in (spec.warmup_prompt_tokens, spec.warmup_batch):
         args = model.args  # the host's matmul rate (warmup_extent), before any engine runs
         warm_sizing.measure_gflops(args.hidden_size, args.intermediate_size, dtype)
-    if spec.speculative == "lookup" and not paged and not model.args.can_verify:
-        unless = " unless kv_cache = 'paged'" if pool_verifies(model) else ""
-        log.info("model '%s' has %s: it decodes without speculation%s", spec.name, _no_verify(model), unless)
     verifies = pool_verifies(model) if paged else model.args.can_verify
-    if spec.speculative == "lookup" and paged and not verifies:
-        log.info("model '%s': %s decodes without speculation on the paged pool", spec.name, _served_by(model))
+    if spec.speculative == "lookup" and not verifies:
+        if paged and not model.args.has_states:
+            log.info("model '%s': %s decodes without speculation on the paged pool", spec.name, _served_by(model))
+        else:
+            unless = " unless kv_cache = 'paged'" if not paged and pool_verifies(model) else ""
+            log.info("model '%s' has %s: it decodes without speculation%s", spec.name, _no_verify(model), unless)
     if spec.speculative == "draft" and not verifies:
+        if model.args.has_states:
+            raise ModelLoadError(
+                f"model '{spec.name}': speculative = 'draft' is not implemented for models with recurrent state "
+                "(a verify step cannot take back a state, on the static cache or the paged pool); set "
+                "speculative = 'off' for it"
+            )
         if paged:
             raise ModelLoadError(
                 f"model '{spec.name}': speculative = 'draft' on the paged pool needs a paged verify step, which "
@@ -122,9 +131,8 @@ def load_served(spec: ServedModel, paged: bool = False) -> dict[str, LoadedModel
         if pool_verifies(model):
             fix = "set kv_cache = 'paged', or speculative = 'off'"
         raise ModelLoadError(
-            f"model '{spec.name}': speculative = '{spec.speculative}' is not implemented for models with "
-            f"{_no_verify(model)} on the static cache (a verify step cannot write a ring nor take back a state); "
-            f"{fix}"
+            f"model '{spec.name}': speculative = 'draft' is not implemented for models with sliding-window layers "
+            f"on the static cache (a verify step cannot write a ring); {fix}"
         )
     if spec.speculative == "draft" and spec.draft_model is not None:
         draft = load_model(model_path(spec.draft_model), draft_name(spec.name), dtype, weights)

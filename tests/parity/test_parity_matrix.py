@@ -4,7 +4,8 @@ support table (:mod:`models.adapter.support`) held to what the matrix runs.
 
 Per supported module: rows of 5 and 11 tokens right-padded to one prompt bucket (equal lengths
 where the recurrent layers ignore padding), prefill and 3 decode steps under ``mx.compile``
-with a bucket move after the first, chunked prefill and, where the model allows it, verify;
+with a bucket move after the first, chunked prefill and, where the model allows it, verify on
+the static cache and on the paged pool (against mlx-lm prefilling the text at once);
 greedy tokens identical to each row run alone with mlx-lm's own caches and logits within 1e-4
 in float32. Per refused module: loading it through the adapter raises ``ModelLoadError``
 naming it. CPU, float32, one process.

@@ -15,6 +15,7 @@ from typing import cast
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.generate import generate_step
 from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer
@@ -48,9 +49,19 @@ class Vocabulary:
         return Detokenizer(Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")))
 
 
-def tiny_model(name: str) -> LoadedModel:
-    """mlx-lm's tiny random ``name`` model (float32) as the loader serves an mlx-lm directory."""
+def tiny_model(name: str, post_norms: float | None = None) -> LoadedModel:
+    """mlx-lm's tiny random ``name`` model (float32) as the loader serves an mlx-lm directory.
+    ``post_norms``: Gemma's post-attention and post-feedforward norms scale each layer's output
+    to this RMS (their weights w set to post_norms - 1: Gemma's norms multiply by 1 + w), so the
+    residual stream keeps more of the token's embedding and the tiny model repeats itself."""
     module = build_tiny(name)
+    if post_norms is not None:
+        damped = [
+            (k, mx.full(v.shape, post_norms - 1.0)) for k, v in tree_flatten(module.parameters()) if ".post_" in k
+        ]
+        assert damped, f"{name} has no post norms"
+        module.update(tree_unflatten(damped))
+        mx.eval(module.parameters())
     args = AdapterArgs.from_module(module)
     tokenizer = cast(ChatTokenizer, Vocabulary())  # what the engine reads of one
     return LoadedModel(name, Path("-"), args, module.parameters(), tokenizer, mx.float32, "dequantized", 0.0)
@@ -362,17 +373,71 @@ def test_a_pool_written_by_the_warm_up_thread_serves_on_the_engine_thread():
         assert got.tokens == mlx_lm_tokens(model, prompt, max_tokens)
 
 
-def test_mlx_lm_classes_on_the_pool_decode_plain_with_lookup_and_refuse_a_draft(tmp_path):
+def echoes(model: LoadedModel) -> list[tuple[list[int], int]]:
+    """Greedy requests that quote themselves: each prompt is a start s (6 tokens of a
+    :data:`MIXED` prompt), mlx-lm's 8 greedy tokens after s, then s again. Prompt lookup proposes
+    the quote once the model's first token matches it, and the model follows the quote for a
+    while, then departs from it (its context is longer now): proposals accepted and rejected.
+    Each row holds up to 36 positions, so a pool of 48 cannot hold them all at once."""
+    starts = [prompt[:6] for prompt, _ in MIXED]
+    return [(s + mlx_lm_tokens(model, s, 8) + s, 16) for s in starts]
+
+
+SMALL_POOL = {"kv_cache": "paged", "kv_block_tokens": 4, "kv_pool_tokens": 48, "prefix_cache_bytes": 10**6}
+SPECULATING = {"speculative_tokens": 3, "speculative_max_batch": 4}
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("method", ["lookup", "draft"])
+def test_mlx_lm_classes_speculate_on_a_small_pool_with_mlx_lms_tokens(name, method):
+    """mlx-lm's own module verifies over the paged pool (:func:`models.adapter.verify_paged`;
+    Gemma 3's window a mask on the linear view): with prompt lookup, or a draft that is the model
+    itself (on its own static cache), requests on a pool small enough to preempt get mlx-lm's
+    greedy tokens; proposals are accepted (every one of the draft's: it drafts for itself; some of
+    lookup's are rejected and rolled back), and once idle every block is free or cached."""
+    # (the tiny random Gemma 3 departs from a quote at once, so lookup would propose nothing: damped,
+    # its layers change the embedding's token less, and it follows quotes for a while)
+    model = tiny_model(name, post_norms=0.15 if name == "gemma3_text" else None)
+    metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
+    draft = None
+    if method == "draft":
+        draft = LoadedModel(
+            f"{name}/draft", Path("-"), model.args, model.params, model.tokenizer, mx.float32, "dequantized", 0.0
+        )
+    engine = chunking_engine(model, metrics, draft=draft, speculative=method, **SPECULATING, **SMALL_POOL)
+    assert engine.paged is not None and engine.speculator is not None and engine.executor.can_verify
+    requests = echoes(model)
+    served = step_by_hand(engine, requests)
+    for (prompt, max_tokens), got in zip(requests, served, strict=True):
+        expected = mlx_lm_tokens(model, prompt, max_tokens)
+        assert got.tokens == expected, f"{name}, {method}, prompt of {len(prompt)}: got {got.tokens}, mlx-lm {expected}"
+    labels = {"model": name, "method": method}
+    proposed = metrics.registry.get_sample_value("stepserve_speculative_proposed_tokens_total", labels)
+    accepted = metrics.registry.get_sample_value("stepserve_speculative_accepted_tokens_total", labels)
+    assert proposed and accepted, (proposed, accepted)
+    assert accepted == proposed if method == "draft" else accepted < proposed, (proposed, accepted)
+    assert metrics.registry.get_sample_value("stepserve_preemptions_total", {"model": name}), "nothing preempted"
+    stats = engine.paged.blocks.stats()
+    assert stats.used == 0 and stats.free + stats.cached == stats.total
+
+
+def test_a_draft_for_an_mlx_lm_class_loads_on_the_pool_and_is_refused_for_rings_on_the_static_cache(tmp_path):
+    """At start-up: ``draft`` on the paged pool loads for mlx-lm's class (it verifies there,
+    Gemma 3's sliding layers included); on the static cache mlx-lm's Gemma 3 class is refused,
+    naming the pool as the fix."""
     from models.errors import ModelLoadError
     from service.config import load_settings
     from service.process.startup import load_models
 
     pool = {"kv_cache": "paged", "kv_block_tokens": 8, "kv_pool_tokens": 96}
-    engine = engine_at(tiny_model("llama"), BUCKETS, speculative="lookup", **pool)
-    assert engine.paged is not None and engine.speculator is None  # no paged verify step: plain
-    write_lm_dir(tmp_path / "m", tiny_config("llama"))
-    drafted = load_settings(
-        model=str(tmp_path / "m"), model_impl="mlx_lm", speculative="draft", draft_model=tmp_path / "m", **pool
-    )
-    with pytest.raises(ModelLoadError, match=r"speculative = 'draft' on the paged pool needs a paged verify step"):
-        load_models(drafted)
+    write_lm_dir(tmp_path / "g", tiny_config("gemma3_text"))
+    drafted = {
+        "model": str(tmp_path / "g"),
+        "model_impl": "mlx_lm",
+        "speculative": "draft",
+        "draft_model": tmp_path / "g",
+    }
+    models = load_models(load_settings(**drafted, **pool))
+    assert len(models) == 2 and isinstance(next(iter(models.values())).args, AdapterArgs)
+    with pytest.raises(ModelLoadError, match=r"sliding-window layers on the static cache.*set kv_cache = 'paged'"):
+        load_models(load_settings(**drafted))

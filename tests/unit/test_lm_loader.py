@@ -131,12 +131,23 @@ def test_model_impl_is_a_per_model_setting(tmp_path):
     assert load_settings().served_models()[0].model_impl == "auto"
 
 
-def test_a_draft_for_a_model_with_recurrent_state_is_refused_naming_the_setting(tmp_path):
+@pytest.mark.parametrize("kv_cache", ["static", "paged"])
+def test_a_draft_for_a_model_with_recurrent_state_is_refused_naming_the_setting(tmp_path, kv_cache):
+    """On either cache: a verify step cannot take back a state (the pool, which mlx-lm's classes
+    verify on, holds none), so the fix is speculative = 'off', not another kv_cache."""
     write_mlx_lm_dir(tmp_path / "m", TINY_CONFIGS["qwen3_next"])
     settings = load_settings(
-        model=tmp_path / "m", speculative="draft", draft_model=tmp_path / "m", warmup_prompt_tokens=0, warmup_batch=1
+        model=tmp_path / "m",
+        speculative="draft",
+        draft_model=tmp_path / "m",
+        warmup_prompt_tokens=0,
+        warmup_batch=1,
+        kv_cache=kv_cache,
+        kv_pool_tokens=96,
     )
-    with pytest.raises(ModelLoadError, match="speculative = 'draft' is not implemented for models with recurrent"):
+    with pytest.raises(
+        ModelLoadError, match=r"'draft' is not implemented for models with recurrent state .* set speculative = 'off'"
+    ):
         load_models(settings)
 
 

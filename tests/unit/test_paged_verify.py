@@ -161,3 +161,53 @@ def test_a_quantized_pool_verifies_as_it_decodes():
     out, _ = llama.verify_paged(params, mx.array([tokens]), mx.array([len(ids)]), table, verify, args=args, bits=bits)
     for j in range(len(tokens)):
         assert mx.allclose(out[0, j], steps[j], atol=1e-3), j
+
+
+def mlx_lm_logits(module, ids: list[int]) -> mx.array:
+    """mlx-lm's own logits [V] after ``ids`` prefilled alone through its own caches."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return module(mx.array([ids], mx.int32), cache=make_prompt_cache(module))[0, -1].astype(mx.float32)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3_text", "phi3"])
+def test_the_adapters_paged_verify_scores_every_position_as_mlx_lm_prefilling_it_alone(name):
+    """mlx-lm's own class over the pool (:func:`models.adapter.verify_paged`), compiled: rows at
+    positions 3, 7 and 13 whose 4 tokens cross block boundaries, through shuffled tables over a
+    pool of noise, score every position as mlx-lm prefilling the text alone does (Gemma 3's
+    window of 4 is slid past: its mask on the linear view is the window), and the pool then holds
+    each row's keys and values as the adapter's prefill of the whole text writes them."""
+    from models import adapter
+    from models.adapter import AdapterArgs
+    from tests.parity.build import build_tiny
+
+    module = build_tiny(name)
+    args = AdapterArgs.from_module(module)
+    assert args.prefix_blocks and not args.capacity_pair and (args.windows is not None) == (name == "gemma3_text")
+    params = module.parameters()
+
+    def prefilled(ids: list[int]) -> KVCache:
+        tokens, n = mx.array([ids], mx.int32), mx.array([len(ids)], mx.int32)
+        return adapter.prefill(params, tokens, n, args.allocate(1, len(ids), mx.float32), args=args)[1]
+
+    shaped = dataclasses.replace(
+        TINY,
+        num_hidden_layers=len(args.kv_layouts),
+        num_key_value_heads=args.num_key_value_heads,
+        head_dim=args.dim_per_head,
+    )
+    pool, table = pool_of(shaped, [prefilled(p) for p in PROMPTS], seed=3)
+    tokens = mx.array(TOKENS, mx.int32)
+    positions = mx.array([len(p) for p in PROMPTS], mx.int32)
+    fn = mx.compile(lambda t, p, tb, pl: adapter.verify_paged(params, t, p, tb, pl, args=args))
+    logits, pool = fn(tokens, positions, table, pool)
+    assert logits.shape == (len(PROMPTS), W, args.vocab_size) and logits.dtype == mx.float32
+    for b, prompt in enumerate(PROMPTS):
+        for j in range(W):
+            expected = mlx_lm_logits(module, prompt + TOKENS[b][: j + 1])
+            assert mx.allclose(logits[b, j], expected, atol=ATOL), (name, b, j)
+        whole = prefilled(prompt + TOKENS[b])
+        n = len(prompt) + W
+        for layer in range(len(args.kv_layouts)):
+            assert mx.allclose(gather(pool.keys[layer], table)[b, :, :n], whole.keys[layer][0], atol=ATOL)
+            assert mx.allclose(gather(pool.values[layer], table)[b, :, :n], whole.values[layer][0], atol=ATOL)
