@@ -103,8 +103,8 @@ class Prefiller:
                 out.failed.append((seq, f"prefill failed: {type(exc).__name__}"))
         buckets, budget = self.buckets, self.whole_tokens
         calls = [(self._whole, p) for T, g in whole.items() for p in _parts(g, buckets.prefill_rows(T, budget))]
-        for (T, _), group in finals.items():
-            rows = last_chunk_rows(buckets, T, budget, self.rows_cap)
+        for (T, C), group in finals.items():
+            rows = last_chunk_rows(buckets, T, budget, self.rows_cap, C)
             calls += [(self._chunks, group[i : i + rows]) for i in range(0, len(group), rows)]
         for call, part in calls:
             try:
@@ -194,7 +194,13 @@ class Prefiller:
             return
         start = time.perf_counter()
         kvs, tokens, offsets, lengths = (list(part) for part in zip(*map(self.next_chunk, group), strict=True))
-        B = last_chunk_rows(self.buckets, len(tokens[0]), self.whole_tokens, self.rows_cap)
+        B = last_chunk_rows(
+            self.buckets,
+            len(tokens[0]),
+            self.whole_tokens,
+            self.rows_cap,
+            self.buckets.staging_for(offsets[0] + len(tokens[0])),
+        )
         logits, kv = self.executor.chunk_rows(kvs, tokens, offsets, lengths, B)
         for seq in group:
             seq.staging, seq.num_computed = None, len(seq.prefill_ids)
@@ -258,6 +264,9 @@ class Prefiller:
 
 
 LAST_CHUNK_ROWS = 8  # prompts whose last chunks one call runs at most
+#: Staging positions one call running several prompts' last chunks holds at most (8 rows at 2,048):
+#: the call copies each row's staging cache, so long prompts' last chunks run one by one.
+LAST_CHUNK_POSITIONS = 16_384
 
 
 def chunk_plan(
@@ -314,7 +323,9 @@ def pad_prompts(buckets: BucketTable, prompts: list[list[int]]) -> tuple[list[li
     return rows, [len(p) for p in prompts] + [1] * (B - n)
 
 
-def last_chunk_rows(buckets: BucketTable, T: int, whole_tokens: int, rows_cap: int = LAST_CHUNK_ROWS) -> int:
+def last_chunk_rows(
+    buckets: BucketTable, T: int, whole_tokens: int, rows_cap: int = LAST_CHUNK_ROWS, staging: int | None = None
+) -> int:
     """The batch bucket that a call running several prompts' last chunks at chunk bucket ``T``
     is padded to (1: such chunks run one by one).
 
@@ -322,9 +333,12 @@ def last_chunk_rows(buckets: BucketTable, T: int, whole_tokens: int, rows_cap: i
     work, while every (B, T, C) compiles a function (one more per chunk bucket and staging
     capacity, warmed before ready). It is the largest batch bucket within ``LAST_CHUNK_ROWS``,
     ``rows_cap`` (the warmed concurrency) and the step's token budget of padded tokens
-    (``whole_tokens``, :meth:`BucketTable.prefill_rows`).
+    (``whole_tokens``, :meth:`BucketTable.prefill_rows`), and, at staging capacity ``staging``,
+    within :data:`LAST_CHUNK_POSITIONS` staging positions.
     """
     most = min(LAST_CHUNK_ROWS, rows_cap, buckets.prefill_rows(T, whole_tokens))
+    if staging is not None:
+        most = min(most, LAST_CHUNK_POSITIONS // staging)
     return max(b for b in buckets.batch if b <= most or b == 1)
 
 

@@ -97,9 +97,9 @@ def plan(buckets: BucketTable, spec: WarmupSpec) -> list[Step]:
         ("chunk", 1, 1, c) for c in one_token
     ]
     if spec.batched_chunks:
-        last = {t: last_chunk_rows(buckets, t, whole_tokens, rows) for t in {*chunk_ts, 1}}
-        chunks += [("chunk", last[t], t, c) for c in stagings for t in chunk_ts if t <= c and last[t] > 1]
-        chunks += [("chunk", last[1], 1, c) for c in one_token if last[1] > 1]
+        last = {(t, c): last_chunk_rows(buckets, t, whole_tokens, rows, c) for t in {*chunk_ts, 1} for c in stagings}
+        chunks += [("chunk", last[t, c], t, c) for c in stagings for t in chunk_ts if t <= c and last[t, c] > 1]
+        chunks += [("chunk", last[1, c], 1, c) for c in one_token if last[1, c] > 1]
     batched_top = limit if spec.batched_positions is None else buckets.capacity_for(min(spec.batched_positions, limit))
     decode = [
         ("decode", b, c, 0) for b in buckets.batch if b <= rows for c in buckets.capacity if b == 1 or c <= batched_top

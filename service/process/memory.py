@@ -211,7 +211,7 @@ def prefill_bytes(
     if batched:
         budget = max(max_batched_tokens, chunk_tokens)
         for t in (b for b in buckets.prompt if b <= T):
-            B = min(last_chunk_rows(buckets, t, budget), buckets.batch_for(max(1, rows)))
+            B = min(last_chunk_rows(buckets, t, budget, staging=C), buckets.batch_for(max(1, rows)))
             chunk = max(chunk, B * (state + C * per_position + heads * t * C * SCORES_BYTES))
     return max(whole, chunk)
 

@@ -320,8 +320,10 @@ def _check_paged(
 
     A sequence may grow to the model's context (``max_model_len``, else its
     ``max_position_embeddings``) where the pool holds that much: unless the capacity buckets
-    are set, the ladder is extended by doubling up to that limit (:func:`context_ladder`), or to
-    the pool's size where the pool is smaller, and the log says which.
+    are set, the ladder is extended by doubling up to that limit (:func:`context_ladder`). A longer
+    ladder needs a larger prefill step, which leaves less for the pool, so where the pool would
+    not hold one sequence at the context, the ladder's top is the longest (in whole blocks) whose
+    pool, beside that step, still does; the log gives the top.
 
     Raises:
         MemoryBudgetError: a pool would hold less than the smallest capacity bucket; the message
@@ -334,20 +336,54 @@ def _check_paged(
     bt, gb = settings.kv_block_tokens, 1e9
     ladders = {s.name: list(s.capacity_buckets) for s in specs}
     chosen = "capacity_buckets" in settings.model_fields_set
+    extended = {}  # name: the context its ladder was extended to
     for s in specs:
         context = settings.max_model_len or getattr(models[s.name].args, "max_position_embeddings", None)
         if context and not chosen and not _per_model(settings, s.name, "capacity_buckets"):
-            ladders[s.name] = context_ladder(ladders[s.name], context, bt)
-    fixed = {  # no prefix cache of its own: the pool's cached blocks are the prefix cache
-        s.name: memory.worst_case(
-            models[s.name],
-            BucketTable(tuple(s.batch_buckets), tuple(s.prompt_buckets), tuple(ladders[s.name])),
-            resolved[s.name],
-            settings.prefill_chunk_tokens,
-            settings.max_batched_tokens,
-        )
-        for s in specs
-    }
+            extended[s.name] = context
+    embedded = sum(e.total for e in embedding)
+    per_position = {s.name: memory.pool_bytes_per_position(models[s.name], s.kv_bits) for s in specs}
+    given = {s.name: s.kv_pool_tokens for s in specs if s.kv_pool_tokens is not None}  # set: taken as given
+    unset = [s for s in specs if s.name not in given]
+
+    def sized(
+        tops: dict[str, int],
+    ) -> tuple[dict[str, list[int]], dict[str, memory.MemoryEstimate], int, dict[str, int]]:
+        """(ladders, each model's weights and largest prefill step, the bytes left for pools, pools)
+        with the extended ladders topped at ``tops``."""
+        ladders = {s.name: list(s.capacity_buckets) for s in specs}
+        ladders |= {n: context_ladder(ladders[n], top, bt) for n, top in tops.items()}
+        fixed = {  # no prefix cache of its own: the pool's cached blocks are the prefix cache
+            s.name: memory.worst_case(
+                models[s.name],
+                BucketTable(tuple(s.batch_buckets), tuple(s.prompt_buckets), tuple(ladders[s.name])),
+                resolved[s.name],
+                settings.prefill_chunk_tokens,
+                settings.max_batched_tokens,
+            )
+            for s in specs
+        }
+        rest = limit - sum(e.weights + e.prefill + e.prefix_cache for e in fixed.values()) - embedded
+        left = rest - sum(given[n] * per_position[n] for n in given)  # the unset ones split the rest evenly in bytes
+        pools = given | {s.name: max(0, left // len(unset) // per_position[s.name]) for s in unset}
+        return ladders, fixed, rest, pools
+
+    # A longer ladder needs a larger prefill step, which leaves a smaller pool: each extended
+    # ladder's top is the longest sequence (in whole blocks, up to its context) whose pool, with
+    # that step, still holds it; the smallest bucket where none does (refused below).
+    tops = dict(extended)
+    for n, context in extended.items():
+        if sized(tops)[3][n] >= tops[n]:
+            continue
+        lo, hi = 0, context // bt  # in blocks: lo fits (or is the floor), hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if sized(tops | {n: mid * bt})[3][n] >= mid * bt:
+                lo = mid
+            else:
+                hi = mid
+        tops[n] = max(lo * bt, ladders[n][0])
+    ladders, fixed, rest, pools = sized(tops)
     if settings.prefix_cache_bytes and "prefix_cache_bytes" in settings.model_fields_set:
         log.warning(
             "prefix_cache_bytes = %d does not apply with kv_cache = 'paged': prefixes are cached in the pool's "
@@ -355,14 +391,7 @@ def _check_paged(
             "prefix_cache_bytes = 0 turns prefix caching off",
             settings.prefix_cache_bytes,
         )
-    embedded = sum(e.total for e in embedding)
-    rest = limit - sum(e.weights + e.prefill + e.prefix_cache for e in fixed.values()) - embedded
     beside = f" beside the embedding models' {embedded / 1e9:.2f} GB" if embedding else ""
-    per_position = {s.name: memory.pool_bytes_per_position(models[s.name], s.kv_bits) for s in specs}
-    pools = {s.name: s.kv_pool_tokens for s in specs if s.kv_pool_tokens is not None}  # set: taken as given
-    unset = [s for s in specs if s.name not in pools]
-    left = rest - sum(pools[n] * per_position[n] for n in pools)  # the unset ones split the rest evenly in bytes
-    pools |= {s.name: max(0, left // len(unset) // per_position[s.name]) for s in unset}
     held = sum(pools[n] * per_position[n] for n in pools)
     if held > rest:
         log.warning(

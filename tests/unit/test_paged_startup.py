@@ -55,6 +55,25 @@ def test_a_pool_smaller_than_the_context_bounds_a_sequence_and_one_smaller_than_
         check_memory(settings(memory_budget_bytes=model.nbytes + 8 * per, capacity_buckets=[16, 32]), {"tiny": model})
 
 
+def test_the_ladder_stops_where_its_prefill_step_leaves_a_pool_that_still_holds_one_sequence(model):
+    # A ladder up to the context (512) would need a prefill step that leaves a pool below the
+    # smallest bucket (refused before); its top is now the longest sequence whose pool, beside
+    # that sequence's prefill step, still holds it.
+    per, bt = kv_bytes_per_position(model), 16
+    budget = model.nbytes + 600 * per
+    resolved = check_memory(settings(memory_budget_bytes=budget), {"tiny": model})
+    top, pool = resolved.served_models()[0].capacity_buckets[-1], resolved.kv_pool_tokens
+    assert pool is not None and 256 <= top < TINY.max_position_embeddings and top % bt == 0 and pool >= top
+    for longer in (top + bt, TINY.max_position_embeddings):  # one block more no longer fits, nor the context
+        try:
+            pool_then = check_memory(
+                settings(memory_budget_bytes=budget, capacity_buckets=[256, longer]), {"tiny": model}
+            )
+        except MemoryBudgetError:
+            continue  # not even the smallest bucket beside that step
+        assert (pool_then.kv_pool_tokens or 0) < longer
+
+
 def test_kv_bits_without_the_paged_pool_is_refused_naming_the_fix():
     from service.config import ConfigError, load_settings
 
@@ -175,3 +194,24 @@ def test_each_model_gets_a_pool_of_its_own_size():
     assert [s.kv_pool_tokens for s in both.served_models()] == [256, 1024]  # the top level is a's default
     with pytest.raises(ConfigError, match=r"models\[0\]\.kv_pool_tokens: model 'a' sizes a paged KV pool"):
         load_settings(models=[{"name": "a", "kv_pool_tokens": 512}])
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_an_8b_model_under_a_16_gb_budget_holds_a_32k_prompt(gpu, monkeypatch):
+    """Llama 3.1 8B's shape, 4.15 GB of 4-bit weights, ``memory_budget_bytes`` 16e9 (a 24 GB
+    Mac's): the pool beside the largest prefill step holds one 32,000-token prompt, on a
+    process that batches prompts' last chunks (a GPU) or not. Before, the ladder went to the
+    context (131,072) and its prefill step left no pool at all: start-up was refused."""
+    import service.process.memory as memory
+    from models.model_args import ModelArgs
+
+    monkeypatch.setattr(memory, "batches_last_chunks", lambda: gpu)
+    shape = ModelArgs(
+        hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
+    )  # fmt: skip
+    weights = {"w": mx.zeros((4_150_000_000 // 2,), mx.float16)}  # lazy: only its size is read
+    l8b = LoadedModel("l8b", Path("-"), shape, weights, cast(Any, WordTokenizer(frozenset())), mx.float16, "q", 0.0)
+    resolved = check_memory(Settings(model_name="l8b", kv_cache="paged", memory_budget_bytes=16 * 10**9), {"l8b": l8b})
+    top, pool = resolved.served_models()[0].capacity_buckets[-1], resolved.kv_pool_tokens
+    assert pool is not None and 32_000 <= top <= pool

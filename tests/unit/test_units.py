@@ -51,6 +51,17 @@ def test_warmup_covers_the_batched_last_chunks_of_concurrent_prompts():
     assert last_chunk_rows(TABLE, 32, 128, rows_cap=1) == 1  # a warmed batch of 1: one by one
 
 
+def test_long_prompts_last_chunks_run_one_by_one():
+    """A batched last-chunk call copies each row's staging cache: it holds at most
+    LAST_CHUNK_POSITIONS staging positions, so long prompts' last chunks run alone (and the
+    warm-up compiles no batched call there)."""
+    long = BucketTable(batch=(1, 2, 4, 8), prompt=(32, 64), capacity=(2048, 4096, 8192, 16384, 32768))
+    assert [last_chunk_rows(long, 32, 2048, staging=c) for c in long.capacity] == [8, 4, 2, 1, 1]
+    spec = WarmupSpec(prompt_tokens=32767, batch=8, chunk_tokens=64, max_batched_tokens=2048)
+    batched = {(s[1], s[3]) for s in warmup.plan(long, spec) if s[0] == "chunk" and s[1] > 1}
+    assert batched == {(8, 2048), (4, 4096), (2, 8192)}
+
+
 def covered(plan: list[tuple[int, int, int]]) -> list[int]:
     """The positions a chunk plan prefills, in order (each chunk's real tokens)."""
     return [p for offset, n, _ in plan for p in range(offset, offset + n)]
