@@ -7,6 +7,13 @@ Shapes (``--shape``):
   an FFN of 14,336, RoPE theta 500,000; the checkpoint's ``config.json``);
 * ``llama-1b``: Llama 3.2 1B's widths at 16 layers (hidden 2,048, 32 heads of 64, 8 KV heads, FFN
   8,192);
+* ``qwen3-0.6b``: Qwen3-0.6B's (hidden 1,024, 28 layers, 16 query and 8 key-value heads of 128,
+  per-head query/key norms, an FFN of 3,072, tied embeddings);
+* ``qwen2.5-0.5b``: Qwen2.5-0.5B's (hidden 896, 24 layers, 14 query and 2 key-value heads of 64,
+  Q/K/V biases, an FFN of 4,864, tied embeddings);
+* ``qwen3-moe``: Qwen3-30B-A3B's depth (48 layers, every one a mixture of experts, top-k
+  renormalized) at small widths (hidden 512, 8 heads and 4 KV heads of 64, 16 experts top-4 of
+  256);
 * ``qwen3-next``: Qwen3-Next-80B-A3B's depth and layer pattern (48 layers, every fourth full
   attention, the rest gated delta nets; 512 routed experts top-10 and a shared expert there) at
   small widths (hidden 512, 16 experts top-4 of 128);
@@ -56,6 +63,50 @@ SHAPES: dict[str, dict[str, Any]] = {
         rope_theta=500000.0,
         max_position_embeddings=131072,
         tie_word_embeddings=True,
+    ),
+    "qwen3-0.6b": dict(
+        model_type="qwen3",
+        hidden_size=1024,
+        num_hidden_layers=28,
+        intermediate_size=3072,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        num_hidden_layers=24,
+        intermediate_size=4864,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-moe": dict(
+        model_type="qwen3_moe",
+        hidden_size=512,
+        num_hidden_layers=48,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=256,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
     ),
     "qwen3-next": dict(
         model_type="qwen3_next",
