@@ -334,7 +334,6 @@ def _check_paged(
         check_kv_heads(settings, s, models[s.name])
     resolved = {s.name: s.max_sequences or s.batch_buckets[-1] for s in specs}
     bt, gb = settings.kv_block_tokens, 1e9
-    ladders = {s.name: list(s.capacity_buckets) for s in specs}
     chosen = "capacity_buckets" in settings.model_fields_set
     extended = {}  # name: the context its ladder was extended to
     for s in specs:
@@ -372,17 +371,18 @@ def _check_paged(
     # ladder's top is the longest sequence (in whole blocks, up to its context) whose pool, with
     # that step, still holds it; the smallest bucket where none does (refused below).
     tops = dict(extended)
-    for n, context in extended.items():
-        if sized(tops)[3][n] >= tops[n]:
+    for s in specs:
+        n = s.name
+        if n not in extended or sized(tops)[3][n] >= tops[n]:
             continue
-        lo, hi = 0, context // bt  # in blocks: lo fits (or is the floor), hi does not
+        lo, hi = 0, extended[n] // bt  # in blocks: lo fits (or is the floor), hi does not
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if sized(tops | {n: mid * bt})[3][n] >= mid * bt:
                 lo = mid
             else:
                 hi = mid
-        tops[n] = max(lo * bt, ladders[n][0])
+        tops[n] = max(lo * bt, s.capacity_buckets[0])
     ladders, fixed, rest, pools = sized(tops)
     if settings.prefix_cache_bytes and "prefix_cache_bytes" in settings.model_fields_set:
         log.warning(

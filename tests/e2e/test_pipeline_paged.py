@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.test_pipeline_serving import LONG, TINY_ARGS, launch
+from tests.e2e.test_pipeline_serving import LONG, TINY_ARGS, group_and_single, launch, tiny_five_layers
 from tests.parity.tiny_configs import TINY_CONFIGS
 from tests.support import ServerProcess, write_mlx_lm_dir, write_served_dir
 
@@ -25,26 +25,14 @@ SHORT = "t5 t7 t9 t11 t2"
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    """A random Llama of 5 layers (split 3 + 2) with an untied head, servable whole."""
-    return write_served_dir(
-        tmp_path_factory.mktemp("tiny") / "tiny5", {"num_hidden_layers": 5, "tie_word_embeddings": False}
-    )
+    return tiny_five_layers(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def pair(tiny):
     """The tiny model served by a two-rank group on the paged pool, and by one process with a
     static cache (the same buckets)."""
-    group, single = launch(tiny, PAGED_ARGS), ServerProcess.start(["--model", str(tiny), *TINY_ARGS])
-    try:
-        group.wait_ready()
-        single.wait_ready()
-        yield group, single
-    finally:
-        single.stop()
-        code = group.stop()
-    assert code == 0, group.log()
-    assert "rank 1: rank 0 stopped the group" in group.log()
+    yield from group_and_single(tiny, PAGED_ARGS)
 
 
 def greedy(client: httpx.Client, prompt: str, max_tokens: int) -> tuple[list[int], int]:

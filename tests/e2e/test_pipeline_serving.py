@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
@@ -52,18 +53,17 @@ def launch(model: Path | None, args: list[str], kill_after: float = 5) -> Server
     return ServerProcess(proc, port, log)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
+def tiny_five_layers(tmp_path_factory) -> Path:
     """A random Llama of 5 layers (split 3 + 2) with an untied head, servable whole."""
     return write_served_dir(
         tmp_path_factory.mktemp("tiny") / "tiny5", {"num_hidden_layers": 5, "tie_word_embeddings": False}
     )
 
 
-@pytest.fixture(scope="module")
-def pair(tiny):
-    """The tiny model served by a two-rank group and by one process, the same settings."""
-    group, single = launch(tiny, TINY_ARGS), ServerProcess.start(["--model", str(tiny), *TINY_ARGS])
+def group_and_single(model: Path, group_args: list[str]) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """``model`` served by a two-rank group with ``group_args`` and by one process with
+    :data:`TINY_ARGS`, both ready; on exit both stopped, the group cleanly."""
+    group, single = launch(model, group_args), ServerProcess.start(["--model", str(model), *TINY_ARGS])
     try:
         group.wait_ready()
         single.wait_ready()
@@ -73,6 +73,17 @@ def pair(tiny):
         code = group.stop()  # SIGTERM to `stepserve launch`: rank 0 drains, then stops rank 1
     assert code == 0, group.log()
     assert "rank 1: rank 0 stopped the group" in group.log()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return tiny_five_layers(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny):
+    """The tiny model served by a two-rank group and by one process, the same settings."""
+    yield from group_and_single(tiny, TINY_ARGS)
 
 
 def answers(server: ServerProcess) -> list:
