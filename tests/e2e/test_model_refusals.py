@@ -66,11 +66,12 @@ def test_a_tokenizer_the_grammar_engine_cannot_read_serves_free_text_and_refuses
         messages = [{"role": "user", "content": "t3 t4 t5"}]
         with proc.client() as client:
             name = client.get("/v1/models").json()["data"][0]["id"]
-            free = client.post("/infer", json={"prompt": "t3 t4 t5", "max_tokens": 4})
+            free = client.post("/infer", json={"model": name, "prompt": "t3 t4 t5", "max_tokens": 4})
             structured = client.post(
                 "/v1/chat/completions",
                 json={"model": name, "messages": messages, "max_tokens": 4, "response_format": {"type": "json_object"}},
             )
+        assert name == "model"  # --model's directory name (no --model-name)
         assert free.status_code == 200 and free.json()["usage"]["completion_tokens"] >= 1
         assert structured.status_code == 400, structured.text
         assert "response_format" in structured.text and "cannot read this model's tokenizer" in structured.text

@@ -25,6 +25,25 @@ def test_models_inherit_top_level_settings(tmp_path, converted):
     assert [m.name for m in load_settings().served_models()] == ["SmolLM2-135M-Instruct"]
 
 
+def test_a_model_path_without_model_name_is_served_under_its_own_name(tmp_path):
+    """A directory by its name, a GGUF file by its stem, a repo id as written less its revision;
+    model_name wins; the default model keeps its name."""
+    directory, gguf = tmp_path / "Llama-3.1-8B-4bit", tmp_path / "Llama-3.2-1B-Instruct-Q4_K_M.gguf"
+    directory.mkdir()
+    gguf.write_bytes(b"GGUF")
+
+    def served_name(**values) -> str:
+        return load_settings(**values).served_models()[0].name
+
+    assert served_name(model=directory) == load_settings(model=directory).model_name == "Llama-3.1-8B-4bit"
+    assert served_name(model=f"{directory}/") == "Llama-3.1-8B-4bit"
+    assert served_name(model=gguf) == "Llama-3.2-1B-Instruct-Q4_K_M"
+    assert served_name(model="mlx-community/Qwen3-0.6B-4bit") == "mlx-community/Qwen3-0.6B-4bit"
+    assert served_name(model="hf.co/bartowski/X-GGUF@main:Q4_K_M") == "bartowski/X-GGUF:Q4_K_M"
+    assert served_name(model=directory, model_name="llama") == "llama"
+    assert served_name() == "SmolLM2-135M-Instruct"
+
+
 def test_duplicate_model_names_are_refused(tmp_path):
     config = tmp_path / "dup.toml"
     config.write_text('[[models]]\nname = "a"\n[[models]]\nname = "a"\n')
