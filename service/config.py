@@ -172,7 +172,8 @@ class Settings(BaseSettings):
         "'paged' a pool of fixed-size blocks each request takes as its tokens need them, preempting the newest "
         "request when it runs out (one process, or a pipeline group whose every rank pools its own layers; the "
         "hand-written model families and mlx-lm's classes whose attention caches are of one shape with no recurrent "
-        "state, speculative decoding (one process) included; kv_bits for the hand-written families)",
+        "state, speculative decoding (one process) included; kv_bits for the hand-written families; another model "
+        "is refused at start-up)",
     )
     kv_block_tokens: int = Field(16, ge=1, description="kv_cache = 'paged': token positions per block")
     kv_bits: int | None = Field(

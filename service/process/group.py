@@ -41,7 +41,7 @@ from models.stage_loader import ModelLayout, load_stage, model_layout
 from models.tokenizer import ChatTokenizer
 from service.config import Settings
 from service.engine.compile_cache import CompileCache
-from service.engine.executor import Executor, pages
+from service.engine.executor import Executor
 from service.engine.follower import Follower
 from service.engine.group import GroupLost, Progress
 from service.process import startup
@@ -135,8 +135,9 @@ def start_group(settings: Settings, group: mx.distributed.Group) -> GroupStart:
     model, resolved, error = None, settings, None
     try:
         model = _load(settings, stages, group, dtype, weights)
-        error = paged_error(settings.kv_cache, model)
-        if error is None:
+        if (error := startup.paged_error(settings.kv_cache, model)) is not None:
+            error = f"--distributed: {error}"
+        else:
             resolved = startup.check_memory(_rank_settings(settings, stages, stage), {model.name: model})
     except Exception as exc:
         error = str(exc)
@@ -194,18 +195,6 @@ def speculative_error(speculative: str) -> str | None:
             "set speculative = 'off'"
         )
     return None
-
-
-def paged_error(kv_cache: str, model: LoadedModel) -> str | None:
-    """Why this rank's stage cannot keep its KV cache in a paged pool (``kv_cache = 'paged'``),
-    or None: a stage of an mlx-lm class whose caches a pool cannot hold (recurrent states, or
-    attention caches of several shapes, :func:`service.engine.executor.pages`)."""
-    if kv_cache != "paged" or pages(model):
-        return None
-    return (
-        f"--distributed: kv_cache = 'paged' cannot hold the caches of model_type '{model.args.model_type}' "
-        "(recurrent states, or attention caches of several shapes); set kv_cache = 'static'"
-    )
 
 
 def split(

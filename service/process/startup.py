@@ -20,7 +20,7 @@ from models.sentence import EmbeddingModel, load_embedding_model
 from service.config import ServedModel, Settings
 from service.engine.buckets import BucketTable
 from service.engine.embedder import length_buckets
-from service.engine.executor import pool_verifies
+from service.engine.executor import pages, pool_verifies
 from service.engine.warmup import WarmupSpec
 from service.process import memory, warm_sizing
 from service.process.warm_sizing import Coverage
@@ -95,13 +95,16 @@ def load_served(spec: ServedModel, paged: bool = False) -> dict[str, LoadedModel
 
     Raises:
         ModelLoadError: a file is missing, unreadable or unsupported (the message names it),
-            a repo id cannot be resolved, a draft's vocabulary differs from its model's, a draft
+            a repo id cannot be resolved, ``paged`` and the pool cannot hold the model's caches
+            (:func:`paged_error`), a draft's vocabulary differs from its model's, a draft
             keeps a recurrent state, or a model with recurrent state, with sliding-window
             layers on the static cache, or without a paged verify step on the pool is given a
             draft (with ``speculative = "lookup"`` it decodes plain, logged).
     """
     dtype, weights = compute_dtype(spec.dtype), weights_mode(spec.weights)
     model = load_model(model_path(spec.path), spec.name, dtype, weights, impl=spec.model_impl)
+    if (error := paged_error("paged" if paged else "static", model)) is not None:
+        raise ModelLoadError(f"model '{spec.name}': {error}")
     models = {spec.name: model}
     where = model.path if spec.path is None or Path(spec.path) == model.path else f"{spec.path} ({model.path})"
     log.info("model %s: %s served by %s (loaded in %.1f s)", spec.name, where, _served_by(model), model.load_seconds)
@@ -177,6 +180,35 @@ def _served_by(model: LoadedModel) -> str:
 def _no_verify(model: LoadedModel) -> str:
     """Why ``model`` has no verify step, as a noun phrase."""
     return "recurrent state" if model.args.has_states else "sliding-window layers"
+
+
+def paged_error(kv_cache: str, model: LoadedModel) -> str | None:
+    """Why a paged KV pool (``kv_cache = 'paged'``) cannot hold ``model``'s caches (or a
+    pipeline stage's, its own layers': :func:`service.engine.executor.pages`), naming its
+    model_type, the reason and the fix; None where it can or ``kv_cache`` is not ``'paged'``.
+    The pool holds mlx-lm's classes whose attention caches are all of one shape, keys as wide
+    as values, with no recurrent state and a full-attention layer; not, e.g., DeepSeek-V3's
+    latent attention (keys wider than values) or Qwen3-Next's recurrent layers."""
+    if kv_cache != "paged" or pages(model):
+        return None
+    args = model.args
+    if not isinstance(args, AdapterArgs):
+        why = "its hand-written module has no paged decode step"
+    elif args.has_states:
+        why = "some layer keeps a recurrent state"
+    elif args.capacity_pair:
+        why = "no attention layer holds the whole sequence (none, or only sliding windows)"
+    else:
+        shapes = sorted({(k.heads, k.key_dim, k.value_dim) for k in args.kv_layouts})
+        why = (
+            f"its attention caches are of {len(shapes)} shapes"
+            if len(shapes) > 1
+            else f"its keys are {shapes[0][1]} wide and its values {shapes[0][2]}; a block holds both at one width"
+        )
+    return (
+        f"kv_cache = 'paged' cannot hold the caches of model_type '{args.model_type}' ({why}); "
+        "set kv_cache = 'static' (--kv-cache static)"
+    )
 
 
 def draft_name(model: str) -> str:

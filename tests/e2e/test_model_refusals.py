@@ -1,7 +1,7 @@
-"""A model the server cannot compute exactly is refused at start-up: `stepserve serve` exits 2
-with a message naming the file, the key and what is supported, before serving anything; a model
-that serves free text but whose tokenizer the grammar engine cannot read refuses structured output
-alone."""
+"""A model the server cannot compute exactly, or whose caches the paged KV pool cannot hold, is
+refused at start-up: `stepserve serve` exits 2 with a message naming the file or setting, the key
+and what is supported, before serving anything; a model that serves free text but whose
+tokenizer the grammar engine cannot read refuses structured output alone."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import subprocess
 
 import pytest
 
-from tests.support import STEPSERVE, ServerProcess, tiny_config, write_dir, write_lm_dir
+from tests.parity.tiny_configs import TINY_CONFIGS
+from tests.support import STEPSERVE, ServerProcess, tiny_config, write_dir, write_lm_dir, write_mlx_lm_dir
 
 DYNAMIC_ROPE = {"rope_type": "dynamic", "factor": 2.0}  # NTK scaling that depends on the length: not implemented
 
@@ -48,6 +49,24 @@ def test_unknown_model_types_and_other_architectures_keys_fail_start_up(tmp_path
     )
     assert result.returncode == 2, result.stderr
     assert named in result.stderr and "config.json" in result.stderr
+
+
+def test_a_model_the_paged_pool_cannot_hold_is_refused_at_start_up_in_one_process(tmp_path):
+    """DeepSeek-V3's latent attention (mlx-lm's class) keeps keys wider than values, which no
+    pool block holds: with kv_cache = 'paged' one process refuses it at start-up as every rank of
+    a pipeline group does (exit 2), naming the model, kv_cache, why and the fix."""
+    directory = tmp_path / "deepseek_v3"
+    write_mlx_lm_dir(directory, {**TINY_CONFIGS["deepseek_v3"], "num_hidden_layers": 3}, seed=1)
+    result = subprocess.run(
+        [STEPSERVE, "serve", "--model", str(directory), "--kv-cache", "paged", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    named = "model 'deepseek_v3': kv_cache = 'paged' cannot hold the caches of model_type 'deepseek_v3' (its keys are"
+    assert named in result.stderr and "set kv_cache = 'static'" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_a_tokenizer_the_grammar_engine_cannot_read_serves_free_text_and_refuses_structured_output(tmp_path):
