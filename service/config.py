@@ -179,8 +179,10 @@ class Settings(BaseSettings):
     kv_bits: int | None = Field(
         None,
         description="kv_cache = 'paged': keep the pool's keys and values quantized to this many bits (groups of 64 "
-        "values, as mlx-lm's QuantizedKVCache), attended without dequantizing; unset: the compute dtype; the "
-        "default of every [[models]] entry, which may set its own",
+        "values, as mlx-lm's QuantizedKVCache), attended without dequantizing (a preempted request's tokens after "
+        "it resumes can then differ from its run alone: what it prefills again is attended at full precision, not "
+        "quantized as its decode steps were); unset: the compute dtype; the default of every [[models]] entry, "
+        "which may set its own",
     )
     max_model_len: int | None = Field(
         None,

@@ -35,3 +35,15 @@ def test_the_readme_lists_the_model_types_the_support_table_serves_and_refuses()
     assert listed == set(SUPPORTED), "README's supported list and models/adapter/support.py differ"
     assert set(re.findall(r"`([\w.-]+)`", refused_part)) - {"stepserve"} >= set(REFUSED)
     assert f"{len(SUPPORTED)} of mlx-lm's {len(SUPPORTED) + len(REFUSED)}" in " ".join(section.split())
+
+
+def test_the_readme_and_the_kv_bits_setting_say_a_resumed_request_can_differ_on_a_quantized_pool():
+    """Preemption's "goes on where it stopped" holds exactly only at full precision: with kv_bits
+    a resumed request's re-prefill is attended unquantized, so both places that describe kv_bits
+    say its tokens can differ from its run alone."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    start = text.index("* **Quantized KV**") + 2
+    bullet = text[start:].split(" * ", 1)[0].split(" ## ", 1)[0]
+    described = Settings.model_fields["kv_bits"].description or ""
+    for where in (bullet, described):
+        assert "preempted request" in where and "differ from" in where and "full precision" in where, where
