@@ -337,8 +337,8 @@ class Prefiller:
         and its prompt's blocks kept for :meth:`take_saves`."""
         pending, self._pending = self._pending, []
         caches = [p.kv.keys for p in pending if isinstance(p.kv, KVCache)]
-        if len(caches) < len(pending):  # prefilled in blocks: the pool they wrote
-            caches.append(self.executor.pool)
+        if len(caches) < len(pending) and (pool := self.executor.pool) is not None:
+            caches.append([*pool.keys, *pool.values])  # prefilled in blocks: the pool they wrote
         try:
             self.executor.wait([p.tokens for p in pending if p.tokens is not None], caches)
         except Exception as exc:
