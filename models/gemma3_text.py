@@ -169,6 +169,20 @@ def decode(params: Params, tokens: mx.array, positions: mx.array, cache: KVCache
     return llama.run_decode(GEMMA3, params, tokens, positions, cache, args)
 
 
+def prefill_paged(
+    params: Params,
+    tokens: mx.array,
+    offsets: mx.array,
+    lengths: mx.array,
+    table: mx.array,
+    pool,
+    *,
+    args: ModelArgs,
+):
+    """:func:`models.llama.prefill_paged` with this family's blocks."""
+    return llama.run_prefill_paged(GEMMA3, params, tokens, offsets, lengths, table, pool, args)
+
+
 def decode_paged(
     params: Params,
     tokens: mx.array,

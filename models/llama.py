@@ -200,6 +200,26 @@ def run_paged(
     return run_blocks(decoder, params, x, positions, pool, attention, args)
 
 
+def run_prefill_paged(
+    decoder: Decoder,
+    params: Params,
+    tokens: mx.array,
+    offsets: mx.array,
+    lengths: mx.array,
+    table: mx.array,
+    pool: PagedKV,
+    args,
+) -> tuple[mx.array, PagedKV]:
+    """:func:`prefill_paged` for ``decoder``'s family."""
+    T = tokens.shape[1]
+    x = decoder.embed(params, tokens, args)  # [B, T, H]
+    at = offsets[:, None] + mx.arange(T, dtype=mx.int32)[None, :]  # [B, T]
+    attention = PagedAttention(table, at, args.attention_scale, ends=offsets + lengths)
+    x, pool = run_blocks(decoder, params, x, offsets, pool, attention, args)
+    last = mx.take_along_axis(x, (lengths - 1).astype(mx.int32)[:, None, None], axis=1)  # [B, 1, H]
+    return decoder.logits(params, last[:, 0, :], args), pool
+
+
 def run_decode_paged(
     decoder: Decoder,
     params: Params,
@@ -420,6 +440,49 @@ def verify_paged(
     return run_verify_paged(LLAMA, params, tokens, positions, table, pool, args, bits, group_size)
 
 
+def prefill_paged(
+    params: Params,
+    tokens: mx.array,
+    offsets: mx.array,
+    lengths: mx.array,
+    table: mx.array,
+    pool: PagedKV,
+    *,
+    args: ModelArgs,
+) -> tuple[mx.array, PagedKV]:
+    """:func:`prefill_chunk` straight into a paged KV pool (:mod:`models.paged`): no staging
+    cache. A whole prompt is a chunk at offset 0; a prefix hit's remainder or a long prompt's
+    next chunk starts at its offset, its earlier positions already in its blocks.
+
+    Per layer, row b's chunk keys and values are written at positions offsets[b]..
+    offsets[b] + lengths[b] - 1 of its blocks (position p at offset ``p % bt`` of block
+    ``table[b, p // bt]``), then its queries attend over the row's blocks gathered in table
+    order (a transient view of M * bt positions, one layer at a time), query t seeing positions
+    0..offsets[b] + t (its last W on a sliding layer): its earlier positions and the chunk
+    itself, causally.
+
+    Args:
+        params: the model's parameter tree.
+        tokens: int32 [B, T], each row's next prompt tokens, right-padded to the chunk bucket T.
+        offsets: int32 [B], where each row's chunk starts (positions already in its blocks).
+        lengths: int32 [B], real tokens in each row's chunk (1 <= lengths <= T); padded rows
+            pass 1 and a table row of null blocks.
+        table: int32 [B, M], each row's blocks in position order (null-block padded);
+            offsets[b] + lengths[b] <= M * bt. Every block its real positions fall in must be
+            the row's own (unshared, unpublished): the caller's.
+        pool: per layer, keys and values [N, Hkv, bt, D] (full precision: a ``kv_bits`` pool
+            keeps the staging path).
+        args: hyper-parameters (static).
+
+    Returns:
+        (logits float32 [B, V] at each row's last real token of the chunk, the pools with the
+        chunk's real tokens written). Padding tokens (at offsets + lengths and past) are written
+        into the null block only, so no block a row or the prefix cache holds changes but the
+        ones the rows' real tokens name.
+    """
+    return run_prefill_paged(LLAMA, params, tokens, offsets, lengths, table, pool, args)
+
+
 def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
     """Drop checkpoint tensors the step functions do not use: precomputed RoPE frequencies,
     and ``lm_head`` when the embeddings are tied (mlx-lm's llama.sanitize does the same)."""
@@ -438,5 +501,6 @@ __all__ = [
     "fuse_projections",
     "prefill",
     "prefill_chunk",
+    "prefill_paged",
     "sanitize",
 ]

@@ -30,6 +30,10 @@ import mlx.core as mx
 
 from models.attention import Attend, cache_layout
 
+#: The block that padding writes go to (:data:`service.engine.block_pool.NULL_BLOCK`): never a
+#: request's, and attention masks whatever it holds.
+NULL_BLOCK = 0
+
 
 class PagedKV(NamedTuple):
     """Per-layer key and value pools, each [num_blocks, Hkv, block_tokens, D], or with ``kv_bits``
@@ -130,13 +134,26 @@ class PagedIndex(NamedTuple):
     view: tuple[int, int, int]
 
 
-def paged_index(block_table: mx.array, positions: mx.array, heads: int, block_tokens: int) -> PagedIndex:
+def paged_index(
+    block_table: mx.array, positions: mx.array, heads: int, block_tokens: int, ends: mx.array | None = None
+) -> PagedIndex:
     """The :class:`PagedIndex` of a step: ``block_table`` int32 [B, M], ``positions`` int32
     [B, L] (below M * block_tokens), for pools of ``heads`` KV heads and ``block_tokens``-token
-    blocks."""
+    blocks.
+
+    ``ends`` (int32 [B], optional): each row's end of real tokens (a prefill's offset + length).
+    A token at or past it is padding: it is written into the null block (block 0) whatever its
+    position, which may then reach past M * block_tokens (its table column is clamped), so a
+    prefill's padding never lands in a block the row, another row or the prefix cache holds.
+    """
     table, p, bt = block_table.astype(mx.int32), positions.astype(mx.int32), block_tokens
     B, M = table.shape
-    block = mx.take_along_axis(table, p // bt, axis=1)[:, None, :]  # [B, 1, L]
+    if ends is None:
+        block = mx.take_along_axis(table, p // bt, axis=1)[:, None, :]  # [B, 1, L]
+    else:
+        column = mx.minimum(p // bt, M - 1)  # a padded position past the table reads its last column
+        real = p < ends.astype(mx.int32)[:, None]  # [B, L]
+        block = mx.where(real, mx.take_along_axis(table, column, axis=1), NULL_BLOCK)[:, None, :]
     head = mx.arange(heads, dtype=mx.int32)
     offsets = mx.arange(bt, dtype=mx.int32)[None, None, None, :]  # [1, 1, 1, bt]
     rows = (table[:, None, :, None] * heads + head[None, :, None, None]) * bt + offsets  # [B, Hkv, M, bt]
@@ -210,6 +227,11 @@ class PagedAttention:
         positions: int32 [B, L], each new token's position (below M * bt; decode: L = 1, a
             chunk: offset + 0..L-1).
         scale: the attention scale.
+        ends: int32 [B] or None: each row's end of real tokens (a prefill's offset + length).
+            A token at or past it is padding: written into the null block
+            (:func:`paged_index`), and its query attends as the row's last real token does,
+            so no query's mask is empty (a sliding layer's window could otherwise hold no
+            position of the view, and an empty softmax row is NaN, which would then be written).
 
     The view is linear (index j holds position j), so the mask is
     :func:`models.attention.cache_layout`'s for a buffer of M * bt positions: every position a
@@ -217,9 +239,9 @@ class PagedAttention:
     frees a sliding layer's blocks behind its window here; the mask alone keeps them unseen.
     """
 
-    def __init__(self, block_table: mx.array, positions: mx.array, scale: float):
+    def __init__(self, block_table: mx.array, positions: mx.array, scale: float, ends: mx.array | None = None):
         self.block_table, self.positions = block_table.astype(mx.int32), positions.astype(mx.int32)
-        self.scale = scale
+        self.scale, self.ends = scale, None if ends is None else ends.astype(mx.int32)
         self._masks: dict[tuple[int | None, int], mx.array] = {}
         self._indices: dict[tuple[int, int], PagedIndex] = {}
 
@@ -241,14 +263,17 @@ class PagedAttention:
         """This step's :class:`PagedIndex` for pools of ``heads`` KV heads and ``block_tokens``
         positions per block, computed once and shared by the layers that have that shape."""
         if (heads, block_tokens) not in self._indices:
-            self._indices[(heads, block_tokens)] = paged_index(self.block_table, self.positions, heads, block_tokens)
+            self._indices[(heads, block_tokens)] = paged_index(
+                self.block_table, self.positions, heads, block_tokens, self.ends
+            )
         return self._indices[(heads, block_tokens)]
 
     def mask(self, window: int | None, size: int) -> mx.array:
         """Which view indices each query sees: bool [B, 1, L, size] for a view of ``size``
         positions, computed once per (window, size) and shared by the layers."""
         if (window, size) not in self._masks:
-            self._masks[(window, size)] = cache_layout(self.positions, window, size)[1]
+            seen = self.positions if self.ends is None else mx.minimum(self.positions, self.ends[:, None] - 1)
+            self._masks[(window, size)] = cache_layout(seen, window, size)[1]
         return self._masks[(window, size)]
 
 

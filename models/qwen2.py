@@ -8,7 +8,16 @@ from typing import ClassVar
 
 from models import model_args
 from models.config_check import Supports
-from models.llama import decode, decode_paged, prefill, prefill_chunk, sanitize, verify, verify_paged
+from models.llama import (
+    decode,
+    decode_paged,
+    prefill,
+    prefill_chunk,
+    prefill_paged,
+    sanitize,
+    verify,
+    verify_paged,
+)
 
 
 @dataclass(frozen=True)
@@ -18,4 +27,14 @@ class ModelArgs(model_args.ModelArgs):
     supports: ClassVar[Supports] = Supports(biases=False)
 
 
-__all__ = ["ModelArgs", "decode", "decode_paged", "prefill", "prefill_chunk", "sanitize", "verify", "verify_paged"]
+__all__ = [
+    "ModelArgs",
+    "decode",
+    "decode_paged",
+    "prefill",
+    "prefill_chunk",
+    "prefill_paged",
+    "sanitize",
+    "verify",
+    "verify_paged",
+]

@@ -196,7 +196,9 @@ class Settings(BaseSettings):
         ge=1,
         description="kv_cache = 'paged': token positions each model's pool holds (the default of every [[models]] "
         "entry, which may set its own); unset: its share of what the memory budget leaves after the weights and the "
-        "largest prefill steps",
+        "largest prefill steps (for a hand-written family on an unquantized pool in one process, which prefills "
+        "straight into its blocks, a step holds no staging cache: only one layer's view of its blocks and its "
+        "activations)",
     )
     responses_store_bytes: int = Field(
         64 * 1024 * 1024,

@@ -81,8 +81,12 @@ def paged_greedy(
     table = np.arange(1, B * M + 1, dtype=np.int32).reshape(B, M)  # block 0: the null block
     first = []
     for b, ids in enumerate(prompt_ids):
-        logits, kv = executor.prefill([ids], [len(ids)])
-        executor.write_blocks(kv, 0, table[b, : -(-len(ids) // block_tokens)].tolist(), len(ids))
+        blocks = table[b, : -(-len(ids) // block_tokens)].tolist()
+        if executor.in_blocks:  # a full-precision pool: the prompt is prefilled straight into its blocks
+            logits = executor.prefill_blocks([blocks], [ids], [0], [len(ids)], 1)
+        else:
+            logits, kv = executor.prefill([ids], [len(ids)])
+            executor.write_blocks(kv, 0, blocks, len(ids))
         first.append(logits[0])
     logits = mx.stack(first)
     tables = PagedTables(mx.array(table), B, M * block_tokens)

@@ -105,6 +105,8 @@ class Engine:
         self.runner = ModelRunner(self.executor, self.selector, self.batch)
         whole_tokens = max(max_batched_tokens, chunk_tokens)
         self.prefiller = Prefiller(self.executor, self.selector, buckets, chunk_tokens, whole_tokens)
+        if self.paged is not None and self.executor.in_blocks:  # prompts prefill straight into their blocks
+            self.prefiller.blocks = self.paged.blocks
         self.speculator: Speculator | None = None
         if proposer is not None:
             self.speculator = Speculator(
@@ -426,7 +428,9 @@ class Engine:
 
         With a paged pool the hit is the pool's blocks the request took at admission
         (:meth:`_fits`; one that holds none yet takes them now, raising NoFreeBlocks when the
-        pool cannot give them), read into the staging cache (:meth:`Executor.read_blocks`)."""
+        pool cannot give them), read into the staging cache (:meth:`Executor.read_blocks`), or,
+        where prompts prefill in blocks (:attr:`Executor.in_blocks`), read by the chunk step
+        itself: nothing is copied."""
         if self.paged is not None:
             self._match_pool(seq, gathered)
             return
@@ -453,6 +457,9 @@ class Engine:
         hit = pool.num_computed(id(seq))
         if hit == 0:
             return
+        seq.num_computed = seq.cached_tokens = hit
+        if self.executor.in_blocks:
+            return
         blocks = pool.block_table(id(seq))[: hit // pool.block_tokens]
         capacity = self.prefiller.staging_capacity(len(seq.prefill_ids), hit)
         if gathered is None:
@@ -462,7 +469,6 @@ class Engine:
             if key not in gathered:
                 gathered[key] = (blocks, self.executor.read_blocks(blocks, capacity))
             seq.staging = gathered[key][1]
-        seq.num_computed = seq.cached_tokens = hit
 
     def take_prefix_stat(self) -> PrefixCacheStat:
         """The prefix cache's counters since the previous call and the bytes it holds (with a

@@ -34,7 +34,7 @@ from models.architectures import architecture
 from models.kv_cache import KVCache, Windows
 from models.loader import LoadedModel
 from models.paged import PagedKV, gather, gather_quantized, view_index
-from service.engine.block_pool import BlockCopy
+from service.engine.block_pool import NULL_BLOCK, BlockCopy
 from service.engine.compile_cache import CompileCache, StepKey, StepSpec
 from service.engine.kv_blocks import copy_blocks, join_blocks
 
@@ -70,6 +70,23 @@ def adapter_pages(args: AdapterArgs) -> bool:
     return args.prefix_blocks and not args.capacity_pair
 
 
+def prefills_in_blocks(model: LoadedModel, bits: int | None) -> bool:
+    """Whether prefill writes keys and values straight into the paged pool's blocks for
+    ``model`` (:func:`models.llama.prefill_paged`: no staging cache, no copy at join): a
+    hand-written family with a ``prefill_paged``, in one process, over a full-precision pool.
+    Everything else keeps the staging path (a linear cache per prompt, copied into its blocks at
+    join): mlx-lm's classes, recurrent-state ones included (their module writes each layer's
+    cache object, which goes back into the pool only after the whole module ran, so every
+    layer's view would be held at once: a staging cache's bytes again); a pipeline group's ranks
+    (``--distributed``: a chunk is one broadcast operation moving a staging handle); and
+    ``kv_bits`` pools (a chunk would attend over its own quantized keys, not the full-precision
+    ones it attends over now)."""
+    a = model.args
+    if bits or model.stage is not None or model.group is not None or isinstance(a, AdapterArgs):
+        return False
+    return hasattr(architecture(a.model_type), "prefill_paged")
+
+
 def pages(model: LoadedModel) -> bool:
     """Whether ``model``'s decode can read and write a paged KV pool: a hand-written family with a
     ``decode_paged``, or a pipeline stage of one (:func:`models.pipeline.decode_paged`), or an
@@ -91,6 +108,15 @@ class PagedTables(NamedTuple):
     table: mx.array
     batch: int
     capacity: int
+
+
+class InBlocks:
+    """What a prefill straight into the pool (:meth:`Executor.prefill_blocks`) leaves where a
+    staging cache would be (``seq.prefilled``'s cache): the keys and values are in the
+    requests' blocks already, so :meth:`PagedDecodeBatch.join` copies nothing. One per call:
+    requests of one call and row (a prompt sent twice) are told apart by it, as by a cache."""
+
+    __slots__ = ()
 
 
 #: What a decode step runs over: a static cache, or the rows' block tables into the paged pool.
@@ -141,6 +167,7 @@ class Executor:
         self.pool: PagedKV | None = None  # the paged KV pool, once :meth:`use_paged` made one
         self.kv_bits: int | None = None  # the pool's quantization (kv_bits), if any
         self.kv_group_size = 64
+        self.in_blocks = False  # prefill writes into the pool's blocks (:func:`prefills_in_blocks`)
 
     # -- the paged KV pool -------------------------------------------------------------------
 
@@ -190,6 +217,10 @@ class Executor:
         if pool_verifies(self.model):  # one process only
             arch = adapter if isinstance(a, AdapterArgs) else architecture(a.model_type)
             self._specs["verify"] = StepSpec(partial(arch.verify_paged, args=a, bits=bits, group_size=group_size))
+        self.in_blocks = prefills_in_blocks(self.model, bits)
+        if self.in_blocks:  # the same compile keys (phase, B, T[, C]) as the staging steps they replace
+            step = partial(architecture(a.model_type).prefill_paged, args=a)
+            self._specs["prefill"] = self._specs["chunk"] = StepSpec(step)
         self.kv_bits, self.kv_group_size = bits, group_size
         self.pool = PagedKV.allocate(
             len(a.kv_layouts) if isinstance(a, AdapterArgs) else self.model.layers,
@@ -299,6 +330,51 @@ class Executor:
         at = mx.array(offsets + [0] * (batch - n), mx.int32)
         real = mx.array(lengths + [1] * (batch - n), mx.int32)
         return fn(self.model.params, ids, at, real, stacked)
+
+    def prefill_blocks(
+        self,
+        tables: list[list[int]],
+        tokens: list[list[int]],
+        offsets: list[int],
+        lengths: list[int],
+        batch: int,
+        capacity: int = 0,
+    ) -> mx.array:
+        """Prefill one chunk of each of n prompts straight into the paged pool's blocks
+        (:func:`models.llama.prefill_paged`; :attr:`in_blocks`), replacing the pool.
+
+        Row i's ``tokens[i]`` (T ids, right-padded; ``lengths[i]`` real) go at positions
+        ``offsets[i]``.. of its blocks ``tables[i]`` (in position order), which it must hold
+        unshared from its offset on (its prefix hit's blocks come before). ``capacity`` 0: a
+        whole prompt (offset 0), compiled as ``prefill`` at (batch, T) over a view of T positions
+        rounded up to blocks; else a chunk, compiled as ``chunk`` at (batch, T, capacity) over a
+        view of ``capacity`` positions (a multiple of the block size, at least each row's real
+        end). Rows n..batch-1 are padding (a dummy token at offset 0, a table of null blocks).
+
+        Returns:
+            float32 logits [batch, V] at each row's last real token (lazy).
+
+        Raises:
+            ValueError: more rows than ``batch``, or a row's real tokens past the view.
+        """
+        pool = self.pool
+        assert pool is not None and self.in_blocks, "use_paged() with a model that prefills in blocks first"
+        n, T, bt = len(tokens), len(tokens[0]), pool.block_tokens
+        width = -(-(capacity or T) // bt)
+        ends = [o + k for o, k in zip(offsets, lengths, strict=True)]
+        if not 0 < n <= batch or max(ends) > width * bt:
+            raise ValueError(f"{n} rows ending at {ends} for {batch} rows of {width * bt} positions")
+        rows = [(t[:width] + [NULL_BLOCK] * width)[:width] for t in tables] + [[NULL_BLOCK] * width] * (batch - n)
+        fn = self.step_fn("chunk", batch, T, capacity) if capacity else self.step_fn("prefill", batch, T)
+        logits, self.pool = fn(
+            self.model.params,
+            mx.array(tokens + [[0] * T] * (batch - n), mx.int32),
+            mx.array(offsets + [0] * (batch - n), mx.int32),
+            mx.array(lengths + [1] * (batch - n), mx.int32),
+            mx.array(rows, mx.int32),
+            pool,
+        )
+        return logits
 
     def decode(self, kv: DecodeCache, tokens: mx.array, positions: list[int]) -> tuple[mx.array, DecodeCache]:
         """One decode step of every row of ``kv`` [B, Hkv, C, D]: ``tokens`` int32 [B] (possibly
@@ -456,6 +532,11 @@ class Executor:
         positions and offsets, lengths of 1, a zeroed KV cache (of this process's layers), zero
         logits and keys, no seeded rows (vLLM's ``_dummy_run``, nano-vllm's ``warmup_model``)."""
         params, vocab = self.model.params, self.vocab
+        if phase in ("prefill", "chunk") and self.in_blocks:  # null tables over the real pool (no second one)
+            assert self.pool is not None
+            zeros, ones = mx.zeros((batch,), mx.int32), mx.ones((batch,), mx.int32)
+            table = mx.zeros((batch, -(-(capacity or size) // self.pool.block_tokens)), mx.int32)
+            return params, mx.zeros((batch, size), mx.int32), zeros, ones, table, self.pool
         if phase == "chunk":
             zeros, ones = mx.zeros((batch,), mx.int32), mx.ones((batch,), mx.int32)
             return params, mx.zeros((batch, size), mx.int32), zeros, ones, self.new_kv(batch, capacity)
@@ -493,7 +574,9 @@ class Executor:
         if self.compiled.policy == "auto":
             return fn.calibrate(args, repeats)
         out = fn(*args)
-        if phase in ("decode", "verify") and self.pool is not None:
+        if self.pool is not None and (
+            phase in ("decode", "verify") or (phase in ("prefill", "chunk") and self.in_blocks)
+        ):
             self.pool = out[1]  # the pool is replaced, not copied: the old one is no longer held
         del args
         mx.eval(out)

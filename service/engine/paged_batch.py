@@ -4,7 +4,9 @@
 A request takes its prompt's blocks when it is admitted (:meth:`Engine._fits`), the leading full
 blocks another request already computed referenced, not copied (a prefix hit: prefill starts
 after them). It joins by having the keys and values it prefilled copied into its other blocks
-(:meth:`Executor.write_blocks`), whose full blocks are then published for later requests' hits;
+(:meth:`Executor.write_blocks`), or, where the model prefills in its blocks
+(:attr:`Executor.in_blocks`), with them there already, and its full blocks are then published
+for later requests' hits;
 each decode step first gives every row the blocks its next positions need (a copy of a shared
 partial last block first: copy-on-write), then runs over the rows' block tables
 (:class:`service.engine.executor.PagedTables`) at a batch bucket and a capacity bucket, as the
@@ -30,7 +32,7 @@ import numpy as np
 from service.engine.batch import DecodeBatch
 from service.engine.block_pool import NULL_BLOCK, BlockPool, NoFreeBlocks
 from service.engine.buckets import BucketTable
-from service.engine.executor import Executor, PagedTables
+from service.engine.executor import Executor, InBlocks, PagedTables
 from service.engine.sequence import FinishReason, Sequence
 from service.metrics import PrefixCacheStat
 
@@ -195,10 +197,12 @@ class PagedDecodeBatch(DecodeBatch):
 
     def _write_prompt(self, seq: Sequence) -> None:
         """Copy the keys and values ``seq`` prefilled (``seq.prefilled``) into its blocks after
-        its prefix hit's, and publish its prompt's full blocks."""
+        its prefix hit's (unless it prefilled in them: :class:`InBlocks`), and publish its
+        prompt's full blocks."""
         pool, (kv, row) = self.blocks, seq.prefilled  # type: ignore[misc]
-        table, start = pool.block_table(id(seq)), pool.num_computed(id(seq))
-        self.executor.write_blocks(kv, row, table[start // pool.block_tokens :], seq.position, start)
+        if not isinstance(kv, InBlocks):  # prefilled in its blocks already: nothing to copy
+            table, start = pool.block_table(id(seq)), pool.num_computed(id(seq))
+            self.executor.write_blocks(kv, row, table[start // pool.block_tokens :], seq.position, start)
         pool.mark_computed(id(seq), len(seq.prefill_ids))
         self._written.add(id(seq))
 

@@ -12,6 +12,15 @@ decode slot (:meth:`DecodeBatch.join`) and its prompt waits in :meth:`Prefiller.
 the engine to store its full blocks in the prefix cache once the step's first tokens are sent.
 The prefiller holds no prefix cache: the engine starts a hit's staging cache from its blocks
 (:meth:`Engine.match_prefix`) before the prefiller sees the request.
+
+With a paged pool whose model prefills in blocks (:attr:`Executor.in_blocks`), the engine hands
+the prefiller the block pool's bookkeeping (``blocks``) and there is no staging cache: every
+call above (whole prompts, a chunk, last chunks together, a prefix hit's remainder) writes each
+prompt's keys and values straight into the blocks the request took at admission
+(:meth:`Executor.prefill_blocks`), at the same compile keys, a chunk's view of its blocks
+taking the capacity its staging cache would have had; its ``seq.prefilled`` then holds an
+:class:`InBlocks` marker, and nothing waits in :meth:`take_saves` (the pool publishes the
+blocks when the request joins).
 """
 
 from __future__ import annotations
@@ -22,8 +31,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from models.kv_cache import KVCache
+from service.engine.block_pool import BlockPool
 from service.engine.buckets import BucketTable
-from service.engine.executor import Executor
+from service.engine.executor import Executor, InBlocks
 from service.engine.outputs import RunnerOutput
 from service.engine.selector import TokenSelector, observe
 from service.engine.sequence import Sequence
@@ -33,13 +43,13 @@ from service.metrics import StepStat
 @dataclass
 class _Pending:
     """A queued prefill call: its requests (none for a non-final chunk), their first tokens
-    (int32 [B], lazy) and next PRNG keys, its cache, and (phase, bucket, rows, bucket rows,
-    start time) for its step stat."""
+    (int32 [B], lazy) and next PRNG keys, its cache (or, prefilled in blocks, the marker), and
+    (phase, bucket, rows, bucket rows, start time) for its step stat."""
 
     group: list[Sequence]
     tokens: mx.array | None
     keys: list[mx.array | None]
-    kv: KVCache
+    kv: KVCache | InBlocks
     stat: tuple
     logprobs: tuple | None = None
     kv_rows: list[int] | None = None  # the cache row of each request of ``group``
@@ -70,7 +80,14 @@ class Prefiller:
         self.chunk_tokens = chunk_tokens
         self.whole_tokens = max(whole_tokens, chunk_tokens)
         self.rows_cap = LAST_CHUNK_ROWS  # the warm-up lowers it to its warmed batch (see last_chunk_rows)
+        self.blocks: BlockPool | None = None  # the pool's bookkeeping, where prompts prefill in blocks
         self._saves: list[tuple[list[tuple[list[int], int]], KVCache]] = []  # (prompts and rows, their cache)
+
+    @property
+    def in_blocks(self) -> bool:
+        """Whether prompts are prefilled straight into their pool blocks (the engine handed over
+        the block pool: :attr:`Executor.in_blocks`)."""
+        return self.blocks is not None
 
     def take_saves(self) -> list[tuple[list[tuple[list[int], int]], KVCache]]:
         """The prompts prefilled since the last call, for the prefix cache: per prefill call,
@@ -129,13 +146,23 @@ class Prefiller:
         offset, n, T = self.chunk_plan(len(seq.prefill_ids), seq.num_computed)[0]
         if offset + n < len(seq.prefill_ids):
             return None
-        return T, self.buckets.staging_for(offset + T)
+        return T, self.view_capacity(offset, T)
+
+    def view_capacity(self, offset: int, T: int) -> int:
+        """The capacity a chunk of bucket ``T`` at ``offset`` runs at: its staging cache's, or
+        prefilled in blocks, the positions of its view of the row's blocks; the same bucket
+        (:meth:`BucketTable.staging_for`), so warm-up covers both alike. In blocks a chunk starts
+        at its position even where ``offset + T`` passes the largest capacity (its padding is
+        written into the null block), at the largest staging capacity."""
+        return self.buckets.staging_for(min(offset + T, self.buckets.capacity[-1]))
 
     def chunk_plan(self, length: int, start: int) -> list[tuple[int, int, int]]:
         """(offset, real tokens, bucket T) of each chunk that prefills positions start..length-1
         (:func:`chunk_plan`)."""
         args = self.executor.model.args  # a recurrent state cannot take a position twice
-        return chunk_plan(self.buckets, self.chunk_tokens, length, start, args.has_states, args.pads_prompts)
+        return chunk_plan(
+            self.buckets, self.chunk_tokens, length, start, args.has_states, args.pads_prompts, not self.in_blocks
+        )
 
     def prefill(self, prompts: list[list[int]]) -> tuple[mx.array, KVCache]:
         """Prefill prompts together at bucket (batch_for(n), prompt_for(longest)) (:func:`pad_prompts`).
@@ -169,6 +196,9 @@ class Prefiller:
         the one-token chunks after it (a prompt's remainder in exact chunks, :func:`chunk_plan`),
         up to ``chunk_tokens`` tokens: one call each, all queued in this step. Samples the first
         token once the prompt is in."""
+        if self.in_blocks:
+            self._chunk_in_blocks(seq)
+            return
         start = time.perf_counter()
         done = 0
         while True:
@@ -185,12 +215,36 @@ class Prefiller:
             mx.async_eval(kv.keys, kv.values, kv.states)
             self._pending.append(_Pending([], None, [], kv, stat))
 
+    def _chunk_in_blocks(self, seq: Sequence) -> None:
+        """:meth:`_chunk` straight into ``seq``'s blocks (:meth:`Executor.prefill_blocks` at
+        (1, T, C)); a model that prefills in blocks pads its rows, so one chunk per step."""
+        start = time.perf_counter()
+        offset, n, T = self.chunk_plan(len(seq.prefill_ids), seq.num_computed)[0]
+        capacity = self.view_capacity(offset, T)
+        tokens = seq.prefill_ids[offset : offset + n] + [0] * (T - n)
+        logits = self.executor.prefill_blocks([self._table(seq)], [tokens], [offset], [n], 1, capacity)
+        seq.num_computed = offset + n
+        stat = ("chunk", f"b1x{T}c{capacity}", 1, 1, start)
+        if seq.prompt_done:
+            self._queue_first_tokens([seq], logits, InBlocks(), stat)
+        else:
+            mx.async_eval(logits)  # it depends on every layer's write into the blocks
+            self._pending.append(_Pending([], None, [], InBlocks(), stat))
+
+    def _table(self, seq: Sequence) -> list[int]:
+        """``seq``'s blocks in position order (taken at admission, :meth:`Engine._fits`)."""
+        assert self.blocks is not None
+        return self.blocks.block_table(id(seq))
+
     def _chunks(self, group: list[Sequence]) -> None:
         """Prefill the last chunk of each prompt of ``group`` (one chunk bucket T, one staging
         capacity C) in one call at (batch bucket, T, C) (:meth:`Executor.chunk_rows`); a lone
         prompt takes the batch-1 path. Each samples its first token."""
         if len(group) == 1:
             self._chunk(group[0])
+            return
+        if self.in_blocks:
+            self._chunks_in_blocks(group)
             return
         start = time.perf_counter()
         kvs, tokens, offsets, lengths = (list(part) for part in zip(*map(self.next_chunk, group), strict=True))
@@ -207,24 +261,67 @@ class Prefiller:
         stat = ("chunk", f"b{B}x{len(tokens[0])}c{kv.capacity}", len(group), B, start)
         self._queue_first_tokens(group, logits, kv, stat)
 
+    def _chunks_in_blocks(self, group: list[Sequence]) -> None:
+        """:meth:`_chunks` straight into each request's blocks: one call at (B, T, C)."""
+        start = time.perf_counter()
+        plans = [self.chunk_plan(len(s.prefill_ids), s.num_computed)[0] for s in group]
+        T = plans[0][2]
+        capacity = self.view_capacity(plans[0][0], T)
+        B = last_chunk_rows(self.buckets, T, self.whole_tokens, self.rows_cap, capacity)
+        tokens = [s.prefill_ids[o : o + n] + [0] * (T - n) for s, (o, n, _) in zip(group, plans, strict=True)]
+        offsets, lengths = [o for o, _, _ in plans], [n for _, n, _ in plans]
+        logits = self.executor.prefill_blocks([self._table(s) for s in group], tokens, offsets, lengths, B, capacity)
+        for seq in group:
+            seq.num_computed = len(seq.prefill_ids)
+        stat = ("chunk", f"b{B}x{T}c{capacity}", len(group), B, start)
+        self._queue_first_tokens(group, logits, InBlocks(), stat)
+
     def _whole(self, group: list[Sequence]) -> None:
         """Prefill ``group`` together; requests with the same prompt (the ``n`` choices of one
         request) share one row: one prefill, then each samples its own first token."""
         start = time.perf_counter()
         unique: dict[tuple[int, ...], int] = {}
         kv_rows = [unique.setdefault(tuple(s.prefill_ids), len(unique)) for s in group]
-        logits, prompt_kv = self.prefill([list(p) for p in unique])
+        if self.in_blocks:
+            logits, kv, (B, T) = self._whole_in_blocks(group, kv_rows)
+        else:
+            logits, kv = self.prefill([list(p) for p in unique])
+            B, T = kv.batch, kv.capacity
         if len(unique) < len(group):  # one logits row per request, padded to a batch bucket
             B = self.buckets.batch_for(len(group))
             logits = logits[mx.array(kv_rows + [0] * (B - len(group)), mx.int32)]
         for seq in group:
             seq.num_computed = len(seq.prefill_ids)
-        B, T = prompt_kv.batch, prompt_kv.capacity
         stat = ("prefill", f"b{B}x{T}", len(unique), B, start)
-        self._queue_first_tokens(group, logits, prompt_kv, stat, kv_rows)
+        self._queue_first_tokens(group, logits, kv, stat, kv_rows)
+
+    def _whole_in_blocks(self, group: list[Sequence], kv_rows: list[int]) -> tuple[mx.array, InBlocks, tuple]:
+        """:meth:`_whole`'s prefill straight into the blocks of each row's first request (at
+        (B, T), as ``prefill``): a later request of the same prompt gives back the blocks it
+        took and shares the first one's (:meth:`BlockPool.fork`, before the step writes them;
+        the first to write into their partial last block then copies it). Returns (logits
+        [B, V], the marker, (B, T))."""
+        blocks = self.blocks
+        assert blocks is not None
+        owners: dict[int, Sequence] = {}
+        for seq, row in zip(group, kv_rows, strict=True):
+            if (owner := owners.setdefault(row, seq)) is not seq:
+                blocks.free(id(seq))
+                blocks.fork(id(owner), id(seq))
+        prompts = [owners[row].prefill_ids for row in range(len(owners))]
+        tokens, lengths = pad_prompts(self.buckets, prompts)
+        B, T, n = len(tokens), len(tokens[0]), len(prompts)
+        tables = [self._table(owners[row]) for row in range(n)]
+        logits = self.executor.prefill_blocks(tables, tokens[:n], [0] * n, lengths[:n], B)
+        return logits, InBlocks(), (B, T)
 
     def _queue_first_tokens(
-        self, group: list[Sequence], logits: mx.array, kv: KVCache, stat: tuple, kv_rows: list[int] | None = None
+        self,
+        group: list[Sequence],
+        logits: mx.array,
+        kv: KVCache | InBlocks,
+        stat: tuple,
+        kv_rows: list[int] | None = None,
     ) -> None:
         """Queue the sampling of each prefilled request's first token from ``logits`` [B, V]
         (row i is ``group[i]``, whose keys and values are row ``kv_rows[i]`` of ``kv``; default i)."""
@@ -239,8 +336,11 @@ class Prefiller:
         token (and a seeded row's next key), its cache row parked for :meth:`DecodeBatch.join`
         and its prompt's blocks kept for :meth:`take_saves`."""
         pending, self._pending = self._pending, []
+        caches = [p.kv.keys for p in pending if isinstance(p.kv, KVCache)]
+        if len(caches) < len(pending) and (pool := self.executor.pool) is not None:
+            caches.append([*pool.keys, *pool.values])  # prefilled in blocks: the pool they wrote
         try:
-            self.executor.wait([p.tokens for p in pending if p.tokens is not None], [p.kv.keys for p in pending])
+            self.executor.wait([p.tokens for p in pending if p.tokens is not None], caches)
         except Exception as exc:
             self.executor.raise_if_fatal(exc)
             out.failed += [(seq, f"prefill failed: {type(exc).__name__}") for p in pending for seq in p.group]
@@ -254,7 +354,8 @@ class Prefiller:
             token_list = self.executor.read(p.tokens)
             observe(list(p.group), token_list, p.logprobs)
             rows = [p.kv_rows[i] if p.kv_rows else i for i in range(len(p.group))]
-            self._saves.append(([(seq.prefill_ids, row) for seq, row in zip(p.group, rows, strict=True)], p.kv))
+            if isinstance(p.kv, KVCache):  # in blocks: the pool publishes them at join
+                self._saves.append(([(seq.prefill_ids, row) for seq, row in zip(p.group, rows, strict=True)], p.kv))
             for i, (seq, row) in enumerate(zip(p.group, rows, strict=True)):
                 seq.position = len(seq.prefill_ids)
                 seq.prefilled, seq.staging = (p.kv, row), None
@@ -270,7 +371,13 @@ LAST_CHUNK_POSITIONS = 16_384
 
 
 def chunk_plan(
-    buckets: BucketTable, chunk_tokens: int, length: int, start: int, exact: bool = False, padded: bool = True
+    buckets: BucketTable,
+    chunk_tokens: int,
+    length: int,
+    start: int,
+    exact: bool = False,
+    padded: bool = True,
+    shift: bool = True,
 ) -> list[tuple[int, int, int]]:
     """(offset, real tokens, bucket T) of each chunk of at most ``chunk_tokens`` tokens that
     prefills positions start..length-1 (``length`` at most the largest capacity bucket: the
@@ -281,7 +388,9 @@ def chunk_plan(
     * attention only (neither flag): a chunk takes min(chunk_tokens, tokens left) tokens padded
       to their prompt bucket; one that would end past the largest capacity bucket starts
       earlier, recomputing a few positions it already holds (the same tokens at the same
-      positions give the same keys and values);
+      positions give the same keys and values); not with ``shift`` False (a prefill in pool
+      blocks, whose padding past the table goes to the null block: a recomputed position could
+      be a prefix hit's shared block);
     * ``exact`` (a recurrent state, which a position run twice would advance twice): a chunk
       starts where it should and takes the largest prompt bucket that still fits before the
       largest capacity bucket, fewer tokens if need be, or one token (T = 1) where none fits;
@@ -306,7 +415,7 @@ def chunk_plan(
         if exact and pos + T > limit:
             T = max((b for b in buckets.prompt if pos + b <= limit), default=1)
             n = min(n, T)
-        offset = min(pos, limit - T)
+        offset = min(pos, limit - T) if shift else pos
         plan.append((offset, pos + n - offset, T))
         pos += n
     return plan

@@ -26,7 +26,7 @@ from models.sentence import EmbeddingModel
 from service.engine.buckets import BucketTable
 from service.engine.core import Engine
 from service.engine.embedder import Embedder, pick
-from service.engine.executor import batches_last_chunks
+from service.engine.executor import batches_last_chunks, prefills_in_blocks
 from service.engine.prefill import last_chunk_rows
 
 SCORES_BYTES = 4  # float32 attention scores: MLX's fallback attention materializes B x heads x T x T of them
@@ -188,6 +188,7 @@ def prefill_bytes(
     chunk_tokens: int,
     max_batched_tokens: int,
     batched: bool = False,
+    in_blocks: bool = False,
 ) -> int:
     """Bytes of the largest prefill call for up to ``rows`` requests of up to ``prompt`` tokens:
     a whole prefill of as many prompts of one bucket as one call runs (their KV cache, their
@@ -196,7 +197,13 @@ def prefill_bytes(
     needs, and the row's states); with ``batched``, the last
     chunks of several prompts in one call (:func:`service.engine.prefill.last_chunk_rows` rows
     at chunk bucket t: a copy of their staging rows, B x C positions, and B x heads x t x C
-    scores)."""
+    scores).
+
+    ``in_blocks``: the model prefills straight into a paged pool's blocks
+    (:func:`service.engine.executor.prefills_in_blocks`), whose bytes are counted as the pool's:
+    a chunk then holds no staging rows (nor copies of them), only one layer's gathered view of
+    its rows' blocks at a time (keys and values, C positions: :func:`kv_bytes_per_position`
+    over the layers) beside its activations and scores."""
     per_position, heads = kv_bytes_per_position(model), model.args.num_attention_heads
     state = state_bytes_per_row(model)
     chunk_tokens = buckets.chunk_tokens(chunk_tokens)  # as the engine caps it
@@ -207,12 +214,15 @@ def prefill_bytes(
     if prompt <= chunk_tokens:
         return whole
     C = buckets.staging_for(min(prompt + T, buckets.capacity[-1]))
-    chunk = state + T * per_position + heads * T * C * SCORES_BYTES
+    view = C * per_position // model.layers if in_blocks else 0  # one layer's keys and values at C
+    chunk = state + T * per_position + view + heads * T * C * SCORES_BYTES
     if batched:
         budget = max(max_batched_tokens, chunk_tokens)
+        held = view if in_blocks else C * per_position  # a row's view of its blocks, or its staging row's copy
         for t in (b for b in buckets.prompt if b <= T):
             B = min(last_chunk_rows(buckets, t, budget, staging=C), buckets.batch_for(max(1, rows)))
-            chunk = max(chunk, B * (state + C * per_position + heads * t * C * SCORES_BYTES))
+            step = B * (state + held + heads * t * C * SCORES_BYTES + (t * per_position if in_blocks else 0))
+            chunk = max(chunk, step)
     return max(whole, chunk)
 
 
@@ -227,12 +237,14 @@ def paged_pool_tokens(
     bits: int | None = None,
 ) -> int:
     """Token positions a paged KV pool of ``model`` gets from ``budget`` bytes: what is left after
-    the weights, the largest prefill step (:func:`prefill_bytes`, for ``max_running`` rows) and
-    the prefix cache's budget, at :func:`pool_bytes_per_position` each (every layer's keys and
-    values: a paged pool keeps a sliding layer's positions too; ``bits``: quantized). 0 when
-    nothing is left."""
-    C = buckets.capacity[-1]
-    prefill = prefill_bytes(model, buckets, max_running, C, chunk_tokens, max_batched_tokens, batches_last_chunks())
+    the weights, the largest prefill step (:func:`prefill_bytes`, for ``max_running`` rows; in
+    the pool's blocks where the model prefills there, :func:`prefills_in_blocks`) and the prefix
+    cache's budget, at :func:`pool_bytes_per_position` each (every layer's keys and values: a
+    paged pool keeps a sliding layer's positions too; ``bits``: quantized). 0 when nothing is
+    left."""
+    C, in_blocks = buckets.capacity[-1], prefills_in_blocks(model, bits)
+    batched = batches_last_chunks()
+    prefill = prefill_bytes(model, buckets, max_running, C, chunk_tokens, max_batched_tokens, batched, in_blocks)
     left = budget - model.nbytes - prefill - prefix_cache_bytes
     return max(0, left // pool_bytes_per_position(model, bits))
 
@@ -244,12 +256,15 @@ def worst_case(
     chunk_tokens: int = 512,
     max_batched_tokens: int = 2048,
     prefix_cache_bytes: int = 0,
+    in_blocks: bool = False,
 ) -> MemoryEstimate:
     """The most ``model`` can hold: ``max_running`` rows at the largest capacity bucket, the
-    largest prefill step (:func:`prefill_bytes`) and the prefix cache's whole budget."""
+    largest prefill step (:func:`prefill_bytes`; ``in_blocks``: a paged pool's model that
+    prefills in its blocks) and the prefix cache's whole budget."""
     C = buckets.capacity[-1]
     decode = buckets.batch_for(max_running) * decode_row_bytes(model, C)
-    prefill = prefill_bytes(model, buckets, max_running, C, chunk_tokens, max_batched_tokens, batches_last_chunks())
+    batched = batches_last_chunks()
+    prefill = prefill_bytes(model, buckets, max_running, C, chunk_tokens, max_batched_tokens, batched, in_blocks)
     return MemoryEstimate(model.name, model.nbytes, decode, prefill, prefix_cache_bytes)
 
 
@@ -266,9 +281,9 @@ def load_bytes(engine: Engine, rows: list[tuple[int, int]]) -> int:
     capacity = buckets.capacity_for(min(max(p + m for p, m in rows), buckets.capacity[-1]))
     decode = buckets.batch_for(running) * decode_row_bytes(engine.model, capacity)
     longest = max(p for p, _ in rows)
-    batched = engine.executor.batches_chunks
+    batched, in_blocks = engine.executor.batches_chunks, engine.executor.in_blocks
     prefill = prefill_bytes(
-        engine.model, buckets, running, longest, sched.chunk_tokens, sched.max_batched_tokens, batched
+        engine.model, buckets, running, longest, sched.chunk_tokens, sched.max_batched_tokens, batched, in_blocks
     )
     if engine.executor.pool is not None:  # a paged pool is allocated once; its blocks admit the requests
         return engine.model.nbytes + engine.executor.pool.nbytes + prefill

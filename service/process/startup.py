@@ -20,7 +20,7 @@ from models.sentence import EmbeddingModel, load_embedding_model
 from service.config import ServedModel, Settings
 from service.engine.buckets import BucketTable
 from service.engine.embedder import length_buckets
-from service.engine.executor import pages, pool_verifies
+from service.engine.executor import pages, pool_verifies, prefills_in_blocks
 from service.engine.warmup import WarmupSpec
 from service.process import memory, warm_sizing
 from service.process.warm_sizing import Coverage
@@ -391,6 +391,7 @@ def _check_paged(
                 resolved[s.name],
                 settings.prefill_chunk_tokens,
                 settings.max_batched_tokens,
+                in_blocks=prefills_in_blocks(models[s.name], s.kv_bits),  # no staging cache beside the pool
             )
             for s in specs
         }

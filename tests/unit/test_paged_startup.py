@@ -58,12 +58,17 @@ def test_a_pool_smaller_than_the_context_bounds_a_sequence_and_one_smaller_than_
 def test_the_ladder_stops_where_its_prefill_step_leaves_a_pool_that_still_holds_one_sequence(model):
     # A ladder up to the context (512) would need a prefill step that leaves a pool below the
     # smallest bucket (refused before); its top is now the longest sequence whose pool, beside
-    # that sequence's prefill step, still holds it.
+    # that sequence's prefill step, still holds it. The tiny model prefills in the pool's blocks:
+    # its chunk step at capacity C holds float32 scores of C positions' bytes (4 heads x 32 x C)
+    # and one layer's view of its blocks, C / 2 positions' (2 layers), so a budget of 800 positions
+    # tops the ladder at 304 (pool 312); at 600 it tops at 227 positions, under the smallest
+    # bucket. (The staging path's step counted the scores alone: its staging row was not counted.)
     per, bt = kv_bytes_per_position(model), 16
-    budget = model.nbytes + 600 * per
+    budget = model.nbytes + 800 * per
     resolved = check_memory(settings(memory_budget_bytes=budget), {"tiny": model})
     top, pool = resolved.served_models()[0].capacity_buckets[-1], resolved.kv_pool_tokens
     assert pool is not None and 256 <= top < TINY.max_position_embeddings and top % bt == 0 and pool >= top
+    assert (top, pool) == (304, 312)
     for longer in (top + bt, TINY.max_position_embeddings):  # one block more no longer fits, nor the context
         try:
             pool_then = check_memory(
@@ -201,7 +206,15 @@ def test_an_8b_model_under_a_16_gb_budget_holds_a_32k_prompt(gpu, monkeypatch):
     """Llama 3.1 8B's shape, 4.15 GB of 4-bit weights, ``memory_budget_bytes`` 16e9 (a 24 GB
     Mac's): the pool beside the largest prefill step holds one 32,000-token prompt, on a
     process that batches prompts' last chunks (a GPU) or not. Before, the ladder went to the
-    context (131,072) and its prefill step left no pool at all: start-up was refused."""
+    context (131,072) and its prefill step left no pool at all: start-up was refused.
+
+    The model prefills in the pool's blocks, so its largest step (a 512-token chunk at capacity
+    C) holds no staging cache: 32 heads x 512 x C float32 scores, one layer's view of its blocks
+    (C x 4 KB) and the chunk's keys and values. The ladder's top is then 58,704 with a pool of
+    58,709 tokens (7.7 GB), on a GPU as on a CPU. With a staging cache the GPU's step counted a
+    copy of its staging row (C x 131 KB, as a batch of last chunks copies it): top 36,160, pool
+    36,168; the CPU's counted the scores alone (top 59,920, pool 59,936), not the staging row
+    it held."""
     import service.process.memory as memory
     from models.model_args import ModelArgs
 
@@ -215,3 +228,4 @@ def test_an_8b_model_under_a_16_gb_budget_holds_a_32k_prompt(gpu, monkeypatch):
     resolved = check_memory(Settings(model_name="l8b", kv_cache="paged", memory_budget_bytes=16 * 10**9), {"l8b": l8b})
     top, pool = resolved.served_models()[0].capacity_buckets[-1], resolved.kv_pool_tokens
     assert pool is not None and 32_000 <= top <= pool
+    assert (top, pool) == (58_704, 58_709)
