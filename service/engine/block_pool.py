@@ -26,6 +26,11 @@ Caching" design doc) as nano-vllm's ``BlockManager`` states it in a few dozen li
   block (after :meth:`BlockPool.fork`, or a truncation into a block others hit) it gets a copy,
   and :meth:`BlockPool.append_slots` returns the ``(src, dst)`` block copy the device must do
   first (copy-on-write, vLLM v0's ``BlockSpaceManager``).
+- A sequence's prompt blocks that are not published yet are *pending* from its allocation until
+  they are published (or the sequence is freed or truncated before them): their chain digests are
+  known from its tokens, so :meth:`BlockPool.pending` tells a waiting prompt that the blocks it
+  would compute are on their way in another sequence (the engine then defers its admission,
+  :meth:`service.engine.core.Engine._fits`, rather than compute and hold them twice).
 - Block 0 is the *null block* (vLLM v1's ``null_block``): never allocated, it is what padded
   rows and table columns beyond a row's blocks point at, so a padded token's write lands there
   and nowhere else; attention masks whatever it holds.
@@ -105,6 +110,13 @@ class PoolStats:
     free: int
 
 
+class _Owner(NamedTuple):
+    """A pending digest's sequence and the index of its block in that sequence's table."""
+
+    seq_id: Hashable
+    index: int
+
+
 @dataclass(eq=False, slots=True)
 class _Block:
     refs: int = 0
@@ -118,6 +130,7 @@ class _Sequence:
     tokens: list[int]
     table: list[int]
     digests: list[bytes] = field(default_factory=list)  # chain digests of its computed full blocks
+    pending: set[bytes] = field(default_factory=set)  # digests it owns in the pool's pending map
 
 
 class BlockPool:
@@ -153,6 +166,7 @@ class BlockPool:
         self._free: deque[int] = deque(range(1, num_blocks))  # block 0 is the null block
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently used first
         self._published: dict[bytes, int] = {}  # digest -> block id
+        self._pending: dict[bytes, _Owner] = {}  # digest -> the sequence computing it (never published)
         self._seqs: dict[Hashable, _Sequence] = {}
         self.queried_tokens = self.hit_tokens = self.evicted_blocks = 0
 
@@ -235,6 +249,26 @@ class BlockPool:
         token budget)."""
         return len(self._match(tokens)[0]) * self.block_tokens
 
+    def pending(self, tokens: Sequence[int], seq_id: Hashable | None = None) -> int:
+        """How many of the full blocks ``tokens`` would hit, right after its published ones, are
+        pending in a sequence other than ``seq_id``: computed by it now, and published once they
+        are written (:meth:`mark_computed`). Only blocks :meth:`allocate` could hit are counted
+        (at most ``(len(tokens) - 1) // block_tokens`` blocks in all), consecutive from the
+        first unpublished one; each is checked against its owner's tokens, so a hash collision
+        counts nothing. 0 without ``caching``. Changes nothing."""
+        bt, (hits, digests) = self.block_tokens, self._match(tokens)
+        digest, count = digests[-1] if digests else ROOT_DIGEST, 0
+        for i in range(len(hits), (len(tokens) - 1) // bt if self._pending else 0):
+            chunk = tuple(tokens[i * bt : (i + 1) * bt])
+            digest = self._hash(digest, chunk)
+            owner = self._pending.get(digest)
+            if owner is None or owner.seq_id == seq_id or owner.index != i:
+                break
+            if tuple(self._seqs[owner.seq_id].tokens[i * bt : (i + 1) * bt]) != chunk:
+                break  # a collision with another prefix
+            count += 1
+        return count
+
     def can_allocate(self, tokens: Sequence[int], reserve: int = 0) -> bool:
         """Whether :meth:`allocate` of ``tokens`` would succeed leaving ``reserve`` blocks (>= 0)
         available: the blocks not already cached, plus the reserve, against free plus
@@ -248,6 +282,9 @@ class BlockPool:
         Each hit block's reference count goes up (a cached one leaves the LRU); every other
         block is new (free first, else the least recently used cached block is evicted).
         ``reserve``: blocks (>= 0) that must stay available after it (:meth:`can_allocate`).
+        The prompt's full blocks after the hit that are neither published nor pending in another
+        sequence become pending in this one (:meth:`pending`) until :meth:`mark_computed`
+        publishes them or :meth:`free` or :meth:`truncate` drops them.
 
         Raises:
             ValueError: the sequence exists already, or ``tokens`` is empty.
@@ -267,11 +304,28 @@ class BlockPool:
         for block_id in hits:
             self._ref(block_id)
         table = hits + [self._take() for _ in range(new)]
-        self._seqs[seq_id] = _Sequence(list(tokens), table, digests)
+        self._seqs[seq_id] = seq = _Sequence(list(tokens), table, digests)
         if self.caching:
             self.queried_tokens += len(tokens)
             self.hit_tokens += len(hits) * self.block_tokens
+            self._add_pending(seq_id, seq)
         return Allocation(tuple(table), len(hits) * self.block_tokens)
+
+    def _add_pending(self, seq_id: Hashable, seq: _Sequence) -> None:
+        """Record ``seq``'s uncomputed full blocks as pending in it, those not published and not
+        pending in another sequence already."""
+        bt, digest = self.block_tokens, seq.digests[-1] if seq.digests else ROOT_DIGEST
+        for i in range(len(seq.digests), len(seq.tokens) // bt):
+            digest = self._hash(digest, seq.tokens[i * bt : (i + 1) * bt])
+            if digest not in self._published and digest not in self._pending:
+                self._pending[digest] = _Owner(seq_id, i)
+                seq.pending.add(digest)
+
+    def _drop_pending(self, seq: _Sequence, start: int = 0) -> None:
+        """Forget the pending blocks ``seq`` owns from its block ``start`` on."""
+        for digest in [d for d in seq.pending if self._pending[d].index >= start]:
+            del self._pending[digest]
+            seq.pending.discard(digest)
 
     def _ref(self, block_id: int) -> None:
         block = self._blocks[block_id]
@@ -354,6 +408,8 @@ class BlockPool:
         block whose prefix another block already publishes stays unpublished, as vLLM v1 leaves
         duplicates uncached). Idempotent; call it once the step that writes them has run (or
         is the step that reads them: a paged step writes every row's keys before any row reads).
+        The blocks it computes are no longer pending (:meth:`pending`), nor, once published, are
+        those of the same prefix pending in another sequence.
 
         Raises:
             KeyError: unknown sequence.
@@ -371,6 +427,10 @@ class BlockPool:
             if digest not in self._published and block.digest is None:
                 block.digest, block.parent, block.tokens = digest, parent, chunk
                 self._published[digest] = seq.table[i]
+            owner = self._pending.get(digest)
+            if owner is not None and (owner.seq_id == seq_id or digest in self._published):
+                del self._pending[digest]  # computed, or published by another sequence first
+                self._seqs[owner.seq_id].pending.discard(digest)
 
     def set_tokens(self, seq_id: Hashable, start: int, tokens: Sequence[int]) -> None:
         """Name the tokens at positions ``start .. start + len(tokens) - 1`` of the sequence:
@@ -388,6 +448,8 @@ class BlockPool:
                 f"positions {start}..{start + len(tokens) - 1}: the sequence has {len(seq.tokens)} slots and its "
                 f"first {len(seq.digests) * self.block_tokens} tokens are computed"
             )
+        if seq.pending and list(tokens) != seq.tokens[start : start + len(tokens)]:
+            self._drop_pending(seq, start // self.block_tokens)  # digested under the old tokens
         seq.tokens[start : start + len(tokens)] = tokens
 
     # -- sharing and release ------------------------------------------------------------------
@@ -409,7 +471,8 @@ class BlockPool:
 
     def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
         """Keep only the sequence's first ``num_tokens`` tokens (rejected speculative tokens):
-        blocks past them are released as by :meth:`free`.
+        blocks past them are released as by :meth:`free`, and its pending full blocks past them
+        are pending no more.
 
         Raises:
             KeyError: unknown sequence. ValueError: ``num_tokens`` < 1 or above its tokens.
@@ -418,14 +481,18 @@ class BlockPool:
         if not 1 <= num_tokens <= len(seq.tokens):
             raise ValueError(f"cannot truncate a sequence of {len(seq.tokens)} tokens to {num_tokens}")
         keep = self.blocks_for(num_tokens)
+        self._drop_pending(seq, num_tokens // self.block_tokens)
         self._release(seq.table[keep:])
         del seq.table[keep:], seq.tokens[num_tokens:], seq.digests[num_tokens // self.block_tokens :]
 
     def free(self, seq_id: Hashable) -> None:
         """Release a finished, cancelled or preempted sequence's blocks: each loses a reference;
         one left unreferenced is cached (published) or free. Its blocks enter the LRU last block
-        first, so its tail is evicted before its head. Raises KeyError for an unknown one."""
-        self._release(self._seqs.pop(seq_id).table)
+        first, so its tail is evicted before its head; its pending blocks are pending no more
+        (a prompt waiting for them computes them itself). Raises KeyError for an unknown one."""
+        seq = self._seqs.pop(seq_id)
+        self._drop_pending(seq)
+        self._release(seq.table)
 
     def evict_cached(self) -> int:
         """Evict every cached (unreferenced, published) block: they become free and no longer
@@ -454,7 +521,9 @@ class BlockPool:
         """Verify the bookkeeping: every block but the null block is exactly one of free, cached
         (in the LRU) or referenced; each reference count equals the number of block tables
         holding the block; cached blocks are published and free ones are not; the digest index
-        and the blocks agree; every table has one block per ``block_tokens`` of its tokens.
+        and the blocks agree; every table has one block per ``block_tokens`` of its tokens; every
+        pending digest is unpublished and names an uncomputed full block of a live sequence (its
+        chain digest over that sequence's tokens), and the map and the sequences' own sets agree.
 
         Raises:
             PoolInvariantError: the first inconsistency found.
@@ -478,6 +547,26 @@ class BlockPool:
             if block.digest is not None:
                 _require(self._published.get(block.digest) == block_id, f"block {block_id}: digest not indexed")
         _require(all(self._blocks[b].digest == d for d, b in self._published.items()), "a stale digest index entry")
+        self._check_pending()
+
+    def _check_pending(self) -> None:
+        """:meth:`check`'s part for the pending map."""
+        bt, chains = self.block_tokens, {}
+        for digest, (seq_id, i) in self._pending.items():
+            seq = self._seqs.get(seq_id)
+            _require(seq is not None and digest in seq.pending, f"pending block of {seq_id!r} not its own")
+            assert seq is not None
+            _require(len(seq.digests) <= i < len(seq.tokens) // bt, f"{seq_id!r}: block {i} is not pending")
+            _require(digest not in self._published, f"{seq_id!r}: pending block {i} is published")
+            if seq_id not in chains:
+                chain, parent = [], ROOT_DIGEST
+                for j in range(len(seq.tokens) // bt):
+                    parent = self._hash(parent, seq.tokens[j * bt : (j + 1) * bt])
+                    chain.append(parent)
+                chains[seq_id] = chain
+            _require(chains[seq_id][i] == digest, f"{seq_id!r}: pending block {i} under another digest")
+        owned = sum(len(seq.pending) for seq in self._seqs.values())
+        _require(owned == len(self._pending), "a sequence owns a pending digest the map lost")
 
 
 def _require(condition: bool, message: str) -> None:

@@ -283,23 +283,31 @@ def test_fuzz_arrivals_appends_forks_truncations_and_frees(seed):
     """Random traffic against a tiny pool: the bookkeeping is consistent after every operation,
     every live sequence reads back its own prefixes through its table (so no block is shared
     wrongly, overwritten while shared, or hit after another prefix), and once everything is
-    freed every block is free or cached. A vocabulary of 3 makes sequences regrow the same
-    blocks after truncations, forks and frees, where stale digests would be hit."""
+    freed every block is free or cached. Some arrivals publish their blocks late or never (still
+    being prefilled when freed), so the pending map is checked throughout. A vocabulary of 3
+    makes sequences regrow the same blocks after truncations, forks and frees, where stale digests would be hit."""
     rng = random.Random(seed)
     pool = BlockPool(num_blocks=14, block_tokens=BT)
     device = Device(pool)
     live = device.expected
     prefixes = [[rng.randrange(3) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
-    refused = hits = copies = truncated = 0
+    refused = hits = copies = truncated = pending = 0
     for step in range(500):
         op = rng.random()
         if op < 0.3 or not live:  # an arrival, often sharing a prefix
             tokens = list(rng.choice(prefixes)) if rng.random() < 0.7 else []
             tokens += [rng.randrange(3) for _ in range(rng.randrange(0 if tokens else 1, 10))]
+            assert pool.pending(tokens) <= (len(tokens) - 1) // BT - pool.peek(tokens) // BT
             if not pool.can_allocate(tokens):
                 refused += 1
                 with pytest.raises(NoFreeBlocks):
                     pool.allocate(step, tokens)
+            elif rng.random() < 0.3:  # still being prefilled: its blocks published later, or never
+                allocation = pool.allocate(step, tokens)
+                hits += allocation.num_cached_tokens > 0
+                device.write(step, tokens, allocation.num_cached_tokens)
+                device.expected[step] = list(tokens)
+                pool.mark_computed(step, rng.choice([0, rng.randrange(len(tokens) + 1)]))
             else:
                 hits += admit(pool, device, step, tokens).num_cached_tokens > 0
         elif op < 0.6:  # decode, or a speculative verify of several tokens
@@ -327,12 +335,70 @@ def test_fuzz_arrivals_appends_forks_truncations_and_frees(seed):
             del live[seq_id]
         pool.check()
         device.verify()
+        pending += bool(pool._pending)
     for seq_id in list(live):
         pool.free(seq_id)
     pool.check()
     stats = pool.stats()
-    assert stats.used == 0 and stats.free + stats.cached == stats.total
-    assert refused and hits and copies and truncated and pool.evicted_blocks  # every path was reached
+    assert stats.used == 0 and stats.free + stats.cached == stats.total and not pool._pending
+    assert refused and hits and copies and truncated and pending and pool.evicted_blocks  # every path was reached
+
+
+def test_a_prompts_blocks_are_pending_until_published_freed_or_truncated():
+    """A sequence's unpublished full prompt blocks are pending in it from allocation: another
+    prompt sharing them counts them (up to the blocks it could hit), its owner does not; they
+    leave the pending map as they are published, when the owner is freed, truncated before
+    them, or when another sequence publishes the same prefix first."""
+    pool = BlockPool(num_blocks=20, block_tokens=BT)
+    shared = list(range(1, 13))  # 3 full blocks
+    pool.allocate("a", shared + [50, 51])
+    assert pool.pending(shared + [60]) == 3
+    assert pool.pending(shared + [60], "a") == 0  # its own blocks
+    assert pool.pending(shared) == 2  # the last block of a prompt is never hit: never waited for
+    assert pool.pending([9] + shared) == 0  # another prefix
+    pool.check()
+    pool.mark_computed("a", 5)  # its first chunk: one block published, two pending
+    assert pool.peek(shared + [60]) == 4 and pool.pending(shared + [60]) == 2
+    pool.check()
+    pool.truncate("a", 9)  # keeps blocks 0 and 1 whole: only block 1 is still pending
+    assert pool.pending(shared + [60]) == 1
+    pool.check()
+    pool.free("a")
+    assert pool.pending(shared + [60]) == 0 and not pool._pending
+    pool.check()
+
+    pool.allocate("b", shared + [70])  # b computes block 0 again (a's is cached: a hit) and blocks 1, 2
+    assert pool.num_computed("b") == 4 and pool.pending(shared + [60]) == 2
+    pool.allocate("c", shared + [80])  # b's pending blocks: c owns none of them
+    assert pool.pending(shared + [60], "c") == 2
+    pool.mark_computed("c", len(shared))  # c publishes them first: pending in b no more
+    assert pool.pending(shared + [60]) == 0 and not pool._pending
+    pool.check()
+    pool.mark_computed("b", len(shared) + 1)
+    pool.check()
+    for seq in ("b", "c"):
+        pool.free(seq)
+    pool.check()
+
+
+def test_a_collision_with_a_pending_block_is_not_waited_for():
+    def colliding(parent: bytes, tokens) -> bytes:
+        return parent + b"x"  # every block at one depth collides
+
+    pool = BlockPool(num_blocks=10, block_tokens=BT, hash_fn=colliding)
+    pool.allocate("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert pool.pending([1, 2, 3, 4, 9]) == 1
+    assert pool.pending([5, 5, 5, 5, 9]) == 0  # same digest, other tokens
+    pool.check()
+
+
+def test_check_catches_a_corrupted_pending_map():
+    pool = BlockPool(num_blocks=6, block_tokens=BT)
+    pool.allocate("a", list(range(9)))
+    pool.check()
+    pool._seqs["a"].pending.clear()  # the map still names a's blocks
+    with pytest.raises(PoolInvariantError):
+        pool.check()
 
 
 def test_tokens_named_after_their_slots_are_published_and_hit():
