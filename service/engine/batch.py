@@ -102,7 +102,9 @@ class DecodeBatch:
         """
         live, joining = sorted(live, key=lambda s: s.slot), list(joining)
         B = self.buckets.batch_for(max(len(live) + len(joining), 1))
-        need = max((s.position + 1 for s in live + joining), default=1)
+        # A row at the capacity limit has its last token in flight and steps no more (the runner
+        # vacates it before the next step): it needs no room past the limit while others join.
+        need = min(max((s.position + 1 for s in live + joining), default=1), self.capacity_limit)
         C = self.buckets.capacity_for(min(need + extra, max(need, self.buckets.capacity[-1])))  # extra: if it fits
         if self.kv is None:
             self.kv = self.executor.alloc(B, C, ring=True)

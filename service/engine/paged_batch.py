@@ -215,7 +215,9 @@ class PagedDecodeBatch(DecodeBatch):
         Rows move to slots 0..n-1 when the batch bucket shrinks; nothing is copied."""
         live, joining = sorted(live, key=lambda s: s.slot), list(joining)
         B = self.buckets.batch_for(max(len(live) + len(joining), 1))
-        need = max((s.position + 1 for s in live + joining), default=1)
+        # A row at the capacity limit has its last token in flight and steps no more (the runner
+        # vacates it before the next step): it needs no room past the limit while others join.
+        need = min(max((s.position + 1 for s in live + joining), default=1), self.capacity_limit)
         C = self.buckets.capacity_for(min(need + extra, max(need, self.capacity_limit)))
         for seq in live if self._growing else ():
             self._grow(seq, 0)  # a verify step's ``extra`` positions: reserve(), best effort

@@ -501,11 +501,37 @@ def test_paged_pool_decodes_plain_without_a_paged_verify_and_refuses_off_block_b
         engine_at(model, BUCKETS, kv_cache="paged", kv_pool_tokens=64, kv_block_tokens=5)
 
 
+@pytest.mark.parametrize("kv_cache", ["static", "paged"])
+def test_a_request_joins_beside_a_row_whose_last_token_at_the_capacity_limit_is_in_flight(params, kv_cache):
+    """A row that reached the largest capacity has its last token in flight (the runner
+    vacates it before the next step); a request joining meanwhile re-buckets the batch without
+    room past the limit for it (that took a capacity bucket beyond the largest and failed the
+    step), and both get their tokens alone."""
+    settings = {"kv_cache": kv_cache, **({"kv_block_tokens": 4, "kv_pool_tokens": 128} if kv_cache == "paged" else {})}
+    engine, _ = chunking_engine(params, frozenset(), 0, **settings)
+    limit = BUCKETS.capacity[-1]
+    a = Sequence(
+        list(range(20, 40)), SamplingParams(max_tokens=100), engine.model.tokenizer.detokenizer(), lambda e: None
+    )
+    b = Sequence([5, 6, 7], SamplingParams(max_tokens=3), engine.model.tokenizer.detokenizer(), lambda e: None)
+    engine.submit(a)
+    while a.position < limit:
+        engine.step()
+    assert a.finish_reason is None  # its last token is in flight
+    engine.submit(b)
+    while a.finish_reason is None or b.finish_reason is None or engine.runner.busy:
+        engine.step()
+    for seq in (a, b):
+        assert seq.finish_reason is FinishReason.LENGTH
+        assert seq.output_ids == reference(params, seq.prompt_ids, seq.params.max_tokens, frozenset(), limit)
+
+
 def test_paged_fuzz_of_arrivals_cancellations_and_lengths_leaks_no_block(params):
     """40 requests of random lengths arrive at random times against a pool of 48 positions
-    (prefix cache on), and a fifth are cancelled at random: each finished request has its tokens
-    alone (a cancelled one a prefix of them), the pool's bookkeeping holds after every step and
-    once idle every block is back."""
+    (prefix cache on), a third of them starting with one of two 12-token prefixes (a request may
+    then wait for one in flight), and a fifth are cancelled at random: each finished request has
+    its tokens alone (a cancelled one a prefix of them), the pool's bookkeeping (its pending
+    blocks included) holds after every step and once idle every block is back."""
     import random
 
     rng = random.Random(7)
@@ -520,8 +546,11 @@ def test_paged_fuzz_of_arrivals_cancellations_and_lengths_leaks_no_block(params)
     done = threading.Semaphore(0)
     seqs: list[Sequence] = []
     try:
+        heads = [[rng.randrange(1, 90) for _ in range(12)] for _ in range(2)]
         for i in range(40):
             prompt = [rng.randrange(1, 90) for _ in range(rng.randint(1, 20))]
+            if rng.random() < 0.3:
+                prompt = rng.choice(heads) + prompt[:8]
 
             def emit(event, i=i):
                 if isinstance(event, FinalEvent):
