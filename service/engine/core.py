@@ -524,13 +524,35 @@ class Engine:
         small reserve; cached blocks no request holds count as available, evicted least
         recently used first). An admitted request takes its prompt's blocks at once, its
         prefix hit's referenced (:meth:`BlockPool.allocate`), so that the next admission of
-        the same step counts what this one took. Called by the scheduler, on the engine thread."""
+        the same step counts what this one took. Called by the scheduler, on the engine thread.
+
+        **A shared prefix in flight.** A request whose prompt's next full blocks, after those
+        published, are pending in a request being prefilled (:meth:`BlockPool.pending`: chats
+        sharing a system prompt arriving together) is not admitted yet when the shared prefix,
+        published and pending, spans at least one chunk (``prefill_chunk_tokens``). It keeps its
+        place at the head of the queue (those behind it wait too: first come, first served)
+        until the owner has published those blocks, and is then admitted with a prefix hit on
+        them, instead of computing and holding the same blocks again (N such chats took N times
+        the prefill and the blocks). The cost: the deferred request waits for the owner's
+        prefill of the shared part, which it would otherwise compute itself in about as many
+        steps. Where prompts prefill in their blocks the owner publishes its full blocks after
+        each chunk (:meth:`Prefiller.run`); on the staging path only at join, once its whole
+        prompt is in, so there the wait also covers the owner's own rest of the prompt. A shared
+        prefix of less than a chunk (short prompts, whose whole prefill is one call) is computed
+        again rather than waited for: the request computes it beside the owner in the same step
+        (one prompt sent twice at once still shares a prefill row). It never deadlocks: the
+        owner's prefill advances every step, and an owner cancelled, failed, finished or
+        preempted drops its pending blocks (:meth:`BlockPool.free`), so the request is then
+        admitted and computes what was not published."""
         batch = self.paged
         if batch is None:
             return True
         blocks, ids = batch.blocks, seq.prefill_ids
         if id(seq) in blocks:
             return True
+        waits = blocks.pending(ids)  # blocks of its prefix another request is computing now
+        if waits and blocks.peek(ids) + waits * blocks.block_tokens >= self.scheduler.chunk_tokens:
+            return False  # a shared prefix of a chunk or more in flight: hit it once published
         reserve = blocks.blocks_for(len(ids) + 1) - blocks.blocks_for(len(ids)) + self.scheduler.num_running
         try:
             blocks.allocate(id(seq), ids, reserve)

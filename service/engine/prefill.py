@@ -19,8 +19,10 @@ call above (whole prompts, a chunk, last chunks together, a prefix hit's remaind
 prompt's keys and values straight into the blocks the request took at admission
 (:meth:`Executor.prefill_blocks`), at the same compile keys, a chunk's view of its blocks
 taking the capacity its staging cache would have had; its ``seq.prefilled`` then holds an
-:class:`InBlocks` marker, and nothing waits in :meth:`take_saves` (the pool publishes the
-blocks when the request joins).
+:class:`InBlocks` marker, and nothing waits in :meth:`take_saves`. The full blocks each call
+wrote are published (:meth:`BlockPool.mark_computed`) once the step's calls are read back, chunk
+by chunk, not only when the request joins: a request deferred at admission because its prompt
+shares them (:meth:`Engine._fits`) is admitted at the next step with a hit on them.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class Prefiller:
         self.rows_cap = LAST_CHUNK_ROWS  # the warm-up lowers it to its warmed batch (see last_chunk_rows)
         self.blocks: BlockPool | None = None  # the pool's bookkeeping, where prompts prefill in blocks
         self._saves: list[tuple[list[tuple[list[int], int]], KVCache]] = []  # (prompts and rows, their cache)
+        self._written: list[Sequence] = []  # requests whose blocks this step's calls write (in blocks)
 
     @property
     def in_blocks(self) -> bool:
@@ -102,9 +105,11 @@ class Prefiller:
         for :meth:`DecodeBatch.join`; seeded rows' next keys in ``keys``), step stats and
         failures. Every call is queued first and the first tokens are read back together: one
         host sync for the whole step's prefill work. The prompts' blocks wait in
-        :meth:`take_saves`."""
+        :meth:`take_saves`, or, prefilled in blocks, the full blocks written are published once
+        read back (none when the read-back fails)."""
         out = RunnerOutput()
         self._pending: list[_Pending] = []
+        self._written = []
         whole: dict[int, list[Sequence]] = {}
         finals: dict[tuple[int, int], list[Sequence]] = {}  # last chunks, by (chunk bucket T, staging C)
         for seq in seqs:
@@ -224,6 +229,7 @@ class Prefiller:
         tokens = seq.prefill_ids[offset : offset + n] + [0] * (T - n)
         logits = self.executor.prefill_blocks([self._table(seq)], [tokens], [offset], [n], 1, capacity)
         seq.num_computed = offset + n
+        self._written.append(seq)
         stat = ("chunk", f"b1x{T}c{capacity}", 1, 1, start)
         if seq.prompt_done:
             self._queue_first_tokens([seq], logits, InBlocks(), stat)
@@ -273,6 +279,7 @@ class Prefiller:
         logits = self.executor.prefill_blocks([self._table(s) for s in group], tokens, offsets, lengths, B, capacity)
         for seq in group:
             seq.num_computed = len(seq.prefill_ids)
+        self._written += group
         stat = ("chunk", f"b{B}x{T}c{capacity}", len(group), B, start)
         self._queue_first_tokens(group, logits, InBlocks(), stat)
 
@@ -313,7 +320,21 @@ class Prefiller:
         B, T, n = len(tokens), len(tokens[0]), len(prompts)
         tables = [self._table(owners[row]) for row in range(n)]
         logits = self.executor.prefill_blocks(tables, tokens[:n], [0] * n, lengths[:n], B)
+        self._written += group
         return logits, InBlocks(), (B, T)
+
+    def _publish_written(self) -> None:
+        """Publish the full blocks this step's calls wrote into each request's blocks (prefilled
+        in blocks; read back, so their keys and values are in the pool), for the prefix hits of
+        the requests admitted next (:meth:`BlockPool.mark_computed`, idempotent: the join calls
+        it again). A request cancelled or failed later leaves those blocks published: they hold
+        what a step wrote and read back."""
+        blocks, written, self._written = self.blocks, self._written, []
+        if blocks is None:
+            return
+        for seq in written:
+            if id(seq) in blocks:
+                blocks.mark_computed(id(seq), seq.num_computed)
 
     def _queue_first_tokens(
         self,
@@ -345,6 +366,7 @@ class Prefiller:
             self.executor.raise_if_fatal(exc)
             out.failed += [(seq, f"prefill failed: {type(exc).__name__}") for p in pending for seq in p.group]
             return
+        self._publish_written()
         done = time.perf_counter()
         for p in pending:
             phase, bucket, rows, bucket_rows, start = p.stat

@@ -113,10 +113,15 @@ def test_a_request_cancelled_mid_prefill_gives_its_unwritten_blocks_back_unpubli
     engine.submit(long)
     engine.step()  # its first chunk is in its blocks
     assert 0 < long.num_computed < len(long.prompt_ids)
+    written = long.num_computed // BT  # its first chunk's full blocks: published once read back
     engine.cancel(long)
     finish(engine, [long], consistent)
     assert engine.paged is not None
-    assert engine.paged.blocks.stats().used == 0 and engine.paged.blocks.stats().cached == 0
+    assert engine.paged.blocks.stats().used == 0 and engine.paged.blocks.stats().cached == written
+    again = request(engine, long.prompt_ids, 4)
+    run(engine, [again], consistent)
+    assert final(again).cached_tokens == written * BT
+    assert again.output_ids == reference(params, long.prompt_ids, 4)
 
 
 def test_warmed_up_no_prefill_in_blocks_compiles_after_ready(params):  # noqa: F811
