@@ -5,8 +5,8 @@ A request takes its prompt's blocks when it is admitted (:meth:`Engine._fits`), 
 blocks another request already computed referenced, not copied (a prefix hit: prefill starts
 after them). It joins by having the keys and values it prefilled copied into its other blocks
 (:meth:`Executor.write_blocks`), or, where the model prefills in its blocks
-(:attr:`Executor.in_blocks`), with them there already, and its full blocks are then published
-for later requests' hits;
+(:attr:`Executor.in_blocks`), with them there already (and published chunk by chunk as they
+were written), and its full blocks are then published for later requests' hits;
 each decode step first gives every row the blocks its next positions need (a copy of a shared
 partial last block first: copy-on-write), then runs over the rows' block tables
 (:class:`service.engine.executor.PagedTables`) at a batch bucket and a capacity bucket, as the

@@ -61,8 +61,9 @@ class Scheduler:
         cached_tokens: prompt tokens ids -> how many the prefix cache holds (called on the
             engine thread, which schedules; default none).
         fits: whether the request at the head of the queue may be admitted now (a paged KV
-            pool's blocks, :meth:`service.engine.core.Engine._fits`; default: always). The head
-            waits until it does, and those behind it too (first come, first served).
+            pool's blocks, or a shared prefix another request is still prefilling,
+            :meth:`service.engine.core.Engine._fits`; default: always). The head waits until
+            it does, and those behind it too (first come, first served).
     """
 
     def __init__(
