@@ -16,10 +16,11 @@ from service.engine import executor as executor_module
 from service.engine.buckets import BucketTable
 from service.engine.core import Engine
 from service.metrics import Metrics
-from tests.support import TINY, engine_at
+from tests.support import TINY, engine_at, random_params
 from tests.unit.test_paged_prefix import (
     BT,
     PREFIX,
+    WIDE,
     consistent,
     final,
     finish,
@@ -93,6 +94,10 @@ def bounded(engine: Engine, seqs, steps: int = STEPS) -> None:
 
 @pytest.mark.parametrize("in_blocks", [True, False], ids=["in-blocks", "staging"])
 def test_requests_sharing_a_prefix_arriving_together_prefill_and_hold_it_once(params, in_blocks, monkeypatch):  # noqa: F811
+    """Six requests sharing a 36-token prefix (9 blocks) sent at once: the first prefills it,
+    the other five wait and then hit all of it; the pool never holds more than the prefix once
+    plus each request's own blocks, and every request gets its tokens alone (and the static
+    cache's)."""
     engine = make_engine(params, in_blocks, monkeypatch)
     peak = peak_blocks(engine)
     seqs = [request(engine, PREFIX + tail, MAX_TOKENS) for tail in TAILS]
@@ -217,3 +222,42 @@ def test_stepped_fuzz_of_shared_prefixes_arrivals_cancellations_and_a_tiny_pool(
             assert seq.output_ids == expected[: len(seq.output_ids)]
         else:
             assert seq.output_ids == expected, seq.prompt_ids
+
+
+def test_a_kv_bits_pool_waits_for_a_prefix_in_flight_too():
+    """A ``kv_bits`` pool (staging path, blocks quantized at join): the burst's later requests
+    hit the first one's blocks, the pool holds the prefix once, and each gets the tokens it gets
+    sent after the first one ended (the same quantized blocks, hit)."""
+    wide = random_params(WIDE, seed=2)
+
+    def kv_bits_engine() -> Engine:
+        metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
+        keys = {"kv_block_tokens": BT, "kv_pool_tokens": 256, "prefix_cache_bytes": 10**6}
+        engine = engine_at(
+            tiny_model(WIDE, wide),
+            BUCKETS,
+            metrics,
+            kv_cache="paged",
+            kv_bits=8,
+            prefill_chunk_tokens=8,
+            max_batched_tokens=16,
+            **keys,
+        )
+        assert not engine.executor.in_blocks
+        engine.ready.set()
+        return engine
+
+    engine = kv_bits_engine()
+    peak = peak_blocks(engine)
+    seqs = [request(engine, PREFIX + tail, MAX_TOKENS) for tail in TAILS]
+    for seq in seqs:
+        engine.submit(seq)
+    bounded(engine, seqs)
+    assert [final(s).cached_tokens for s in seqs] == [0] + [SHARED * BT] * (N - 1)
+    assert peak[0] <= SHARED + N * 2, peak[0]
+    one_by_one = kv_bits_engine()
+    for seq in seqs:
+        again = request(one_by_one, seq.prompt_ids, MAX_TOKENS)
+        one_by_one.submit(again)
+        bounded(one_by_one, [again])
+        assert again.output_ids == seq.output_ids, seq.prompt_ids
