@@ -193,9 +193,12 @@ def test_stepped_fuzz_of_shared_prefixes_arrivals_cancellations_and_a_tiny_pool(
     engine = make_engine(params, in_blocks, monkeypatch, kv_pool_tokens=12 * BT)
     fits, deferred = engine.scheduler.fits, []
 
-    def counted(seq) -> bool:
+    def counted(seq) -> bool:  # a request kept waiting for a prefix in flight, not for blocks
         ok = fits(seq)
-        if not ok and engine.paged is not None and engine.paged.blocks.pending(seq.prefill_ids):
+        assert engine.paged is not None
+        pool, ids = engine.paged.blocks, seq.prefill_ids
+        reserve = pool.blocks_for(len(ids) + 1) - pool.blocks_for(len(ids)) + engine.scheduler.num_running
+        if not ok and pool.pending(ids) and pool.can_allocate(ids, reserve):
             deferred.append(seq)
         return ok
 
