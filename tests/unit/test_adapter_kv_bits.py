@@ -30,6 +30,7 @@ from mlx_lm.models.cache import KVCache as MlxLmKVCache
 
 from models import adapter
 from models.adapter import AdapterArgs
+from models.errors import ModelLoadError
 from models.kv_cache import KVCache
 from models.paged import PagedKV, Quantized, paged_index, write_quantized
 from tests.parity.build import WIDE_HEADS, build_tiny
@@ -161,3 +162,23 @@ def test_gemma2_whose_attention_reads_the_keys_itself_is_found_by_the_probe():
     assert adapter.quantized_attention_error(llama, 8, 64, mx.float32) is None
     _, gpt_oss = wide("gpt_oss")
     assert "attention sinks" in (adapter.quantized_attention_error(gpt_oss, 4, 64, mx.float32) or "")
+
+
+def test_start_up_serves_kv_bits_for_a_class_that_attends_quantized_keys_and_refuses_one_that_cannot():
+    """``check_memory`` (start-up's check of every model) sizes an 8-bit pool for mlx-lm's llama
+    and refuses mlx-lm's gemma2 by name, with the reason and the fix."""
+    from service.config import Settings
+    from service.process.startup import check_memory
+    from tests.unit.test_engine_adapter import tiny_model
+
+    def settings(name: str) -> Settings:
+        keys = dict(model_name=name, kv_cache="paged", kv_bits=8, prefix_cache_bytes=0, memory_budget_bytes=10**8)
+        return Settings(batch_buckets=[1, 2], prompt_buckets=[16], capacity_buckets=[32, 64], **keys)
+
+    llama = tiny_model("llama", **WIDE_HEADS)
+    assert (check_memory(settings("llama"), {"llama": llama}).kv_pool_tokens or 0) > 0
+    gemma2 = tiny_model("gemma2", **WIDE_HEADS)
+    refused = r"model 'gemma2': kv_bits = 8 is not implemented for mlx-lm's class mlx_lm\.models\.gemma2\.Model: "
+    why = r"gemma2's attention fails on quantized keys .*; remove kv_bits$"
+    with pytest.raises(ModelLoadError, match=refused + why):
+        check_memory(settings("gemma2"), {"gemma2": gemma2})
