@@ -72,11 +72,13 @@ def adapter_pages(args: AdapterArgs) -> bool:
 
 def adapter_kv_bits_error(model: LoadedModel, bits: int, group_size: int = 64) -> str | None:
     """Why an mlx-lm class (``model.args`` an :class:`AdapterArgs`) cannot decode over a
-    ``bits``-bit quantized pool, or None where it can: a pipeline stage (its module's
-    ``PipelineMixin`` would exchange hidden states in a start-up probe; quantized stages are the
-    hand-written families'), or a module whose attention does not attend over quantized keys
-    through mlx-lm's ``scaled_dot_product_attention``
-    (:func:`models.adapter.quantized_attention_error`: one eager step, kept per model).
+    ``bits``-bit quantized pool, or None where it can. Refused: caches no pool holds
+    (:func:`adapter_pages`); a pipeline stage (its module's ``PipelineMixin`` would exchange
+    hidden states in the probe below; quantized stages are the hand-written families'); a
+    module whose attention does not attend over quantized keys through mlx-lm's
+    ``scaled_dot_product_attention`` (:func:`models.adapter.quantized_attention_error`: one eager
+    step, its answer kept per model, so a later memory check beside a model already serving,
+    as an on-demand load's, does not run that model's module again off its engine thread).
 
     Raises:
         ValueError: a head dim that is not a multiple of ``group_size``
@@ -84,6 +86,8 @@ def adapter_kv_bits_error(model: LoadedModel, bits: int, group_size: int = 64) -
     """
     a = model.args
     assert isinstance(a, AdapterArgs)
+    if not adapter_pages(a):
+        return f"the paged pool does not hold the caches of mlx-lm's class of model type {a.model_type!r}"
     if model.stage is not None or model.group is not None:
         return f"mlx-lm's class of model type {a.model_type!r} keeps an unquantized pool in a pipeline group"
     return adapter.quantized_attention_error(a, bits, group_size, model.dtype)
