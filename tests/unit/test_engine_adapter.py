@@ -393,6 +393,25 @@ def test_mlx_lm_classes_on_a_quantized_pool_give_mlx_lms_quantized_cache_tokens(
         assert got.tokens == expected, f"{name}, prompt of {len(prompt)}: got {got.tokens}, mlx-lm {expected}"
 
 
+def test_prompt_lookup_on_a_quantized_pool_gives_mlx_lms_quantized_cache_tokens():
+    """Verify steps over an 8-bit pool (:func:`models.adapter.verify_paged` with ``bits``):
+    proposals are accepted and rejected (a rejected one's quantized keys stay masked in its
+    row's block), and every request still gets the greedy tokens of mlx-lm's own
+    ``QuantizedKVCache``, as decoding one token at a time does."""
+    model = tiny_model("llama", **WIDE_HEADS)
+    metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
+    speculating = {"speculative": "lookup", "speculative_tokens": 3, "speculative_max_batch": 4}
+    engine = chunking_engine(model, metrics, **BIG_POOL, kv_bits=8, **speculating)
+    assert "verify" in engine.executor._specs
+    requests = [(prompt, 24) for prompt, _ in MIXED[:4]]
+    for (prompt, max_tokens), got in zip(requests, step_by_hand(engine, requests), strict=True):
+        assert got.tokens == mlx_lm_quantized_tokens(model, prompt, max_tokens, 8)
+    labels = {"model": "llama", "method": "lookup"}
+    proposed = metrics.registry.get_sample_value("stepserve_speculative_proposed_tokens_total", labels)
+    accepted = metrics.registry.get_sample_value("stepserve_speculative_accepted_tokens_total", labels)
+    assert proposed and accepted and accepted < proposed, (proposed, accepted)
+
+
 @pytest.mark.parametrize("name", ["llama", "phi3"])
 def test_an_8_bit_pool_gives_the_unquantized_tokens_at_95_percent(name):
     """The bar set for the real default model (tests/e2e/test_kv_bits.py), free-running: the
