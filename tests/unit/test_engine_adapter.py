@@ -417,7 +417,7 @@ def test_an_8_bit_pool_gives_the_unquantized_tokens_at_95_percent(name):
     """The bar set for the real default model (tests/e2e/test_kv_bits.py), free-running: the
     requests' tokens at each position equal those of an unquantized pool at >= 95% of
     positions. (A tiny random model's greedy choice is often a near-tie, and a departure
-    changes the rest of its request: gemma3_text and olmo2 agree at 62% and 91% here, at 8
+    changes the rest of its request: the tiny gemma3_text and olmo2 fall below the bar at 8
     bits, though every token is mlx-lm's own quantized cache's, as the test above checks.)"""
     model = tiny_model(name, **WIDE_HEADS)
     plain = step_by_hand(chunking_engine(model, **BIG_POOL), MIXED)
