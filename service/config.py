@@ -172,8 +172,8 @@ class Settings(BaseSettings):
         "'paged' a pool of fixed-size blocks each request takes as its tokens need them, preempting the newest "
         "request when it runs out (one process, or a pipeline group whose every rank pools its own layers; the "
         "hand-written model families and mlx-lm's classes whose attention caches are of one shape with no recurrent "
-        "state, speculative decoding (one process) included; kv_bits for the hand-written families; another model "
-        "is refused at start-up)",
+        "state, speculative decoding (one process) and kv_bits included (kv_bits for an mlx-lm class in one process "
+        "whose attention goes through mlx-lm's scaled_dot_product_attention); another model is refused at start-up)",
     )
     kv_block_tokens: int = Field(16, ge=1, description="kv_cache = 'paged': token positions per block")
     kv_bits: int | None = Field(
@@ -181,8 +181,9 @@ class Settings(BaseSettings):
         description="kv_cache = 'paged': keep the pool's keys and values quantized to this many bits (groups of 64 "
         "values, as mlx-lm's QuantizedKVCache), attended without dequantizing (a preempted request's tokens after "
         "it resumes can then differ from its run alone: what it prefills again is attended at full precision, not "
-        "quantized as its decode steps were); unset: the compute dtype; the default of every [[models]] entry, "
-        "which may set its own",
+        "quantized as its decode steps were); for the hand-written families and, in one process, mlx-lm's classes "
+        "the pool holds (one whose attention reads the keys itself, as gemma2's, is refused at start-up); unset: "
+        "the compute dtype; the default of every [[models]] entry, which may set its own",
     )
     max_model_len: int | None = Field(
         None,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from models.adapter.args import AdapterArgs, StageTraits
 
 if TYPE_CHECKING:
-    from models.adapter.cache import SlotKVCache, SlotStateCache, UnusedCache
+    from models.adapter.cache import QuantizedSlotKVCache, SlotKVCache, SlotStateCache, UnusedCache
     from models.adapter.layout import (
         KVLayout,
         ListLayout,
@@ -27,10 +27,19 @@ if TYPE_CHECKING:
         UnusedLayout,
         learn_layouts,
     )
-    from models.adapter.steps import decode, decode_paged, prefill, prefill_chunk, verify, verify_paged
+    from models.adapter.steps import (
+        decode,
+        decode_paged,
+        prefill,
+        prefill_chunk,
+        quantized_attention_error,
+        verify,
+        verify_paged,
+    )
     from models.adapter.support import REFUSED, SUPPORTED, check_module, check_supported
 
 _LAZY = {
+    "QuantizedSlotKVCache": "cache",
     "SlotKVCache": "cache",
     "SlotStateCache": "cache",
     "UnusedCache": "cache",
@@ -44,6 +53,7 @@ _LAZY = {
     "decode_paged": "steps",
     "prefill": "steps",
     "prefill_chunk": "steps",
+    "quantized_attention_error": "steps",
     "verify": "steps",
     "verify_paged": "steps",
     "REFUSED": "support",
@@ -66,6 +76,7 @@ __all__ = [
     "AdapterArgs",
     "KVLayout",
     "ListLayout",
+    "QuantizedSlotKVCache",
     "SlotKVCache",
     "SlotStateCache",
     "StageTraits",
@@ -80,6 +91,7 @@ __all__ = [
     "learn_layouts",
     "prefill",
     "prefill_chunk",
+    "quantized_attention_error",
     "verify",
     "verify_paged",
 ]

@@ -15,14 +15,15 @@ Shapes: B rows, T prompt or chunk tokens, C capacity, K proposed tokens, V vocab
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList
 
 from models.adapter.args import AdapterArgs
-from models.adapter.cache import SlotKVCache, SlotStateCache, UnusedCache
+from models.adapter.cache import QuantizedSlotKVCache, SlotKVCache, SlotStateCache, UnusedCache
 from models.adapter.layout import (
     KVLayout,
     Layout,
@@ -32,7 +33,7 @@ from models.adapter.layout import (
     UnusedLayout,
 )
 from models.kv_cache import KVCache
-from models.paged import PagedKV, gather_at, paged_index, write_at
+from models.paged import PagedIndex, PagedKV, gather_at, gather_quantized, paged_index, write_at
 
 Params = dict[str, Any]
 
@@ -116,7 +117,12 @@ def decode_paged(
     (:func:`models.llama.decode_paged`'s contract): each attention cache sees its rows' blocks
     gathered into a linear view [B, Hkv, M * bt, D] (:func:`models.paged.gather_at`; a sliding
     layer's window is a mask there), the module writes the new token into that view, and the
-    token's keys and values are scattered into the pool (:func:`models.paged.write_at`).
+    token's keys and values are scattered into the pool (:func:`models.paged.write_at`). With
+    ``bits`` (``kv_bits``) the pool holds quantized triples: the view is gathered as triples
+    (:func:`models.paged.gather_quantized`), each attention cache is a
+    :class:`~models.adapter.cache.QuantizedSlotKVCache` (the module quantizes the new token into
+    the view and attends with mlx-lm's ``quantized_scaled_dot_product_attention``), and the new
+    token's quantized parts are scattered into the pool as they are, not quantized twice.
 
     Args:
         params: the module's parameter tree.
@@ -124,18 +130,20 @@ def decode_paged(
         positions: int32 [B], its position (< M * bt).
         table: int32 [B, M], each row's blocks in position order (null-block padded).
         pool: per attention cache, [N, Hkv, bt, D] keys and values (every cache of one shape:
-            :attr:`AdapterArgs.prefix_blocks`).
+            :attr:`AdapterArgs.prefix_blocks`), or with ``bits`` each a
+            :data:`models.paged.Quantized` triple of such pools.
         args: the model (static).
-        bits, group_size: a quantized pool's; not implemented here.
+        bits, group_size: the pool's quantization (4 or 8 bits, ``group_size`` values of D per
+            scale and bias), or None: full precision.
 
     Returns:
         (float32 logits [B, V], the pool with each row's token written).
 
     Raises:
-        ValueError: ``bits`` (a quantized pool), or a model whose caches a pool cannot hold
-            (recurrent states, or attention caches of several shapes).
+        ValueError: a model whose caches a pool cannot hold (recurrent states, or attention
+            caches of several shapes), or ``bits`` that disagree with the pool's storage.
     """
-    logits, pool = _forward_paged(args, params, tokens[:, None], positions, table, pool, bits)
+    logits, pool = _forward_paged(args, params, tokens[:, None], positions, table, pool, bits, group_size)
     return logits[:, 0, :], pool
 
 
@@ -166,9 +174,10 @@ def verify_paged(
             row's own blocks must map to a null-block column: its write lands in the null
             block, which attention never reads unmasked.
         table: int32 [B, M], each row's blocks in position order (null-block padded).
-        pool: per attention cache, [N, Hkv, bt, D] keys and values (see :func:`decode_paged`).
+        pool: per attention cache, [N, Hkv, bt, D] keys and values, or quantized triples
+            (see :func:`decode_paged`).
         args: the model (static).
-        bits, group_size: a quantized pool's; not implemented here.
+        bits, group_size: the pool's quantization, as :func:`decode_paged`.
 
     Returns:
         (float32 logits [B, W, V]: entry j scores the token after tokens[b, j]; the pool with
@@ -180,7 +189,7 @@ def verify_paged(
     Raises:
         ValueError: as :func:`decode_paged`.
     """
-    return _forward_paged(args, params, tokens, positions, table, pool, bits)
+    return _forward_paged(args, params, tokens, positions, table, pool, bits, group_size)
 
 
 def _forward_paged(
@@ -191,32 +200,95 @@ def _forward_paged(
     table: mx.array,
     pool: PagedKV,
     bits: int | None,
+    group_size: int,
 ) -> tuple[mx.array, PagedKV]:
     """The module on tokens int32 [B, L] at positions[b]..positions[b] + L - 1 over each row's
-    blocks ``table`` int32 [B, M] of ``pool``: (float32 logits [B, L, V], the pool with the L
-    tokens' keys and values written).
+    blocks ``table`` int32 [B, M] of ``pool`` (full precision, or with ``bits`` quantized
+    triples): (float32 logits [B, L, V], the pool with the L tokens' keys and values written,
+    as the module wrote them into its view: quantized there with ``bits``).
 
     Raises:
         ValueError: see :func:`decode_paged`.
     """
-    if bits:
-        raise ValueError(f"{args.model_type}: kv_bits pools are not implemented for mlx-lm's classes")
     if not args.prefix_blocks or args.capacity_pair:
         raise ValueError(f"{args.model_type}: a paged pool needs attention caches of one shape and no states")
+    if bool(bits) != pool.quantized:
+        raise ValueError(f"{args.model_type}: kv_bits = {bits} over a {'' if pool.quantized else 'un'}quantized pool")
     L = tokens.shape[1]
     at = positions[:, None] + mx.arange(L, dtype=mx.int32)[None, :] if L > 1 else positions[:, None]  # [B, L]
-    k0 = pool.keys[0]
+    k0 = pool.keys[0][0] if pool.quantized else pool.keys[0]
     index = paged_index(table, at, k0.shape[1], k0.shape[2])
-    view = KVCache([gather_at(k, index) for k in pool.keys], [gather_at(v, index) for v in pool.values])
-    logits, view = _forward(args, params, tokens, view, positions, None, prefill=False)
-    where = at[:, None, :, None]  # each row's new tokens in its view: index p is position p
-
-    def new(buffer: mx.array) -> mx.array:  # [B, Hkv, L, D]
-        return mx.take_along_axis(buffer, mx.broadcast_to(where, (*buffer.shape[:2], L, buffer.shape[3])), axis=2)
-
-    keys = [write_at(k, index, new(v)) for k, v in zip(pool.keys, view.keys, strict=True)]
-    values = [write_at(k, index, new(v)) for k, v in zip(pool.values, view.values, strict=True)]
+    gathered = (lambda p: gather_quantized(p, index)) if bits else (lambda p: gather_at(p, index))
+    # a quantized view's triples ride in the KVCache's slots: only its cache objects read them
+    view_keys: list[Any] = [gathered(k) for k in pool.keys]
+    view_values: list[Any] = [gathered(v) for v in pool.values]
+    view = KVCache(view_keys, view_values)
+    logits, view = _forward(
+        args, params, tokens, view, positions, None, prefill=False, bits=bits, group_size=group_size
+    )
+    keys = [_write_new(p, index, at, v) for p, v in zip(pool.keys, view.keys, strict=True)]
+    values = [_write_new(p, index, at, v) for p, v in zip(pool.values, view.values, strict=True)]
     return logits, PagedKV(keys, values)
+
+
+def _write_new(pool: Any, index: PagedIndex, at: mx.array, view: Any) -> Any:
+    """One layer's ``pool`` (an array [N, Hkv, bt, D] or a quantized triple of such) with the
+    step's new tokens copied from the module's ``view`` (its layout: [B, Hkv, M * bt, D] or
+    triples), where index p is position p: the tokens at ``at`` int32 [B, L] written through
+    ``index`` (:func:`models.paged.write_at`, part by part)."""
+    where = at[:, None, :, None]  # [B, 1, L, 1]
+
+    def new(buffer: mx.array) -> mx.array:  # [B, Hkv, L, *]
+        shape = (*buffer.shape[:2], at.shape[1], buffer.shape[3])
+        return mx.take_along_axis(buffer, mx.broadcast_to(where, shape), axis=2)
+
+    if isinstance(pool, tuple):
+        packed, scales, biases = (write_at(p, index, new(v)) for p, v in zip(pool, view, strict=True))
+        return packed, scales, biases
+    return write_at(pool, index, new(view))
+
+
+def quantized_attention_error(args: AdapterArgs, bits: int, group_size: int, dtype: mx.Dtype) -> str | None:
+    """Why the module cannot attend over a ``bits``-bit quantized pool, or None where it can:
+    one eager :func:`decode_paged` step of one row over a pool of ``dtype`` scales with one
+    block besides the null block (its tokens zeros). A module attends over quantized keys only
+    through mlx-lm's ``base.scaled_dot_product_attention``, which sees the cache's ``bits``
+    (:class:`QuantizedSlotKVCache`); one whose attention reads the keys itself (their
+    ``shape``, a transpose, a matmul: mlx-lm's gemma2 and its logit soft-capping) gets a tuple
+    and raises, and mlx-lm's quantized attention refuses attention sinks (gpt_oss). The answer
+    is kept per (args, bits, group_size, dtype): start-up asks, then the executor.
+
+    Returns:
+        The reason (the error the step raised, or non-finite logits), naming the model type.
+    """
+    key = (bits, group_size, str(dtype))
+    known = _QUANTIZED_PROBES.setdefault(args, {})
+    if key not in known:
+        known[key] = _probe_quantized(args, bits, group_size, dtype)
+    return known[key]
+
+
+#: :func:`quantized_attention_error`'s answers, per model (dropped with it).
+_QUANTIZED_PROBES: weakref.WeakKeyDictionary[AdapterArgs, dict[tuple[int, int, str], str | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _probe_quantized(args: AdapterArgs, bits: int, group_size: int, dtype: mx.Dtype) -> str | None:
+    """:func:`quantized_attention_error` without its memo."""
+    kv = args.kv_layouts[0]
+    block_tokens = 2
+    pool = PagedKV.allocate(len(args.kv_layouts), 2, kv.heads, block_tokens, kv.key_dim, dtype, bits, group_size)
+    one = mx.ones((1,), mx.int32)
+    try:
+        logits, pool = decode_paged(
+            args.module.parameters(), one, one, one[:, None], pool, args=args, bits=bits, group_size=group_size
+        )
+        finite = mx.all(mx.isfinite(logits)).item()
+    except Exception as e:  # whatever the module's attention raises on a tuple is the answer
+        first = str(e).splitlines()[0] if str(e) else ""
+        return f"{args.model_type}'s attention fails on quantized keys ({type(e).__name__}: {first})"
+    return None if finite else f"{args.model_type} gives non-finite logits over quantized keys"
 
 
 def verify(
@@ -251,15 +323,18 @@ def _forward(
     lengths: mx.array | None,
     *,
     prefill: bool,
+    bits: int | None = None,
+    group_size: int = 64,
 ) -> tuple[mx.array, KVCache]:
     """The module on tokens int32 [B, L] at per-row offsets int32 [B] over ``cache``:
-    (float32 logits [B, L, V], the new cache). The module's own parameters are restored
-    whatever happens."""
+    (float32 logits [B, L, V], the new cache). With ``bits``, ``cache`` holds quantized
+    triples (a paged view: no recurrent state) and each attention cache is a
+    :class:`QuantizedSlotKVCache`. The module's own parameters are restored whatever happens."""
     module = args.module
     real = module.parameters()
     module.update(params)
     try:
-        caches = _open(args.layouts, cache, offsets, lengths, prefill, args.grouped_mask)
+        caches = _open(args.layouts, cache, offsets, lengths, prefill, args.grouped_mask, bits, group_size)
         logits = module(tokens, cache=caches)
     finally:
         module.update(real)
@@ -276,11 +351,14 @@ def _open(
     lengths: mx.array | None,
     prefill: bool,
     grouped: bool,
+    bits: int | None = None,
+    group_size: int = 64,
 ) -> list[Any]:
     """One mlx-lm cache object per layout over ``cache``'s buffers and states, in order
     (a prefill's states start unset: the module's own initial state; ``grouped``: masks with
-    a query-group axis)."""
-    pairs: Iterator[tuple[mx.array, mx.array]] = iter(zip(cache.keys, cache.values, strict=True))
+    a query-group axis; ``bits``: the buffers are quantized triples, each pair a
+    :class:`QuantizedSlotKVCache`)."""
+    pairs = cast(Iterator[tuple[Any, Any]], iter(zip(cache.keys, cache.values, strict=True)))  # arrays or triples
     states = iter(cache.states)
 
     def make(layout: Layout) -> Any:
@@ -288,6 +366,8 @@ def _open(
             return CacheList(*(make(part) for part in layout.parts))
         if isinstance(layout, KVLayout):
             keys, values = next(pairs)
+            if bits:
+                return QuantizedSlotKVCache(keys, values, offsets, bits, group_size, layout.window, grouped)
             return SlotKVCache(keys, values, offsets, layout.window, prefix=prefill, grouped=grouped)
         if isinstance(layout, UnusedLayout):
             return UnusedCache()
@@ -304,15 +384,15 @@ def _close(caches: list[Any], state_layouts: list[StateLayout]) -> KVCache:
     Raises:
         ValueError: a recurrent layer left a state unset.
     """
-    keys: list[mx.array] = []
-    values: list[mx.array] = []
+    keys: list[Any] = []  # arrays, or quantized triples
+    values: list[Any] = []
     states: list[mx.array] = []
 
     def walk(c: Any) -> None:
         if isinstance(c, CacheList):
             for part in c.caches:
                 walk(part)
-        elif isinstance(c, SlotKVCache):
+        elif isinstance(c, SlotKVCache | QuantizedSlotKVCache):
             keys.append(c.keys)
             values.append(c.values)
         elif isinstance(c, SlotStateCache):

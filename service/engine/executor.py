@@ -70,6 +70,29 @@ def adapter_pages(args: AdapterArgs) -> bool:
     return args.prefix_blocks and not args.capacity_pair
 
 
+def adapter_kv_bits_error(model: LoadedModel, bits: int, group_size: int = 64) -> str | None:
+    """Why an mlx-lm class (``model.args`` an :class:`AdapterArgs`) cannot decode over a
+    ``bits``-bit quantized pool, or None where it can. Refused: caches no pool holds
+    (:func:`adapter_pages`); a pipeline stage (its module's ``PipelineMixin`` would exchange
+    hidden states in the probe below; quantized stages are the hand-written families'); a
+    module whose attention does not attend over quantized keys through mlx-lm's
+    ``scaled_dot_product_attention`` (:func:`models.adapter.quantized_attention_error`: one eager
+    step, its answer kept per model, so a later memory check beside a model already serving,
+    as an on-demand load's, does not run that model's module again off its engine thread).
+
+    Raises:
+        ValueError: a head dim that is not a multiple of ``group_size``
+            (:func:`models.paged.quantized_pool`).
+    """
+    a = model.args
+    assert isinstance(a, AdapterArgs)
+    if not adapter_pages(a):
+        return f"the paged pool does not hold the caches of mlx-lm's class of model type {a.model_type!r}"
+    if model.stage is not None or model.group is not None:
+        return f"mlx-lm's class of model type {a.model_type!r} keeps an unquantized pool in a pipeline group"
+    return adapter.quantized_attention_error(a, bits, group_size, model.dtype)
+
+
 def prefills_in_blocks(model: LoadedModel, bits: int | None) -> bool:
     """Whether prefill writes keys and values straight into the paged pool's blocks for
     ``model`` (:func:`models.llama.prefill_paged`: no staging cache, no copy at join): a
@@ -194,16 +217,15 @@ class Executor:
 
         Raises:
             ValueError: the model cannot page (:attr:`can_page`), or ``bits`` with a head dim that
-                is not a multiple of ``group_size``.
+                is not a multiple of ``group_size``, or with an mlx-lm class that cannot attend
+                over quantized keys (:func:`adapter_kv_bits_error`).
         """
         if not self.can_page:
             raise ValueError(f"model type {self.model.args.model_type!r} has no paged decode here")
         a = self.model.args
         if bits and isinstance(a, AdapterArgs):
-            raise ValueError(
-                f"kv_bits is not implemented for mlx-lm's class of model type {a.model_type!r} (only for the "
-                "hand-written llama, qwen2, qwen3, gemma3_text and qwen3_moe); remove kv_bits for it"
-            )
+            if (error := adapter_kv_bits_error(self.model, bits, group_size)) is not None:
+                raise ValueError(f"kv_bits = {bits}: {error}; remove kv_bits for it")
         if self.model.stage is not None and not isinstance(a, AdapterArgs):  # this rank's layers, over the group
             step = partial(
                 pipeline.decode_paged, args=a, stage=self.model.stage, group=self.model.group, bits=bits,

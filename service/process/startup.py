@@ -20,7 +20,7 @@ from models.sentence import EmbeddingModel, load_embedding_model
 from service.config import ServedModel, Settings
 from service.engine.buckets import BucketTable
 from service.engine.embedder import length_buckets
-from service.engine.executor import pages, pool_verifies, prefills_in_blocks
+from service.engine.executor import adapter_kv_bits_error, pages, pool_verifies, prefills_in_blocks
 from service.engine.warmup import WarmupSpec
 from service.process import memory, warm_sizing
 from service.process.warm_sizing import Coverage
@@ -467,19 +467,25 @@ def kv_storage(bits: int | None) -> str:
 
 
 def check_kv_heads(settings: Settings, spec: ServedModel, model: LoadedModel) -> None:
-    """Refuse a ``kv_bits`` that ``model``'s heads cannot take: its pool quantizes groups of
-    :data:`KV_GROUP_SIZE` values of a head, so the head dim must be a multiple of it; and one
-    for a model served by mlx-lm's class (its paged decode attends an unquantized pool only).
+    """Refuse a ``kv_bits`` that ``model`` cannot take: its pool quantizes groups of
+    :data:`KV_GROUP_SIZE` values of a head, so the head dim must be a multiple of it; and a
+    model served by mlx-lm's class must attend over quantized keys through mlx-lm's
+    ``scaled_dot_product_attention`` (:func:`service.engine.executor.adapter_kv_bits_error`:
+    one eager step over a quantized pool; not mlx-lm's gemma2, whose attention reads the keys
+    itself, nor a class in a pipeline group).
 
     Raises:
         ModelLoadError: naming the model, the key that set the bits (its ``[[models]]`` entry's
-            ``models[N].kv_bits`` or the top-level ``kv_bits``), the head dim and the fix.
+            ``models[N].kv_bits`` or the top-level ``kv_bits``), the head dim or the class and
+            why, and the fix.
     """
     if spec.kv_bits is None:
         return
     head_dim = getattr(model.args, "dim_per_head", None)
+    fits = head_dim is not None and head_dim % KV_GROUP_SIZE == 0
     adapted = isinstance(model.args, AdapterArgs)
-    if head_dim is not None and head_dim % KV_GROUP_SIZE == 0 and not adapted:
+    why = adapter_kv_bits_error(model, spec.kv_bits, KV_GROUP_SIZE) if fits and adapted else None
+    if fits and why is None:
         return
     entry = next((i for i, m in enumerate(settings.models) if m.name == spec.name and m.kv_bits is not None), None)
     where = f"models[{entry}].kv_bits" if entry is not None else "kv_bits"
@@ -490,10 +496,9 @@ def check_kv_heads(settings: Settings, spec: ServedModel, model: LoadedModel) ->
         fix = "remove the top-level kv_bits and set kv_bits on the [[models]] entries of the models that take it"
     else:
         fix = "remove kv_bits"
-    if adapted:
+    if why is not None:
         raise ModelLoadError(
-            f"model '{spec.name}': {where} = {spec.kv_bits} is not implemented for {_served_by(model)} (a "
-            f"quantized pool is attended by the hand-written families only); {fix}"
+            f"model '{spec.name}': {where} = {spec.kv_bits} is not implemented for {_served_by(model)}: {why}; {fix}"
         )
     raise ModelLoadError(
         f"model '{spec.name}': {where} = {spec.kv_bits} quantizes groups of {KV_GROUP_SIZE} values of a head, "

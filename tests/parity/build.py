@@ -20,17 +20,26 @@ _KIND_OF_CACHE: dict[type, str] = {
 }
 
 
-def build_tiny(name: str, seed: int = 0) -> nn.Module:
+#: `build_tiny` overrides for heads of 64 values, the group `kv_bits` quantizes (the tiny configs'
+#: heads are 16): 4 query heads over 2 key-value heads of 64, a residual width of 256 (so the
+#: modules that derive the head dim from it, as phi3 and olmo2, get 64 too).
+WIDE_HEADS: dict[str, Any] = dict(
+    hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64
+)
+
+
+def build_tiny(name: str, seed: int = 0, **overrides: Any) -> nn.Module:
     """The tiny random model of mlx-lm architecture module `name`, float32, parameters evaluated.
 
-    `name` is a key of `TINY_CONFIGS` (an `mlx_lm.models` module name). Parameters are drawn by
+    `name` is a key of `TINY_CONFIGS` (an `mlx_lm.models` module name); `overrides` replace keys
+    of its config (e.g. wider heads: `head_dim=64`). Parameters are drawn by
     the module's own initialisers after `mx.random.seed(seed)`, so two calls with the same seed
     give the same weights. Raises KeyError for an unknown name and whatever the module raises
     for a config it rejects.
     """
     module = importlib.import_module(f"mlx_lm.models.{name}")
     mx.random.seed(seed)
-    model = module.Model(module.ModelArgs.from_dict(TINY_CONFIGS[name]))
+    model = module.Model(module.ModelArgs.from_dict({**TINY_CONFIGS[name], **overrides}))
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     return model
