@@ -133,8 +133,9 @@ def test_model_impl_is_a_per_model_setting(tmp_path):
 
 @pytest.mark.parametrize("kv_cache", ["static", "paged"])
 def test_a_draft_for_a_model_with_recurrent_state_is_refused_naming_the_setting(tmp_path, kv_cache):
-    """On either cache: a verify step cannot take back a state (the pool, which mlx-lm's classes
-    verify on, holds none), so the fix is speculative = 'off', not another kv_cache."""
+    """A verify step cannot take back a state, so on the static cache the fix named is
+    speculative = 'off'; the paged pool holds no recurrent state at all, so there the model is
+    refused for kv_cache first, before its draft (the one-process start-up check a group runs too)."""
     write_mlx_lm_dir(tmp_path / "m", TINY_CONFIGS["qwen3_next"])
     settings = load_settings(
         model=tmp_path / "m",
@@ -145,9 +146,12 @@ def test_a_draft_for_a_model_with_recurrent_state_is_refused_naming_the_setting(
         kv_cache=kv_cache,
         kv_pool_tokens=96,
     )
-    with pytest.raises(
-        ModelLoadError, match=r"'draft' is not implemented for models with recurrent state .* set speculative = 'off'"
-    ):
+    expected = {
+        "static": r"'draft' is not implemented for models with recurrent state .* set speculative = 'off'",
+        "paged": r"kv_cache = 'paged' cannot hold the caches of model_type 'qwen3_next' \(some layer keeps a "
+        r"recurrent state\); set kv_cache = 'static'",
+    }[kv_cache]
+    with pytest.raises(ModelLoadError, match=expected):
         load_models(settings)
 
 

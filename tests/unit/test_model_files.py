@@ -54,7 +54,7 @@ def test_memory_estimate_follows_the_load():
         model=model,
         buckets=BucketTable((1, 2, 4), (16, 32), (64, 128)),
         scheduler=Scheduler(max_running=4, max_waiting=8, chunk_tokens=64, max_batched_tokens=32),
-        executor=SimpleNamespace(batches_chunks=False, pool=None),  # last chunks one by one; no paged pool
+        executor=SimpleNamespace(batches_chunks=False, pool=None, in_blocks=False),  # chunks one by one; no pool
     )
     per_position, scores = 512, 4 * 4  # 4 query heads of float32 scores per (query, key) pair
     weights = model.nbytes
