@@ -178,9 +178,11 @@ def prefill_paged(
     pool,
     *,
     args: ModelArgs,
+    bits: int | None = None,
+    group_size: int = 64,
 ):
     """:func:`models.llama.prefill_paged` with this family's blocks."""
-    return llama.run_prefill_paged(GEMMA3, params, tokens, offsets, lengths, table, pool, args)
+    return llama.run_prefill_paged(GEMMA3, params, tokens, offsets, lengths, table, pool, args, bits, group_size)
 
 
 def decode_paged(

@@ -209,12 +209,19 @@ def run_prefill_paged(
     table: mx.array,
     pool: PagedKV,
     args,
+    bits: int | None = None,
+    group_size: int = 64,
 ) -> tuple[mx.array, PagedKV]:
     """:func:`prefill_paged` for ``decoder``'s family."""
     T = tokens.shape[1]
     x = decoder.embed(params, tokens, args)  # [B, T, H]
     at = offsets[:, None] + mx.arange(T, dtype=mx.int32)[None, :]  # [B, T]
-    attention = PagedAttention(table, at, args.attention_scale, ends=offsets + lengths)
+    ends = offsets + lengths
+    attention = (
+        QuantizedPagedAttention(table, at, args.attention_scale, bits, group_size, ends=ends)
+        if bits
+        else PagedAttention(table, at, args.attention_scale, ends=ends)
+    )
     x, pool = run_blocks(decoder, params, x, offsets, pool, attention, args)
     last = mx.take_along_axis(x, (lengths - 1).astype(mx.int32)[:, None, None], axis=1)  # [B, 1, H]
     return decoder.logits(params, last[:, 0, :], args), pool
@@ -449,6 +456,8 @@ def prefill_paged(
     pool: PagedKV,
     *,
     args: ModelArgs,
+    bits: int | None = None,
+    group_size: int = 64,
 ) -> tuple[mx.array, PagedKV]:
     """:func:`prefill_chunk` straight into a paged KV pool (:mod:`models.paged`): no staging
     cache. A whole prompt is a chunk at offset 0; a prefix hit's remainder or a long prompt's
@@ -470,9 +479,11 @@ def prefill_paged(
         table: int32 [B, M], each row's blocks in position order (null-block padded);
             offsets[b] + lengths[b] <= M * bt. Every block its real positions fall in must be
             the row's own (unshared, unpublished): the caller's.
-        pool: per layer, keys and values [N, Hkv, bt, D] (full precision: a ``kv_bits`` pool
-            keeps the staging path).
+        pool: per layer, keys and values [N, Hkv, bt, D] (with ``bits``: quantized triples).
         args: hyper-parameters (static).
+        bits, group_size: quantized KV, as :func:`decode_paged`: the chunk's keys and values
+            are quantized as they are written, and its queries attend over them quantized
+            (mlx-lm's ``QuantizedKVCache`` does the same for a prompt).
 
     Returns:
         (logits float32 [B, V] at each row's last real token of the chunk, the pools with the
@@ -480,7 +491,7 @@ def prefill_paged(
         into the null block only, so no block a row or the prefix cache holds changes but the
         ones the rows' real tokens name.
     """
-    return run_prefill_paged(LLAMA, params, tokens, offsets, lengths, table, pool, args)
+    return run_prefill_paged(LLAMA, params, tokens, offsets, lengths, table, pool, args, bits, group_size)
 
 
 def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:

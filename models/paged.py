@@ -331,13 +331,25 @@ class QuantizedPagedAttention:
     mlx-lm's ``quantized_scaled_dot_product_attention`` (``mx.quantized_matmul`` for the scores
     and the weighted values), so nothing is dequantized to a full-precision view.
 
+    A prefill chunk's queries (``ends`` given) attend over the chunk's own keys and values
+    quantized, as they are written, as mlx-lm's ``QuantizedKVCache`` has a prompt attend over
+    its own quantized keys.
+
     Args:
-        block_table, positions, scale: as :class:`PagedAttention`.
+        block_table, positions, scale, ends: as :class:`PagedAttention`.
         bits: 4 or 8. group_size: values of D per scale and bias (64 as mlx-lm's default).
     """
 
-    def __init__(self, block_table: mx.array, positions: mx.array, scale: float, bits: int, group_size: int = 64):
-        self.paged = PagedAttention(block_table, positions, scale)
+    def __init__(
+        self,
+        block_table: mx.array,
+        positions: mx.array,
+        scale: float,
+        bits: int,
+        group_size: int = 64,
+        ends: mx.array | None = None,
+    ):
+        self.paged = PagedAttention(block_table, positions, scale, ends)
         self.bits, self.group_size = bits, group_size
 
     def __call__(self, window: int | None) -> QuantizedAttend:

@@ -96,16 +96,16 @@ def adapter_kv_bits_error(model: LoadedModel, bits: int, group_size: int = 64) -
 def prefills_in_blocks(model: LoadedModel, bits: int | None) -> bool:
     """Whether prefill writes keys and values straight into the paged pool's blocks for
     ``model`` (:func:`models.llama.prefill_paged`: no staging cache, no copy at join): a
-    hand-written family with a ``prefill_paged``, in one process, over a full-precision pool.
-    Everything else keeps the staging path (a linear cache per prompt, copied into its blocks at
-    join): mlx-lm's classes, recurrent-state ones included (their module writes each layer's
-    cache object, which goes back into the pool only after the whole module ran, so every
-    layer's view would be held at once: a staging cache's bytes again); a pipeline group's ranks
-    (``--distributed``: a chunk is one broadcast operation moving a staging handle); and
-    ``kv_bits`` pools (a chunk would attend over its own quantized keys, not the full-precision
-    ones it attends over now)."""
+    hand-written family with a ``prefill_paged``, in one process, over a full-precision or a
+    ``kv_bits`` pool (``bits``: its chunks attend over their own keys quantized, as mlx-lm's
+    ``QuantizedKVCache`` has a prompt do). Everything else keeps the staging path (a linear
+    cache per prompt, copied into its blocks at join): mlx-lm's classes, recurrent-state ones
+    included (their module writes each layer's cache object, which goes back into the pool only
+    after the whole module ran, so every layer's view would be held at once: a staging cache's
+    bytes again), and a pipeline group's ranks (``--distributed``: a chunk is one broadcast
+    operation moving a staging handle)."""
     a = model.args
-    if bits or model.stage is not None or model.group is not None or isinstance(a, AdapterArgs):
+    if model.stage is not None or model.group is not None or isinstance(a, AdapterArgs):
         return False
     return hasattr(architecture(a.model_type), "prefill_paged")
 
@@ -241,7 +241,7 @@ class Executor:
             self._specs["verify"] = StepSpec(partial(arch.verify_paged, args=a, bits=bits, group_size=group_size))
         self.in_blocks = prefills_in_blocks(self.model, bits)
         if self.in_blocks:  # the same compile keys (phase, B, T[, C]) as the staging steps they replace
-            step = partial(architecture(a.model_type).prefill_paged, args=a)
+            step = partial(architecture(a.model_type).prefill_paged, args=a, bits=bits, group_size=group_size)
             self._specs["prefill"] = self._specs["chunk"] = StepSpec(step)
         self.kv_bits, self.kv_group_size = bits, group_size
         self.pool = PagedKV.allocate(

@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from models import llama
 from models.architectures import architecture
 from models.kv_cache import KVCache
 from models.loader import load_model
@@ -162,3 +163,44 @@ def test_padding_never_lands_in_a_block_another_row_or_the_prefix_cache_holds(fa
         changed = set(np.flatnonzero(np.any(got != before[layer], axis=(1, 2, 3))).tolist())
         assert changed == {NULL_BLOCK, mine, theirs}, changed
         assert np.array_equal(got[mine, :, len(text) - BT :], before[layer][mine, :, len(text) - BT :])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_kv_bits_chunk_in_blocks_equals_decoding_its_tokens_one_at_a_time(bits):
+    """A ``kv_bits`` pool's chunk prefilled in its blocks (a whole prompt, then a second chunk
+    at an offset, batched with a padding row) gives the logits that decode steps feeding the
+    same tokens one at a time give, and leaves the same quantized keys: each query attends over
+    the keys quantized as written, as a decode step's does. This is what lets a preempted
+    request resume where it stopped. A chunk attending over its own keys at full precision (the
+    staging path) misses by the quantization's error, far above the bound."""
+    from models.paged import quantized_pool
+
+    wide = TINY.__class__(**{**TINY.__dict__, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
+    params, D = random_params(wide, seed=5), wide.dim_per_head  # heads of 64: one quantization group
+    text, split, blocks = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], 6, [7, 2, 9, 4]
+    table = mx.array([blocks + [NULL_BLOCK] * (M - len(blocks)), [NULL_BLOCK] * M], mx.int32)
+
+    def empty() -> PagedKV:
+        layers = [quantized_pool(N, 1, BT, D, bits, 64, mx.float32) for _ in range(2 * wide.num_hidden_layers)]
+        return PagedKV(layers[: wide.num_hidden_layers], layers[wide.num_hidden_layers :])
+
+    decode = mx.compile(partial(llama.decode_paged, args=wide, bits=bits))
+    pool, stepped = empty(), []
+    for p, token in enumerate(text):
+        logits, pool = decode(params, mx.array([token, 0], mx.int32), mx.array([p, 0], mx.int32), table, pool)
+        stepped.append(logits[0])
+    chunk = mx.compile(partial(llama.prefill_paged, args=wide, bits=bits))
+    chunked, logits = empty(), []
+    for start, end in ((0, split), (split, len(text))):
+        tokens = [text[start:end] + [0] * (T - end + start), [0] * T]
+        out, chunked = chunk(
+            params, mx.array(tokens, mx.int32), mx.array([start, 0], mx.int32),
+            mx.array([end - start, 1], mx.int32), table, chunked,
+        )  # fmt: skip
+        logits.append(out[0])
+    for got, want in ((logits[0], stepped[split - 1]), (logits[1], stepped[-1])):
+        assert mx.abs(got - want).max().item() < 1e-4
+    rows = mx.array(blocks)
+    for layer in range(wide.num_hidden_layers):
+        for a, b in zip(pool.keys[layer], chunked.keys[layer], strict=True):
+            assert mx.array_equal(a[rows], b[rows]) or mx.abs(a[rows].astype(mx.float32) - b[rows]).max() < 1e-4

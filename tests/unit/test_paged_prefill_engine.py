@@ -4,8 +4,9 @@ into blocks (``write_blocks``) nor a prefix hit's blocks out of them (``read_blo
 runs a staging step, yet every request gets the tokens it gets alone (those of the static
 cache): short prompts whole, long ones in chunks, a prefix hit's remainder, several prompts'
 last chunks in one call, preempted requests resuming; the pool's bookkeeping holds after every
-step and no block is left held; warmed up, no step compiles after ready. ``kv_bits``, pipeline
-stages and mlx-lm's classes keep the staging path."""
+step and no block is left held; warmed up, no step compiles after ready. A ``kv_bits`` pool
+prefills in its blocks too (a preempted request then resumes on the quantized keys its decode
+steps attended); pipeline stages and mlx-lm's classes keep the staging path."""
 
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ import dataclasses
 import time
 from typing import Any, cast
 
+from prometheus_client import CollectorRegistry
+
 from models.adapter import AdapterArgs
 from service.engine.executor import prefills_in_blocks
 from service.engine.warmup import WarmupSpec, plan
-from tests.support import start_engine
+from service.metrics import Metrics
+from tests.support import engine_at, random_params, start_engine
 from tests.unit.test_paged_prefix import (
     BT,
+    BUCKETS,
     PREFIX,
     WIDE,
     consistent,
@@ -106,6 +111,38 @@ def test_preempted_requests_resume_prefilling_in_their_blocks_and_leak_nothing(p
     assert engine.paged is not None and engine.paged.blocks.stats().used == 0
 
 
+def test_a_kv_bits_request_preempted_and_resumed_gets_the_tokens_it_gets_alone():
+    """``kv_bits`` 8 in blocks: a resumed request's prompt and sent tokens are prefilled again
+    into its blocks, quantized as written, and its chunk attends over them quantized, as its
+    decode steps did; so it goes on with the tokens it gets run alone (with the staging path it
+    re-attended them at full precision and could drift)."""
+    wide = random_params(WIDE, seed=3)
+
+    def kv_bits_engine(pool_tokens: int):
+        metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
+        keys = {"kv_block_tokens": BT, "kv_pool_tokens": pool_tokens, "prefix_cache_bytes": 10**6}
+        engine = engine_at(
+            tiny_model(WIDE, wide), BUCKETS, metrics, kv_cache="paged", kv_bits=8,
+            prefill_chunk_tokens=8, max_batched_tokens=16, **keys,
+        )  # fmt: skip
+        engine.ready.set()
+        return engine
+
+    engine = kv_bits_engine(10 * BT)
+    no_staging(engine)
+    a = request(engine, [20 + i for i in range(8)], 16)
+    b = request(engine, [50 + i for i in range(8)], 16)
+    c = request(engine, [70 + i for i in range(13)], 6)
+    run(engine, [a, b, c], consistent, steps_between=4)
+    assert b.preemptions >= 1
+    for seq in (a, b, c):
+        alone = kv_bits_engine(256)
+        again = request(alone, seq.prompt_ids, len(seq.output_ids))
+        run(alone, [again], consistent)
+        assert seq.output_ids == again.output_ids, seq.prompt_ids
+    assert engine.paged is not None and engine.paged.blocks.stats().used == 0
+
+
 def test_a_request_cancelled_mid_prefill_gives_its_unwritten_blocks_back_unpublished(params):  # noqa: F811
     engine = make_engine(params)
     no_staging(engine)
@@ -167,10 +204,10 @@ def wait_for(seq) -> None:
         time.sleep(0.02)
 
 
-def test_kv_bits_pipeline_stages_and_mlx_lm_classes_keep_the_staging_path(params):  # noqa: F811
+def test_pipeline_stages_and_mlx_lm_classes_keep_the_staging_path(params):  # noqa: F811
     model = tiny_model(WIDE, params)
     assert prefills_in_blocks(model, None)
-    assert not prefills_in_blocks(model, 8)
+    assert prefills_in_blocks(model, 8)  # a kv_bits pool too: its chunks attend over their keys quantized
     assert not prefills_in_blocks(dataclasses.replace(model, stage=range(0, 1)), None)
     assert not prefills_in_blocks(dataclasses.replace(model, group=cast(Any, object())), None)
     assert not prefills_in_blocks(dataclasses.replace(model, args=object.__new__(AdapterArgs)), None)

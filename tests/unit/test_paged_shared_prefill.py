@@ -228,7 +228,7 @@ def test_stepped_fuzz_of_shared_prefixes_arrivals_cancellations_and_a_tiny_pool(
 
 
 def test_a_kv_bits_pool_waits_for_a_prefix_in_flight_too():
-    """A ``kv_bits`` pool (staging path, blocks quantized at join): the burst's later requests
+    """A ``kv_bits`` pool (prefilled in its blocks, quantized as written): the burst's later requests
     hit the first one's blocks, the pool holds the prefix once, and each gets the tokens it gets
     sent after the first one ended (the same quantized blocks, hit)."""
     wide = random_params(WIDE, seed=2)
@@ -246,7 +246,7 @@ def test_a_kv_bits_pool_waits_for_a_prefix_in_flight_too():
             max_batched_tokens=16,
             **keys,
         )
-        assert not engine.executor.in_blocks
+        assert engine.executor.in_blocks
         engine.ready.set()
         return engine
 
