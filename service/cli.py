@@ -202,10 +202,9 @@ def _load(settings: Settings):
         level=settings.log_level.upper(), format=f"%(asctime)s %(levelname)s {where}%(name)s: %(message)s"
     )
     sys.setswitchinterval(settings.switch_interval_s)
-    if settings.mlx_memory_limit_bytes:
-        import mlx.core as mx
+    from service.process.startup import apply_memory_limit
 
-        mx.set_memory_limit(settings.mlx_memory_limit_bytes)
+    apply_memory_limit(settings)
     try:
         if group is None:
             models, embedders = load_models(settings), load_embedders(settings)

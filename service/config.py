@@ -228,7 +228,8 @@ class Settings(BaseSettings):
         None,
         ge=1,
         description="bytes; refuse to start when weights plus the largest KV caches of all models (and the largest "
-        "steps of the embedding models) exceed this",
+        "steps of the embedding models) exceed this; also MLX's memory limit when mlx_memory_limit_bytes is unset "
+        "and this is below MLX's own",
     )
     mlx_memory_limit_bytes: int | None = Field(
         None,

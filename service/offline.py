@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 from prometheus_client import CollectorRegistry
 
 from models.loader import device_name
@@ -32,7 +31,7 @@ from service.engine.scheduler import QueueFullError
 from service.engine.sequence import FinalEvent, FinishReason, SamplingParams, Sequence
 from service.metrics import Metrics
 from service.process.build import build_engine, start_engine, warmup_spec
-from service.process.startup import check_memory, draft_name, load_models
+from service.process.startup import apply_memory_limit, check_memory, draft_name, load_models
 
 READY_POLL_S = 0.1  # how often the constructor checks that the warming engine thread is alive
 
@@ -80,8 +79,7 @@ class LLM:
         if model is not None:
             settings["model"] = Path(model)
         config = load_settings(**settings)
-        if config.mlx_memory_limit_bytes:
-            mx.set_memory_limit(config.mlx_memory_limit_bytes)
+        apply_memory_limit(config)
         models = load_models(config)
         self.settings = check_memory(config, models)
         served = self.settings.served_models()[0]

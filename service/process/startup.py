@@ -541,6 +541,25 @@ def _with_model_values(settings: Settings, key: str, values: dict) -> Settings:
     return settings.model_copy(update={"models": models})
 
 
+def apply_memory_limit(settings: Settings) -> int | None:
+    """Set MLX's memory limit (``mx.set_memory_limit``) for this process: to
+    ``mlx_memory_limit_bytes`` when set, else to ``memory_budget_bytes`` when set and below
+    MLX's own limit. Returns the limit set, or None (MLX's default kept).
+
+    MLX releases a step's intermediate buffers only once the device has run the work that reads
+    them, so a queued step can hold far more than the start-up estimate counts for one layer;
+    under its limit, MLX's evaluation waits for running work before queueing more (MLX's
+    ``eval_impl``), which keeps a process near its budget instead of growing until the device
+    runs out. The limit does not make an allocation fail (see :mod:`service.process.memory`)."""
+    if settings.mlx_memory_limit_bytes:
+        mx.set_memory_limit(settings.mlx_memory_limit_bytes)
+        return settings.mlx_memory_limit_bytes
+    if settings.memory_budget_bytes and settings.memory_budget_bytes < mx.get_memory_limit():
+        mx.set_memory_limit(settings.memory_budget_bytes)
+        return settings.memory_budget_bytes
+    return None
+
+
 def memory_budget(settings: Settings) -> int:
     """Bytes the models may use: ``memory_budget_bytes``, else ``mlx_memory_limit_bytes``, else
     MLX's memory limit."""

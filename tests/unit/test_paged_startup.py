@@ -216,16 +216,62 @@ def test_an_8b_model_under_a_16_gb_budget_holds_a_32k_prompt(gpu, monkeypatch):
     36,168; the CPU's counted the scores alone (top 59,920, pool 59,936), not the staging row
     it held."""
     import service.process.memory as memory
-    from models.model_args import ModelArgs
 
     monkeypatch.setattr(memory, "batches_last_chunks", lambda: gpu)
+    l8b = llama_8b_shape()
+    resolved = check_memory(Settings(model_name="l8b", kv_cache="paged", memory_budget_bytes=16 * 10**9), {"l8b": l8b})
+    top, pool = resolved.served_models()[0].capacity_buckets[-1], resolved.kv_pool_tokens
+    assert pool is not None and 32_000 <= top <= pool
+    assert (top, pool) == (58_704, 58_709)
+
+
+def test_the_memory_budget_becomes_mlxs_memory_limit():
+    """``memory_budget_bytes`` is also MLX's memory limit (its evaluation then waits for running
+    work rather than queue past it), unless ``mlx_memory_limit_bytes`` is set or MLX's own limit
+    is already lower; with neither key MLX's default stays."""
+    from service.process.startup import apply_memory_limit
+
+    before = mx.get_memory_limit()
+    try:
+        assert apply_memory_limit(Settings(model_name="tiny")) is None and mx.get_memory_limit() == before
+        assert apply_memory_limit(Settings(model_name="tiny", memory_budget_bytes=before // 2)) == before // 2
+        assert mx.get_memory_limit() == before // 2
+        mx.set_memory_limit(before)
+        assert apply_memory_limit(Settings(model_name="tiny", memory_budget_bytes=before * 2)) is None
+        assert mx.get_memory_limit() == before
+        both = Settings(model_name="tiny", memory_budget_bytes=10**9, mlx_memory_limit_bytes=2 * 10**9)
+        assert apply_memory_limit(both) == 2 * 10**9 and mx.get_memory_limit() == 2 * 10**9
+    finally:
+        mx.set_memory_limit(before)
+
+
+def llama_8b_shape() -> LoadedModel:
+    """Llama 3.1 8B's shape with 4.15 GB of (lazy, never evaluated) 4-bit-sized weights."""
+    from models.model_args import ModelArgs
+
     shape = ModelArgs(
         hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
     )  # fmt: skip
     weights = {"w": mx.zeros((4_150_000_000 // 2,), mx.float16)}  # lazy: only its size is read
-    l8b = LoadedModel("l8b", Path("-"), shape, weights, cast(Any, WordTokenizer(frozenset())), mx.float16, "q", 0.0)
-    resolved = check_memory(Settings(model_name="l8b", kv_cache="paged", memory_budget_bytes=16 * 10**9), {"l8b": l8b})
-    top, pool = resolved.served_models()[0].capacity_buckets[-1], resolved.kv_pool_tokens
-    assert pool is not None and 32_000 <= top <= pool
-    assert (top, pool) == (58_704, 58_709)
+    return LoadedModel("l8b", Path("-"), shape, weights, cast(Any, WordTokenizer(frozenset())), mx.float16, "q", 0.0)
+
+
+def test_an_8b_models_kv_bits_8_pool_holds_1_8_times_the_tokens_at_one_context():
+    """``kv_bits 8`` on a float16 pool keeps 136 bytes per head and position (128 packed, two
+    float16 scales and biases for D = 128 in groups of 64) against 256: 0.53 of the bytes. It
+    prefills in its blocks too, so under the same budget and ``max_model_len`` (32,768: the same
+    ladder, the same prefill step) the pool holds 1.88x the tokens (136,448 against 72,488). With
+    the ladder left to the model's context, the longer ladder's prefill step (its float32 scores
+    grow with the capacity) takes part of the gain: 84,608 tokens against 58,709 (1.44x)."""
+
+    def sized(**keys) -> tuple[int, int]:
+        config = Settings(model_name="l8b", kv_cache="paged", memory_budget_bytes=16 * 10**9, **keys)
+        resolved = check_memory(config, {"l8b": llama_8b_shape()})
+        pool = resolved.kv_pool_tokens
+        assert pool is not None
+        return resolved.served_models()[0].capacity_buckets[-1], pool
+
+    assert sized(max_model_len=32768) == (32768, 72_488)
+    assert sized(max_model_len=32768, kv_bits=8) == (32768, 136_448)
+    assert sized(kv_bits=8) == (84_608, 84_608)
