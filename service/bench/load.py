@@ -13,6 +13,9 @@ after another. Workloads (``--workload``):
   throughout, the rest unchanged) or repeat a given text word for word, the passages
   (about ``--system-tokens`` tokens) generated here, a different one per request;
 * ``chat``: ``POST /v1/chat/completions``, open-ended questions (nothing to copy);
+* ``documents``: ``POST /v1/chat/completions``, each request a different document of about
+  ``--system-tokens`` words drawn at random (new ones each run, so no prefix cache holds one)
+  and a question about it: what many long, unrelated conversations at once cost in KV memory;
 * ``long``: ``POST /v1/completions``, a short essay prompt (under 20 tokens, a different one
   per request) generating exactly ``--max-tokens`` tokens: the request sets ``ignore_eos``, so
   the model's end-of-sequence token does not stop it (a server without that field may stop early:
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -53,11 +57,12 @@ from service.bench.common import (
     scrape_by,
     stepserve_counters,
     stream_request,
+    word_prompt,
 )
 from service.bench.constrained_schemas import SCHEMAS
 from service.bench.prompts import copy_task, estimate_tokens, passage, system_prompt
 
-LOAD_WORKLOADS = ("essays", "chat-shared-prefix", "copy", "chat", "long")
+LOAD_WORKLOADS = ("essays", "chat-shared-prefix", "copy", "chat", "long", "documents")
 WORKLOADS = (*LOAD_WORKLOADS, "long-arrival", "first-burst")
 PROMPTS = essay_prompts()
 
@@ -83,6 +88,7 @@ class Workload:
     streams: int = 1  # the level's streams (set by run)
     system: str = field(init=False, default="")
     _turns: Iterator[int] = field(init=False, default_factory=count, repr=False)
+    _run: int = field(init=False, default_factory=lambda: random.getrandbits(32), repr=False)  # documents' seed
 
     def __post_init__(self) -> None:
         if self.name == "chat-shared-prefix":
@@ -97,6 +103,12 @@ class Workload:
             prompt = f"Essay {turn}: write at length about {ESSAY_TOPICS[turn % len(ESSAY_TOPICS)]}.\n\nEssay:"
             body = {"model": self.model, "prompt": prompt, **stream, "ignore_eos": True}
             return "/v1/completions", body | {"stream_options": {"include_usage": True}}
+        if self.name == "documents":
+            turn = next(self._turns)
+            document = word_prompt(random.Random(self._run * 1_000_003 + turn), self.system_tokens)
+            user = f"{document}\n\nWhat is the text above about?"
+            body = {"model": self.model, "messages": [{"role": "user", "content": user}], **stream}
+            return "/v1/chat/completions", body | {"stream_options": {"include_usage": True}}
         if self.name in ("copy", "chat"):
             turn = next(self._turns)
             topic = ESSAY_TOPICS[turn % len(ESSAY_TOPICS)]
@@ -120,10 +132,12 @@ class Workload:
 
     def describe(self) -> dict:
         """The workload's settings for the JSON result."""
-        openai = self.system or self.name in ("copy", "chat", "long")
+        openai = self.system or self.name in ("copy", "chat", "long", "documents")
         info = {"workload": self.name, "api": "openai" if openai else self.api, "max_tokens": self.max_tokens}
         if self.name == "long":
             info["ignore_eos"] = True
+        if self.name == "documents":
+            info["document_words"] = self.system_tokens
         if self.name == "copy":
             info["passage_tokens_estimate"] = estimate_tokens(passage(0, self.system_tokens))
         if self.constrained:
@@ -340,7 +354,7 @@ def add_workload_flags(parser: argparse.ArgumentParser, choices: tuple[str, ...]
         type=int,
         default=400,
         help="chat-shared-prefix: the shared system prompt's size in tokens, about (CPU ~400, GPU ~1500); "
-        "copy: each passage's",
+        "copy: each passage's; documents: each document's, in words",
     )
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request at most")
 

@@ -92,13 +92,24 @@ async def measure(url: str, args: argparse.Namespace) -> tuple[list[Stream], Str
     return streams, long
 
 
-def window_figures(streams: list[Stream], start: float, end: float) -> dict:
+def window_figures(streams: list[Stream], start: float, end: float, long_end: float | None = None) -> dict:
     """Gaps between the streams' tokens against the window [``start``, ``end``] (perf_counter
     seconds): a gap overlaps it when it ends after ``start`` and begins before ``end``; one
-    entirely before or after lies outside. Seconds throughout."""
+    entirely before or after lies outside. With ``long_end`` (when the long request's stream
+    ended), also the streams' inter-token latency p50 before the window and while the long
+    request decodes ([``end``, ``long_end``]), and their ratio (issue #28's mixed-load figure:
+    the running chats' ITL while a long document decodes beside them, against before it came).
+    Seconds throughout."""
     inside = [[b - a for a, b in rec.gaps if b > start and a < end] for rec in streams]
     outside = [b - a for rec in streams for a, b in rec.gaps if b <= start or a >= end]
+    before = [b - a for rec in streams for a, b in rec.gaps if b <= start]
+    during = [b - a for rec in streams for a, b in rec.gaps if long_end is not None and a >= end and b <= long_end]
+    p50_before, p50_during = percentile(before, 0.5), percentile(during, 0.5)
     return {
+        "itl_before_window_s_p50": p50_before,
+        "itl_while_long_decodes_s_p50": p50_during,
+        "itl_while_long_decodes_gaps": len(during),
+        "itl_while_long_decodes_over_before": p50_during / p50_before if p50_before and p50_during else None,
         "max_gap_in_window_s": max((max(g) for g in inside if g), default=None),
         "max_gap_in_window_s_per_stream": [max(g, default=None) for g in inside],
         "itl_outside_window_s_p50": percentile(outside, 0.5),
@@ -111,7 +122,13 @@ def window_figures(streams: list[Stream], start: float, end: float) -> dict:
 
 def _table(result: dict) -> Table:
     table = Table(title=f"long-arrival: {result['url']} ({result['streams']} streams)")
-    columns = ("long prompt tok", "long TTFT s", "max gap in window ms", "ITL p50/p99 outside ms")
+    columns = (
+        "long prompt tok",
+        "long TTFT s",
+        "max gap in window ms",
+        "ITL p50/p99 outside ms",
+        "ITL p50 before / while long decodes ms",
+    )
     for col in (*columns, "tokens in window", "streams past window", "compile misses"):
         table.add_column(col, justify="right")
     table.add_row(
@@ -119,6 +136,7 @@ def _table(result: dict) -> Table:
         fmt(result["long_ttft_s"]),
         fmt(result["max_gap_in_window_s"], 1e3, 1),
         f"{fmt(result['itl_outside_window_s_p50'], 1e3, 1)}/{fmt(result['itl_outside_window_s_p99'], 1e3, 1)}",
+        f"{fmt(result['itl_before_window_s_p50'], 1e3, 1)} / {fmt(result['itl_while_long_decodes_s_p50'], 1e3, 1)}",
         " ".join(map(str, result["tokens_in_window_per_stream"])),
         f"{result['streams_past_window']}/{result['streams']}",
         fmt(result["compile_misses"], digits=0),
@@ -168,6 +186,7 @@ def main(argv: list[str]) -> int:
         "long_cached_tokens": long.cached_tokens,
         "long_ttft_s": long.ttft_s,
         "compile_misses": misses,  # a stepserve's, during the run: a miss is a stall of its own
-        **window_figures(streams, start, end),
+        "long_completion_tokens": long.tokens,
+        **window_figures(streams, start, end, long.end),
     }
     return report(result, argv, [_table(result)], args.out)

@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import httpx
+import pytest
 
 from service.bench.load import Workload, run_level
 
@@ -45,3 +46,37 @@ def test_a_constrained_stream_still_streaming_when_the_free_ones_finish_is_close
     constrained_tokens = level["completion_tokens"] - free_tokens
     # It streamed all along: about as many tokens as one free stream's two requests (5 ms each).
     assert 8 <= constrained_tokens <= 4 * 2 * 8, level
+
+
+def test_long_arrival_splits_itl_before_and_while_the_long_request_decodes():
+    """The mixed-load figure: gaps wholly before the long request's send count as "before",
+    gaps between its first token and its end as "while it decodes"; the window's own gap is
+    neither."""
+    from service.bench.common import Stream
+    from service.bench.long_arrival import window_figures
+
+    # 10 ms gaps before the send at t=1.0, a 500 ms stall in the window [1.0, 1.5], 20 ms after
+    arrivals = [0.95, 0.96, 0.97, 0.98, 0.99, 1.49, 1.51, 1.53, 1.55, 1.57, 1.59]
+    streams = [Stream(start=0.0, arrivals=list(arrivals)), Stream(start=0.0, arrivals=[a + 0.001 for a in arrivals])]
+    figures = window_figures(streams, start=1.0, end=1.5, long_end=1.6)
+    assert figures["itl_before_window_s_p50"] == pytest.approx(0.01)
+    assert figures["itl_while_long_decodes_s_p50"] == pytest.approx(0.02)
+    assert figures["itl_while_long_decodes_over_before"] == pytest.approx(2.0)
+    assert figures["max_gap_in_window_s"] == pytest.approx(0.5)
+    assert figures["itl_while_long_decodes_gaps"] == 8  # 4 per stream after the first token at 1.5; not the stall
+    assert window_figures(streams, 1.0, 1.5)["itl_while_long_decodes_s_p50"] is None
+
+
+def test_documents_are_long_and_share_no_prefix_within_a_run_or_across_runs():
+    """The documents workload measures KV memory only if no request's prompt is a prefix-cache
+    hit for another's: each document differs from its first words, also in a second run."""
+    from service.bench.load import Workload
+
+    def documents(n: int) -> list[str]:
+        workload = Workload("documents", max_tokens=8, system_tokens=300)
+        return [workload.request(0)[1]["messages"][0]["content"] for _ in range(n)]
+
+    first, second = documents(4), documents(2)
+    assert all(len(d.split()) >= 300 for d in first)
+    starts = [d.split()[:3] for d in first + second]
+    assert len({tuple(s) for s in starts}) == len(starts)
