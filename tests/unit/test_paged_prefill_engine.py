@@ -14,16 +14,12 @@ import dataclasses
 import time
 from typing import Any, cast
 
-from prometheus_client import CollectorRegistry
-
 from models.adapter import AdapterArgs
 from service.engine.executor import prefills_in_blocks
 from service.engine.warmup import WarmupSpec, plan
-from service.metrics import Metrics
-from tests.support import engine_at, random_params, start_engine
+from tests.support import random_params, start_engine
 from tests.unit.test_paged_prefix import (
     BT,
-    BUCKETS,
     PREFIX,
     WIDE,
     consistent,
@@ -119,14 +115,7 @@ def test_a_kv_bits_request_preempted_and_resumed_gets_the_tokens_it_gets_alone()
     wide = random_params(WIDE, seed=3)
 
     def kv_bits_engine(pool_tokens: int):
-        metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
-        keys = {"kv_block_tokens": BT, "kv_pool_tokens": pool_tokens, "prefix_cache_bytes": 10**6}
-        engine = engine_at(
-            tiny_model(WIDE, wide), BUCKETS, metrics, kv_cache="paged", kv_bits=8,
-            prefill_chunk_tokens=8, max_batched_tokens=16, **keys,
-        )  # fmt: skip
-        engine.ready.set()
-        return engine
+        return make_engine(wide, args=WIDE, kv_bits=8, kv_pool_tokens=pool_tokens)
 
     engine = kv_bits_engine(10 * BT)
     no_staging(engine)

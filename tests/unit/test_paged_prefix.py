@@ -39,11 +39,12 @@ def tiny_model(args, params) -> LoadedModel:
     return LoadedModel("tiny", Path("-"), args, params, tokenizer, mx.float32, "dequantized", 0.0)
 
 
-def make_engine(params, **settings) -> Engine:
-    """An engine (not started) on the tiny model prefilling in chunks of 8 tokens, its steps
-    compiled on first use, counted as serving (``ready`` set: metrics recorded). Paged with a
-    prefix cache in blocks of :data:`BT` unless ``settings`` say otherwise."""
-    model = tiny_model(TINY, params)
+def make_engine(params, args=TINY, buckets: BucketTable = BUCKETS, **settings) -> Engine:
+    """An engine (not started) on a tiny model (``args``, ``params``) prefilling in chunks of 8
+    tokens, its steps compiled on first use, counted as serving (``ready`` set: metrics
+    recorded). Paged with a prefix cache in blocks of :data:`BT` unless ``settings`` say
+    otherwise."""
+    model = tiny_model(args, params)
     metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
     keys = {
         "kv_cache": "paged",
@@ -54,7 +55,7 @@ def make_engine(params, **settings) -> Engine:
         "max_batched_tokens": 16,
         **settings,
     }
-    engine = engine_at(model, BUCKETS, metrics, **keys)
+    engine = engine_at(model, buckets, metrics, **keys)
     engine.ready.set()
     return engine
 

@@ -10,13 +10,11 @@ this thread on a tiny random model (:mod:`tests.unit.test_paged_prefix`'s)."""
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from service.engine import executor as executor_module
 from service.engine.buckets import BucketTable
 from service.engine.core import Engine
-from service.metrics import Metrics
-from tests.support import TINY, engine_at, random_params
+from tests.support import random_params
 from tests.unit.test_paged_prefix import (
     BT,
     PREFIX,
@@ -27,8 +25,8 @@ from tests.unit.test_paged_prefix import (
     params,  # noqa: F401  (the module's fixture)
     reference,
     request,
-    tiny_model,
 )
+from tests.unit.test_paged_prefix import make_engine as paged_engine
 
 #: Room for the six requests running at once (batch bucket 8).
 BUCKETS = BucketTable(batch=(1, 2, 4, 8), prompt=(8, 16), capacity=(32, 64))
@@ -40,26 +38,14 @@ STEPS = 120  # far more than the burst needs: a request still waiting then would
 
 
 def make_engine(params, in_blocks: bool, monkeypatch, **settings) -> Engine:  # noqa: F811
-    """A paged engine (pool of 64 blocks of 4 tokens, prefix cache on, chunks of 8 tokens, 16
-    tokens a step) whose prompts prefill in their blocks, or (``in_blocks`` False) on staging
-    caches copied into their blocks at join, as mlx-lm's classes, ``kv_bits`` and pipeline
-    stages do."""
+    """:func:`tests.unit.test_paged_prefix.make_engine` with batches of up to 8, whose prompts
+    prefill in their blocks, or (``in_blocks`` False) on staging caches copied into their
+    blocks at join, as mlx-lm's classes and pipeline stages do."""
     if not in_blocks:
         monkeypatch.setattr(executor_module, "prefills_in_blocks", lambda model, bits: False)
-    keys = {
-        "kv_cache": "paged",
-        "kv_block_tokens": BT,
-        "kv_pool_tokens": 256,
-        "prefix_cache_bytes": 10**6,
-        "prefill_chunk_tokens": 8,
-        "max_batched_tokens": 16,
-        **settings,
-    }
-    metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
-    engine = engine_at(tiny_model(TINY, params), BUCKETS, metrics, **keys)
+    engine = paged_engine(params, buckets=BUCKETS, **settings)
     if engine.paged is not None:
         assert engine.executor.in_blocks is in_blocks and engine.prefiller.in_blocks is in_blocks
-    engine.ready.set()
     return engine
 
 
@@ -234,20 +220,8 @@ def test_a_kv_bits_pool_waits_for_a_prefix_in_flight_too():
     wide = random_params(WIDE, seed=2)
 
     def kv_bits_engine() -> Engine:
-        metrics = Metrics(CollectorRegistry(), version="test", device="cpu")
-        keys = {"kv_block_tokens": BT, "kv_pool_tokens": 256, "prefix_cache_bytes": 10**6}
-        engine = engine_at(
-            tiny_model(WIDE, wide),
-            BUCKETS,
-            metrics,
-            kv_cache="paged",
-            kv_bits=8,
-            prefill_chunk_tokens=8,
-            max_batched_tokens=16,
-            **keys,
-        )
+        engine = paged_engine(wide, args=WIDE, buckets=BUCKETS, kv_bits=8)
         assert engine.executor.in_blocks
-        engine.ready.set()
         return engine
 
     engine = kv_bits_engine()
