@@ -509,3 +509,42 @@ class FinishedGeneration:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+
+def paged_families(root: Path, llama_seed: int) -> dict[str, tuple]:
+    """(args, params) of each hand-written family with a paged path: llama (:data:`TINY`,
+    :func:`random_params` at ``llama_seed``), and tiny random qwen2 (Q/K/V biases), qwen3 (Q/K
+    norms), gemma3_text (sliding window 8) and qwen3_moe loaded from model directories written
+    under ``root``; float32, dequantized."""
+    from models.loader import load_model
+
+    out: dict[str, tuple] = {"llama": (TINY, random_params(seed=llama_seed))}
+    for model_type in ("qwen2", "qwen3", "gemma3_text", "qwen3_moe"):
+        write_lm_dir(root / model_type, tiny_config(model_type))
+        model = load_model(root / model_type, model_type, mx.float32, "dequantized")
+        out[model_type] = (model.args, model.params)
+    return out
+
+
+def prefilled(arch, args, params, ids: list[int]) -> tuple[mx.array, KVCache]:
+    """Logits float32 [V] after ``ids`` prefilled alone by ``arch`` on a linear cache, and the
+    cache [1, Hkv, len(ids), D]."""
+    cache = KVCache.allocate(
+        args.num_hidden_layers, 1, args.num_key_value_heads, len(ids), args.dim_per_head, mx.float32
+    )
+    logits, kv = arch.prefill(params, mx.array([ids], mx.int32), mx.array([len(ids)]), cache, args=args)
+    return logits[0], kv
+
+
+def noise_pool(args, num_blocks: int, block_tokens: int, seed: int):
+    """A paged pool (:class:`models.paged.PagedKV`) of normal noise x3 for ``args``'s layers,
+    [num_blocks, Hkv, block_tokens, D] each: a position read or written that should not be
+    shows in the result."""
+    from models.paged import PagedKV
+
+    mx.random.seed(seed)
+    shape = (num_blocks, args.num_key_value_heads, block_tokens, args.dim_per_head)
+    layers = args.num_hidden_layers
+    return PagedKV(
+        [mx.random.normal(shape) * 3 for _ in range(layers)], [mx.random.normal(shape) * 3 for _ in range(layers)]
+    )

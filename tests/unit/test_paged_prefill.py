@@ -16,10 +16,8 @@ import pytest
 
 from models import llama
 from models.architectures import architecture
-from models.kv_cache import KVCache
-from models.loader import load_model
 from models.paged import NULL_BLOCK, PagedKV, write
-from tests.support import ATOL, TINY, random_params, tiny_config, write_lm_dir
+from tests.support import ATOL, TINY, noise_pool, paged_families, prefilled, random_params
 
 BT, M, N = 4, 6, 40  # block tokens, table columns (a view of 24 positions), pool blocks
 T = 8  # the chunk bucket
@@ -33,34 +31,8 @@ EXTRA = [1, 1, 0]  # blocks each row holds past its text (reserved for decode: p
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory) -> dict[str, tuple]:
-    """(args, params) of llama (random), and of tiny random qwen2, qwen3, gemma3_text (sliding
-    window 8) and qwen3_moe loaded from model directories."""
-    out: dict[str, tuple] = {"llama": (TINY, random_params(seed=7))}
-    root = tmp_path_factory.mktemp("paged-prefill")
-    for model_type in ("qwen2", "qwen3", "gemma3_text", "qwen3_moe"):
-        write_lm_dir(root / model_type, tiny_config(model_type))
-        model = load_model(root / model_type, model_type, mx.float32, "dequantized")
-        out[model_type] = (model.args, model.params)
-    return out
-
-
-def prefilled(arch, args, params, ids: list[int]) -> tuple[mx.array, KVCache]:
-    """Logits [V] after ``ids`` prefilled alone on a linear cache, and the cache [1, Hkv, len, D]."""
-    cache = KVCache.allocate(
-        args.num_hidden_layers, 1, args.num_key_value_heads, len(ids), args.dim_per_head, mx.float32
-    )
-    logits, kv = arch.prefill(params, mx.array([ids], mx.int32), mx.array([len(ids)]), cache, args=args)
-    return logits[0], kv
-
-
-def noisy_pool(args, seed: int) -> PagedKV:
-    """A pool of normal noise (a position read or written that should not be shows)."""
-    mx.random.seed(seed)
-    shape = (N, args.num_key_value_heads, BT, args.dim_per_head)
-    layers = args.num_hidden_layers
-    return PagedKV(
-        [mx.random.normal(shape) * 3 for _ in range(layers)], [mx.random.normal(shape) * 3 for _ in range(layers)]
-    )
+    """:func:`tests.support.paged_families` (llama at seed 7)."""
+    return paged_families(tmp_path_factory.mktemp("paged-prefill"), llama_seed=7)
 
 
 def tables(seed: int, rows: int) -> tuple[list[list[int]], mx.array]:
@@ -100,7 +72,7 @@ def test_a_paged_prefill_gives_the_linear_prefills_logits_and_writes_only_its_ro
     rows = 4  # a batch bucket: row 3 is padding
     blocks, table = tables(seed=11, rows=rows)
     alone = [prefilled(arch, args, params, text) for text, _ in TEXTS]
-    pool = noisy_pool(args, seed=12)
+    pool = noise_pool(args, N, BT, seed=12)
     for b, (_, offset) in enumerate(TEXTS):  # the earlier chunks' positions, as they left them
         if offset:
             at = mx.arange(offset, dtype=mx.int32)[None]
@@ -138,7 +110,7 @@ def test_padding_never_lands_in_a_block_another_row_or_the_prefix_cache_holds(fa
     shared, mine, theirs, reserved = 5, 9, 13, 17
     text = [4, 4, 2, 1, 7, 3]
     _, alone = prefilled(arch, args, params, text)
-    pool = noisy_pool(args, seed=21)
+    pool = noise_pool(args, N, BT, seed=21)
     at = mx.arange(BT, dtype=mx.int32)[None]
     hit = mx.array([[shared]], mx.int32)
     for layer in range(args.num_hidden_layers):

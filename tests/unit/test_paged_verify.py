@@ -16,9 +16,8 @@ import pytest
 from models import llama
 from models.architectures import architecture
 from models.kv_cache import KVCache
-from models.loader import load_model
 from models.paged import PagedKV, gather, write
-from tests.support import ATOL, TINY, random_params, tiny_config, write_lm_dir
+from tests.support import ATOL, TINY, noise_pool, paged_families, prefilled, random_params
 
 BT, M, N = 4, 8, 40  # block tokens, table columns (capacity 32), pool blocks
 PROMPTS = [[3, 1, 4], [9, 2, 6, 5, 3, 5, 8], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9]]  # positions 3, 7, 13
@@ -28,24 +27,8 @@ W = 4  # each row's newest token and 3 proposals: 3..6, 7..10 and 13..16 each cr
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory) -> dict[str, tuple]:
-    """(args, params) of llama (random), and of tiny random qwen2 (Q/K/V biases), qwen3 (Q/K
-    norms), gemma3_text (sliding window 8) and qwen3_moe loaded from model directories."""
-    out: dict[str, tuple] = {"llama": (TINY, random_params(seed=5))}
-    root = tmp_path_factory.mktemp("paged-verify")
-    for model_type in ("qwen2", "qwen3", "gemma3_text", "qwen3_moe"):
-        write_lm_dir(root / model_type, tiny_config(model_type))
-        model = load_model(root / model_type, model_type, mx.float32, "dequantized")
-        out[model_type] = (model.args, model.params)
-    return out
-
-
-def prefilled(arch, args, params, ids: list[int]) -> tuple[mx.array, KVCache]:
-    """Logits [V] after ``ids`` prefilled alone, and its linear cache [1, Hkv, len(ids), D]."""
-    cache = KVCache.allocate(
-        args.num_hidden_layers, 1, args.num_key_value_heads, len(ids), args.dim_per_head, mx.float32
-    )
-    logits, kv = arch.prefill(params, mx.array([ids], mx.int32), mx.array([len(ids)]), cache, args=args)
-    return logits[0], kv
+    """:func:`tests.support.paged_families` (llama at seed 5)."""
+    return paged_families(tmp_path_factory.mktemp("paged-verify"), llama_seed=5)
 
 
 def pool_of(args, prompts_kv: list[KVCache], seed: int) -> tuple[PagedKV, mx.array]:
@@ -54,12 +37,7 @@ def pool_of(args, prompts_kv: list[KVCache], seed: int) -> tuple[PagedKV, mx.arr
     prompt and W more positions (null-block padded). Returns (pool, table int32 [B, M])."""
     ids = list(range(1, N))
     random.Random(seed).shuffle(ids)
-    mx.random.seed(seed)
-    shape = (N, args.num_key_value_heads, BT, args.dim_per_head)
-    layers = args.num_hidden_layers
-    pool = PagedKV(
-        [mx.random.normal(shape) * 3 for _ in range(layers)], [mx.random.normal(shape) * 3 for _ in range(layers)]
-    )
+    pool, layers = noise_pool(args, N, BT, seed), args.num_hidden_layers
     rows = []
     for kv in prompts_kv:
         need = -(-(kv.capacity + W) // BT)
