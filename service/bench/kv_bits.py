@@ -16,8 +16,10 @@ For each bit width it reports:
   polluted by drift);
 * ``pool_bytes_per_token`` and ``memory_ratio`` (against the full-precision pool).
 
-Position 0 comes from the prefill, which runs in full precision in every mode (as in the
-server), so it always agrees. ``--mlx-lm 8`` adds the same figures for mlx-lm's own model class
+Position 0 comes from the prefill, which the server runs as this does: straight into the
+pool's blocks for a hand-written family, so with ``--bits`` its queries attend over the
+prompt's keys quantized (as mlx-lm's ``QuantizedKVCache`` has a prompt do); on a staging cache
+at full precision otherwise. ``--mlx-lm 8`` adds the same figures for mlx-lm's own model class
 (the GGUF read as ``model_impl = "mlx_lm"`` reads it) with and without its
 ``QuantizedKVCache`` (as ``generate_step(kv_bits=..., quantized_kv_start=0)``, one prompt at a
 time; its teacher-forced run in one causal pass; ``--mlx-lm-prompts`` of the prompts): the
@@ -82,7 +84,7 @@ def paged_greedy(
     first = []
     for b, ids in enumerate(prompt_ids):
         blocks = table[b, : -(-len(ids) // block_tokens)].tolist()
-        if executor.in_blocks:  # a full-precision pool: the prompt is prefilled straight into its blocks
+        if executor.in_blocks:  # the prompt is prefilled straight into its blocks (quantized with bits)
             logits = executor.prefill_blocks([blocks], [ids], [0], [len(ids)], 1)
         else:
             logits, kv = executor.prefill([ids], [len(ids)])

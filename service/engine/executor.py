@@ -389,10 +389,12 @@ class Executor:
         rows = [(t[:width] + [NULL_BLOCK] * width)[:width] for t in tables] + [[NULL_BLOCK] * width] * (batch - n)
         fn = self.step_fn("chunk", batch, T, capacity) if capacity else self.step_fn("prefill", batch, T)
         # The pool is evaluated before the call is built on it. Built on a pool still pending
-        # from an earlier step (a forgotten decode step's writes), a batched last-chunk call gave
-        # one row wrong tokens in about one run in six on a loaded CPU, and never with Python's
-        # garbage collector off or with this evaluation (tests/unit/test_paged_prefill_engine.py,
-        # run after test_paged_kv.py and test_paged_prefill.py). The cause is not yet known.
+        # from an earlier step, a batched last-chunk call gave one row wrong tokens now and then
+        # on a loaded CPU (tests/unit/test_paged_prefill_engine.py run after test_paged_kv.py and
+        # test_paged_prefill.py); never with this evaluation, with Python's garbage collector
+        # off, with a gc.collect() at the test's start, or with the earlier tests' compiled
+        # functions kept alive: the trigger is the collector destroying mx.compile callables
+        # while this step is built or run. How that reaches this call's result is not known.
         mx.eval(pool)
         logits, self.pool = fn(
             self.model.params,
