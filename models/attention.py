@@ -39,6 +39,18 @@ def write_prefix(buf: mx.array, new: mx.array) -> mx.array:
     return mx.concatenate([new.astype(buf.dtype), buf[:, :, T:, :]], axis=2)
 
 
+def kv_roundtrip(x: mx.array, bits: int | None, group_size: int = 64) -> mx.array:
+    """``x`` [..., D] as a ``kv_bits`` pool keeps it: quantized per ``group_size`` values of D
+    (``mx.quantize``, affine, mlx-lm's ``QuantizedKVCache`` layout) and dequantized; ``x`` itself
+    when ``bits`` is None. A staging cache holding these values attends as the pool's quantized
+    attention does (to float32 rounding), and the pool quantizes them back to the same codes."""
+    if not bits:
+        return x
+    return mx.dequantize(*mx.quantize(x, group_size=group_size, bits=bits), group_size=group_size, bits=bits).astype(
+        x.dtype
+    )
+
+
 class PromptAttention:
     """Prefill's attention: causal within the prompt (positions 0..T-1, right-padded rows:
     a real query only sees earlier, real keys), restricted to the window for sliding layers;
@@ -48,10 +60,12 @@ class PromptAttention:
     Args:
         T: the prompt bucket.
         scale: the attention scale (1/sqrt(D) unless the model says otherwise).
+        bits, group_size: a ``kv_bits`` pool's quantization: keys and values are attended and
+            written as it keeps them (:func:`kv_roundtrip`); None: full precision.
     """
 
-    def __init__(self, T: int, scale: float):
-        self.T, self.scale = T, scale
+    def __init__(self, T: int, scale: float, bits: int | None = None, group_size: int = 64):
+        self.T, self.scale, self.bits, self.group_size = T, scale, bits, group_size
         self._masks: dict[int, mx.array] = {}
 
     def __call__(self, window: int | None) -> Attend:
@@ -59,6 +73,7 @@ class PromptAttention:
         mask: mx.array | str = "causal" if window is None or window >= self.T else self._window_mask(window)
 
         def attend(q, k, v, keys, values):
+            k, v = kv_roundtrip(k, self.bits, self.group_size), kv_roundtrip(v, self.bits, self.group_size)
             o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
             return o, write_prefix(keys, k), write_prefix(values, v)
 
@@ -81,6 +96,7 @@ class CacheAttention:
             chunk tokens write garbage beyond the real ones, which later steps mask and
             overwrite).
         scale: the attention scale.
+        bits, group_size: as :class:`PromptAttention`'s (a staging cache of a ``kv_bits`` pool).
 
     A linear buffer writes position p at index p; a ring (:func:`is_ring`) at p mod S and masks
     indices not yet written (index > p); every index it holds is within the window, since it
@@ -88,14 +104,16 @@ class CacheAttention:
     would overwrite keys its earlier tokens still see, so chunks go to linear staging caches.
     """
 
-    def __init__(self, positions: mx.array, scale: float):
+    def __init__(self, positions: mx.array, scale: float, bits: int | None = None, group_size: int = 64):
         self.positions, self.scale = positions.astype(mx.int32), scale
+        self.bits, self.group_size = bits, group_size
         self._layouts: dict[tuple[int | str | None, int], tuple[mx.array, mx.array]] = {}
 
     def __call__(self, window: int | None) -> Attend:
         """The :data:`Attend` of a layer with sliding ``window`` (None: full attention)."""
 
         def attend(q, k, v, keys, values):
+            k, v = kv_roundtrip(k, self.bits, self.group_size), kv_roundtrip(v, self.bits, self.group_size)
             index, mask = self._layout(window, keys.shape[2])
             keys = mx.put_along_axis(keys, mx.broadcast_to(index, k.shape), k.astype(keys.dtype), axis=2)
             values = mx.put_along_axis(values, mx.broadcast_to(index, v.shape), v.astype(values.dtype), axis=2)

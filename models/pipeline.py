@@ -214,11 +214,16 @@ def prefill(
     args: ModelArgs,
     stage: Stage,
     group: mx.distributed.Group | None = None,
+    bits: int | None = None,
+    group_size: int = 64,
 ) -> tuple[mx.array, KVCache]:
     """:func:`models.llama.prefill` for one stage: tokens int32 [B, T], lengths int32 [B],
     the stage's cache (its layers only) of capacity C >= T. Returns (rank 0: float32 logits
-    [B, V]; other ranks: the sent hidden states [B, T, H], to evaluate), the stage's cache."""
-    attention = PromptAttention(tokens.shape[1], args.attention_scale)
+    [B, V]; other ranks: the sent hidden states [B, T, H], to evaluate), the stage's cache.
+    ``bits``: the stage's pool is ``kv_bits``: keys and values are attended and staged as the
+    pool keeps them (:func:`models.attention.kv_roundtrip`), as one process attends a prompt
+    prefilled in its quantized blocks."""
+    attention = PromptAttention(tokens.shape[1], args.attention_scale, bits, group_size)
     return _run(params, tokens, 0, cache, attention, _rows_at(lengths), args, stage, group)
 
 
@@ -232,12 +237,14 @@ def prefill_chunk(
     args: ModelArgs,
     stage: Stage,
     group: mx.distributed.Group | None = None,
+    bits: int | None = None,
+    group_size: int = 64,
 ) -> tuple[mx.array, KVCache]:
     """:func:`models.llama.prefill_chunk` for one stage: tokens int32 [B, T] from offsets int32
     [B], lengths int32 [B] real tokens per row, the stage's cache with offsets + T <= C.
-    Returns as :func:`prefill`."""
+    Returns as :func:`prefill` (``bits`` as there)."""
     positions = offsets[:, None] + mx.arange(tokens.shape[1])[None, :]  # [B, T]
-    attention = CacheAttention(positions, args.attention_scale)
+    attention = CacheAttention(positions, args.attention_scale, bits, group_size)
     return _run(params, tokens, offsets, cache, attention, _rows_at(lengths), args, stage, group)
 
 

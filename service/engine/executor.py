@@ -227,10 +227,12 @@ class Executor:
             if (error := adapter_kv_bits_error(self.model, bits, group_size)) is not None:
                 raise ValueError(f"kv_bits = {bits}: {error}; remove kv_bits for it")
         if self.model.stage is not None and not isinstance(a, AdapterArgs):  # this rank's layers, over the group
-            step = partial(
-                pipeline.decode_paged, args=a, stage=self.model.stage, group=self.model.group, bits=bits,
-                group_size=group_size,
-            )  # fmt: skip
+            stage, group = self.model.stage, self.model.group
+            step = partial(pipeline.decode_paged, args=a, stage=stage, group=group, bits=bits, group_size=group_size)
+            if bits:  # staged prompts attend as one process's quantized blocks (models.pipeline.prefill)
+                for phase, fn in (("prefill", pipeline.prefill), ("chunk", pipeline.prefill_chunk)):
+                    staged = partial(fn, args=a, stage=stage, group=group, bits=bits, group_size=group_size)
+                    self._specs[phase] = StepSpec(staged)
         else:
             arch = adapter if isinstance(a, AdapterArgs) else architecture(a.model_type)
             step = partial(arch.decode_paged, args=a, bits=bits, group_size=group_size)

@@ -188,12 +188,41 @@ def test_an_mlx_lm_class_the_pool_cannot_hold_is_refused_at_start_naming_the_key
     assert "set kv_cache = 'static'" in log and "Traceback" not in log
 
 
+QuantizedAnswer = tuple[list[str], list[float], list[dict[str, float]]]
+
+
+def top_two(server: ServerProcess, prompt: str, max_tokens: int) -> QuantizedAnswer:
+    """A greedy answer's (tokens, their logprobs, each position's two likeliest tokens' logprobs)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    logprobs = httpx.post(f"{server.url}/v1/completions", json=body | {"logprobs": 2}, timeout=300).json()
+    logprobs = logprobs["choices"][0]["logprobs"]
+    return logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]
+
+
+def assert_same_but_near_ties(got: QuantizedAnswer, want: QuantizedAnswer, tolerance: float = 5e-3) -> None:
+    """The same greedy tokens with logprobs within ``tolerance``, up to a position where the two
+    chose differently between tokens whose logprobs lie within ``tolerance`` (a near tie).
+
+    A group stages a prompt's keys and values quantized and dequantized, one process writes them
+    into its quantized blocks: the two attend to float32 rounding of each other, but a key that
+    rounding puts on the other side of a quantization step moves a logprob by about 1e-3."""
+    tokens, logprobs, top = got
+    their_tokens, their_logprobs, _ = want
+    split = next((i for i, pair in enumerate(zip(tokens, their_tokens, strict=True)) if pair[0] != pair[1]), None)
+    end = len(tokens) if split is None else split
+    assert max((abs(a - b) for a, b in zip(logprobs[:end], their_logprobs[:end], strict=True)), default=0.0) < tolerance
+    if split is not None:
+        choices = top[split]
+        assert their_tokens[split] in choices, (split, choices, their_tokens[split])
+        assert abs(choices[tokens[split]] - choices[their_tokens[split]]) < tolerance, (split, choices)
+
+
 def test_a_quantized_pool_split_in_two_answers_as_one_process_on_it(tmp_path):
-    """``kv_bits 8``: each rank keeps its layers' blocks quantized (a head dim of 64); a batch
-    of mixed lengths and a prefix hit answer as one process on the same pool, each request
-    alone. A batch that preempts completes; its tokens are not compared: on a quantized pool a
-    resumed request's keys and values depend on where it was preempted (its generated tokens are
-    prefilled again at full precision), which the timing of a batch's arrivals decides."""
+    """``kv_bits 8``: each rank keeps its layers' blocks quantized (a head dim of 64); requests
+    of different lengths and a prefix hit answer as one process on the same pool, each request
+    alone, but for near ties (:func:`assert_same_but_near_ties`). A batch that preempts
+    completes; its tokens are not compared: where a request is preempted depends on the timing
+    of a batch's arrivals."""
     model = write_served_dir(
         tmp_path / "tiny64",
         {"num_hidden_layers": 5, "tie_word_embeddings": False, "hidden_size": 128, "num_attention_heads": 2},
@@ -204,15 +233,16 @@ def test_a_quantized_pool_split_in_two_answers_as_one_process_on_it(tmp_path):
     try:
         group.wait_ready()
         single.wait_ready()
-        got = [completions(group, prompts, 30), alone(group, repeated, 20)]
+        requests = [(prompt, 30) for prompt in prompts] + [(prompt, 20) for prompt in repeated]
+        got = [top_two(group, prompt, n) for prompt, n in requests]
         preempted = completions(group, [LONG, LONG.replace("t2 ", "t3 ", 1)], 70)
         kv = pool_state(group)
-        want = [alone(single, prompts, 30), alone(single, repeated, 20)]
+        want = [top_two(single, prompt, n) for prompt, n in requests]
     finally:
         single.stop()
         code = group.stop()
     assert code == 0, group.log()
     for g, w in zip(got, want, strict=True):
-        assert_same(g, w)
+        assert_same_but_near_ties(g, w)
     assert kv["kv_bits"] == 8 and kv["preemptions"] > 0 and kv["blocks"]["used"] == 0
     assert [len(logprobs) for _, logprobs in preempted] == [70, 70]

@@ -16,6 +16,7 @@ import pytest
 
 from models import llama
 from models.architectures import architecture
+from models.kv_cache import KVCache
 from models.paged import NULL_BLOCK, PagedKV, write
 from tests.support import ATOL, TINY, noise_pool, paged_families, prefilled, random_params
 
@@ -176,3 +177,29 @@ def test_a_kv_bits_chunk_in_blocks_equals_decoding_its_tokens_one_at_a_time(bits
     for layer in range(wide.num_hidden_layers):
         for a, b in zip(pool.keys[layer], chunked.keys[layer], strict=True):
             assert mx.array_equal(a[rows], b[rows]) or mx.abs(a[rows].astype(mx.float32) - b[rows]).max() < 1e-4
+
+
+def test_a_pipeline_stage_stages_a_kv_bits_prompt_as_one_process_attends_its_quantized_blocks():
+    """A pipeline group prefills on staging caches: with ``kv_bits`` its stages attend over the
+    keys and values quantized and dequantized (:func:`models.attention.kv_roundtrip`), so a
+    stage holding every layer gives the logits one process gets prefilling into its quantized
+    blocks, to float32 rounding; staged at full precision they differ by far more."""
+    from models import pipeline
+    from models.paged import quantized_pool
+
+    wide = TINY.__class__(**{**TINY.__dict__, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
+    params, D, layers = random_params(wide, seed=5), wide.dim_per_head, wide.num_hidden_layers
+    text, blocks = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 2, 9]
+    tokens, lengths = mx.array([text + [0] * (T * 2 - len(text))], mx.int32), mx.array([len(text)], mx.int32)
+    table = mx.array([blocks + [NULL_BLOCK] * (M - len(blocks))], mx.int32)
+    quantized = [quantized_pool(N, 1, BT, D, 8, 64, mx.float32) for _ in range(2 * layers)]
+    pool = PagedKV(quantized[:layers], quantized[layers:])
+    in_blocks, _ = llama.prefill_paged(params, tokens, mx.array([0]), lengths, table, pool, args=wide, bits=8)
+    stage = pipeline.Stage(rank=0, size=1, start=0, stop=layers)
+
+    def staged(bits: int | None) -> mx.array:
+        cache = KVCache.allocate(layers, 1, 1, T * 2, D, mx.float32)
+        return pipeline.prefill(params, tokens, lengths, cache, args=wide, stage=stage, bits=bits)[0]
+
+    assert mx.abs(staged(8) - in_blocks).max().item() < 1e-4
+    assert mx.abs(staged(None) - in_blocks).max().item() > 1e-2
