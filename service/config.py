@@ -179,9 +179,10 @@ class Settings(BaseSettings):
     kv_bits: int | None = Field(
         None,
         description="kv_cache = 'paged': keep the pool's keys and values quantized to this many bits (groups of 64 "
-        "values, as mlx-lm's QuantizedKVCache), attended without dequantizing (a preempted request's tokens after "
-        "it resumes can then differ from its run alone: what it prefills again is attended at full precision, not "
-        "quantized as its decode steps were); for the hand-written families and, in one process, mlx-lm's classes "
+        "values, as mlx-lm's QuantizedKVCache), attended without dequantizing, a prompt's too (with an mlx-lm class "
+        "a preempted request's tokens after it resumes can differ from its run alone: what it prefills again is "
+        "attended at full precision, not quantized as its decode steps were); for the hand-written families and, "
+        "in one process, mlx-lm's classes "
         "the pool holds (one whose attention reads the keys itself, as gemma2's, is refused at start-up); unset: "
         "the compute dtype; the default of every [[models]] entry, which may set its own",
     )
@@ -197,9 +198,8 @@ class Settings(BaseSettings):
         ge=1,
         description="kv_cache = 'paged': token positions each model's pool holds (the default of every [[models]] "
         "entry, which may set its own); unset: its share of what the memory budget leaves after the weights and the "
-        "largest prefill steps (for a hand-written family on an unquantized pool in one process, which prefills "
-        "straight into its blocks, a step holds no staging cache: only one layer's view of its blocks and its "
-        "activations)",
+        "largest prefill steps (for a hand-written family in one process, which prefills straight into its blocks, "
+        "a step holds no staging cache: only one layer's view of its blocks and its activations)",
     )
     responses_store_bytes: int = Field(
         64 * 1024 * 1024,
