@@ -39,13 +39,11 @@ def write_prefix(buf: mx.array, new: mx.array) -> mx.array:
     return mx.concatenate([new.astype(buf.dtype), buf[:, :, T:, :]], axis=2)
 
 
-def kv_roundtrip(x: mx.array, bits: int | None, group_size: int = 64) -> mx.array:
+def kv_roundtrip(x: mx.array, bits: int, group_size: int = 64) -> mx.array:
     """``x`` [..., D] as a ``kv_bits`` pool keeps it: quantized per ``group_size`` values of D
-    (``mx.quantize``, affine, mlx-lm's ``QuantizedKVCache`` layout) and dequantized; ``x`` itself
-    when ``bits`` is None. A staging cache holding these values attends as the pool's quantized
-    attention does (to float32 rounding), and the pool quantizes them back to the same codes."""
-    if not bits:
-        return x
+    (``mx.quantize``, affine, mlx-lm's ``QuantizedKVCache`` layout) and dequantized, in ``x``'s
+    dtype. A staging cache holding these values attends as the pool's quantized attention does
+    (to float32 rounding), and the pool quantizes them back to the same codes."""
     return mx.dequantize(*mx.quantize(x, group_size=group_size, bits=bits), group_size=group_size, bits=bits).astype(
         x.dtype
     )
@@ -73,7 +71,8 @@ class PromptAttention:
         mask: mx.array | str = "causal" if window is None or window >= self.T else self._window_mask(window)
 
         def attend(q, k, v, keys, values):
-            k, v = kv_roundtrip(k, self.bits, self.group_size), kv_roundtrip(v, self.bits, self.group_size)
+            if self.bits:  # a kv_bits pool's staging cache; nothing added to a full-precision step
+                k, v = kv_roundtrip(k, self.bits, self.group_size), kv_roundtrip(v, self.bits, self.group_size)
             o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
             return o, write_prefix(keys, k), write_prefix(values, v)
 
@@ -113,7 +112,8 @@ class CacheAttention:
         """The :data:`Attend` of a layer with sliding ``window`` (None: full attention)."""
 
         def attend(q, k, v, keys, values):
-            k, v = kv_roundtrip(k, self.bits, self.group_size), kv_roundtrip(v, self.bits, self.group_size)
+            if self.bits:  # a kv_bits pool's staging cache; nothing added to a full-precision step
+                k, v = kv_roundtrip(k, self.bits, self.group_size), kv_roundtrip(v, self.bits, self.group_size)
             index, mask = self._layout(window, keys.shape[2])
             keys = mx.put_along_axis(keys, mx.broadcast_to(index, k.shape), k.astype(keys.dtype), axis=2)
             values = mx.put_along_axis(values, mx.broadcast_to(index, v.shape), v.astype(values.dtype), axis=2)

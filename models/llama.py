@@ -22,7 +22,7 @@ from models.fuse import fuse_projections
 from models.kv_cache import KVCache
 from models.layers import Params, embed, linear
 from models.model_args import ModelArgs
-from models.paged import PagedAttention, PagedKV, QuantizedPagedAttention
+from models.paged import PagedKV, paged_attention
 
 #: A static cache or a paged pool: :func:`run_blocks` returns what it was given.
 Cache = TypeVar("Cache", KVCache, PagedKV)
@@ -192,11 +192,7 @@ def run_paged(
     L = tokens.shape[1]
     x = decoder.embed(params, tokens, args)  # [B, L, H]
     at = positions[:, None] + mx.arange(L, dtype=mx.int32)[None, :] if L > 1 else positions[:, None]  # [B, L]
-    attention = (
-        QuantizedPagedAttention(table, at, args.attention_scale, bits, group_size)
-        if bits
-        else PagedAttention(table, at, args.attention_scale)
-    )
+    attention = paged_attention(table, at, args.attention_scale, bits, group_size)
     return run_blocks(decoder, params, x, positions, pool, attention, args)
 
 
@@ -216,12 +212,7 @@ def run_prefill_paged(
     T = tokens.shape[1]
     x = decoder.embed(params, tokens, args)  # [B, T, H]
     at = offsets[:, None] + mx.arange(T, dtype=mx.int32)[None, :]  # [B, T]
-    ends = offsets + lengths
-    attention = (
-        QuantizedPagedAttention(table, at, args.attention_scale, bits, group_size, ends=ends)
-        if bits
-        else PagedAttention(table, at, args.attention_scale, ends=ends)
-    )
+    attention = paged_attention(table, at, args.attention_scale, bits, group_size, ends=offsets + lengths)
     x, pool = run_blocks(decoder, params, x, offsets, pool, attention, args)
     last = mx.take_along_axis(x, (lengths - 1).astype(mx.int32)[:, None, None], axis=1)  # [B, 1, H]
     return decoder.logits(params, last[:, 0, :], args), pool

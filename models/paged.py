@@ -371,3 +371,18 @@ class QuantizedPagedAttention:
             return o, keys, values
 
         return attend
+
+
+def paged_attention(
+    block_table: mx.array,
+    positions: mx.array,
+    scale: float,
+    bits: int | None = None,
+    group_size: int = 64,
+    ends: mx.array | None = None,
+) -> PagedAttention | QuantizedPagedAttention:
+    """The attention of a paged step over a pool: :class:`QuantizedPagedAttention` with
+    ``bits`` (a ``kv_bits`` pool), else :class:`PagedAttention`; arguments as theirs."""
+    if bits:
+        return QuantizedPagedAttention(block_table, positions, scale, bits, group_size, ends)
+    return PagedAttention(block_table, positions, scale, ends)

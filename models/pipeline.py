@@ -29,7 +29,7 @@ from models.kv_cache import KVCache
 from models.layers import Params, embed, linear
 from models.llama import LLAMA, Cache, run_blocks
 from models.model_args import ModelArgs
-from models.paged import PagedAttention, PagedKV, QuantizedPagedAttention
+from models.paged import PagedKV, paged_attention
 
 
 @dataclass(frozen=True)
@@ -283,10 +283,5 @@ def decode_paged(
     the same on every rank), the stage's pools (its layers only, [N, Hkv, bt, D] each; with
     ``bits`` quantized triples). Returns (rank 0: float32 logits [B, V]; other ranks: the sent
     hidden states [B, 1, H], to evaluate), the stage's pools with each row's token written."""
-    at = positions[:, None]
-    attention = (
-        QuantizedPagedAttention(table, at, args.attention_scale, bits, group_size)
-        if bits
-        else PagedAttention(table, at, args.attention_scale)
-    )
+    attention = paged_attention(table, positions[:, None], args.attention_scale, bits, group_size)
     return _run(params, tokens[:, None], positions, pool, attention, lambda x: x[:, 0, :], args, stage, group)

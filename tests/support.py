@@ -138,6 +138,8 @@ TINY = ModelArgs(
     rope_theta=10000.0,
     max_position_embeddings=512,
 )
+#: TINY with heads of 64 (one ``kv_bits`` quantization group of 64 values) over one KV head.
+WIDE = ModelArgs(**{**TINY.__dict__, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
 
 
 def random_params(args: ModelArgs = TINY, seed: int = 0) -> dict:

@@ -11,7 +11,7 @@ from typing import cast
 import mlx.core as mx
 import pytest
 
-from models.attention import CacheAttention
+from models.attention import CacheAttention, kv_roundtrip
 from models.paged import (
     PagedAttention,
     PagedKV,
@@ -163,11 +163,6 @@ def test_allocate_shapes():
     assert kv.num_blocks == N and kv.nbytes == 2 * 3 * N * HKV * BT * D * 2
 
 
-def roundtrip(x: mx.array, bits: int) -> mx.array:
-    """``x`` quantized and dequantized as a kv_bits pool stores it (group size 64)."""
-    return mx.dequantize(*mx.quantize(x, group_size=64, bits=bits), group_size=64, bits=bits)
-
-
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_attention_equals_the_static_cache_of_the_dequantized_values(bits):
     """kv_bits storage: attention over the quantized pool equals attention over a static cache
@@ -184,7 +179,7 @@ def test_quantized_attention_equals_the_static_cache_of_the_dequantized_values(b
     positions = mx.array(lengths, mx.int32)[:, None]
     scale = Dq**-0.5
     want, _, _ = CacheAttention(positions, scale)(None)(
-        q, roundtrip(k, bits), roundtrip(v, bits), roundtrip(keys, bits), roundtrip(values, bits)
+        q, kv_roundtrip(k, bits), kv_roundtrip(v, bits), kv_roundtrip(keys, bits), kv_roundtrip(values, bits)
     )
     exact, _, _ = CacheAttention(positions, scale)(None)(q, k, v, keys, values)
     table = tables(random.Random(12), lengths, 1)
@@ -206,7 +201,7 @@ def test_quantized_attention_equals_the_static_cache_of_the_dequantized_values(b
     view = gather_quantized(cast(Quantized, pool_keys), paged_index(table, positions, HKV, BT))
     for b, length in enumerate(lengths):
         stored = mx.dequantize(*(part[b, :, : length + 1] for part in view), group_size=64, bits=bits)
-        expected = roundtrip(mx.concatenate([keys[b, :, :length], k[b]], axis=1), bits)
+        expected = kv_roundtrip(mx.concatenate([keys[b, :, :length], k[b]], axis=1), bits)
         assert mx.allclose(stored, expected, atol=1e-6), b
 
 

@@ -18,7 +18,7 @@ from models import llama
 from models.architectures import architecture
 from models.kv_cache import KVCache
 from models.paged import NULL_BLOCK, PagedKV, write
-from tests.support import ATOL, TINY, noise_pool, paged_families, prefilled, random_params
+from tests.support import ATOL, WIDE, noise_pool, paged_families, prefilled, random_params
 
 BT, M, N = 4, 6, 40  # block tokens, table columns (a view of 24 positions), pool blocks
 T = 8  # the chunk bucket
@@ -146,16 +146,13 @@ def test_a_kv_bits_chunk_in_blocks_equals_decoding_its_tokens_one_at_a_time(bits
     the keys quantized as written, as a decode step's does. This is what lets a preempted
     request resume where it stopped. A chunk attending over its own keys at full precision (the
     staging path) misses by the quantization's error, far above the bound."""
-    from models.paged import quantized_pool
-
-    wide = TINY.__class__(**{**TINY.__dict__, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
-    params, D = random_params(wide, seed=5), wide.dim_per_head  # heads of 64: one quantization group
+    wide = WIDE  # heads of 64: one quantization group
+    params, D = random_params(wide, seed=5), wide.dim_per_head
     text, split, blocks = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], 6, [7, 2, 9, 4]
     table = mx.array([blocks + [NULL_BLOCK] * (M - len(blocks)), [NULL_BLOCK] * M], mx.int32)
 
     def empty() -> PagedKV:
-        layers = [quantized_pool(N, 1, BT, D, bits, 64, mx.float32) for _ in range(2 * wide.num_hidden_layers)]
-        return PagedKV(layers[: wide.num_hidden_layers], layers[wide.num_hidden_layers :])
+        return PagedKV.allocate(wide.num_hidden_layers, N, 1, BT, D, mx.float32, bits)
 
     decode = mx.compile(partial(llama.decode_paged, args=wide, bits=bits))
     pool, stepped = empty(), []
@@ -185,15 +182,13 @@ def test_a_pipeline_stage_stages_a_kv_bits_prompt_as_one_process_attends_its_qua
     stage holding every layer gives the logits one process gets prefilling into its quantized
     blocks, to float32 rounding; staged at full precision they differ by far more."""
     from models import pipeline
-    from models.paged import quantized_pool
 
-    wide = TINY.__class__(**{**TINY.__dict__, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
+    wide = WIDE
     params, D, layers = random_params(wide, seed=5), wide.dim_per_head, wide.num_hidden_layers
     text, blocks = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 2, 9]
     tokens, lengths = mx.array([text + [0] * (T * 2 - len(text))], mx.int32), mx.array([len(text)], mx.int32)
     table = mx.array([blocks + [NULL_BLOCK] * (M - len(blocks))], mx.int32)
-    quantized = [quantized_pool(N, 1, BT, D, 8, 64, mx.float32) for _ in range(2 * layers)]
-    pool = PagedKV(quantized[:layers], quantized[layers:])
+    pool = PagedKV.allocate(layers, N, 1, BT, D, mx.float32, 8)
     in_blocks, _ = llama.prefill_paged(params, tokens, mx.array([0]), lengths, table, pool, args=wide, bits=8)
     stage = pipeline.Stage(rank=0, size=1, start=0, stop=layers)
 

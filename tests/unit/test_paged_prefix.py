@@ -21,7 +21,7 @@ from service.engine.buckets import BucketTable
 from service.engine.core import Engine
 from service.engine.sequence import FinalEvent, SamplingParams, Sequence
 from service.metrics import Metrics
-from tests.support import TINY, WordTokenizer, engine_at, prefill_one, random_params
+from tests.support import TINY, WIDE, WordTokenizer, engine_at, prefill_one, random_params
 
 BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(8, 16), capacity=(32, 64))
 BT = 4  # kv_block_tokens
@@ -293,10 +293,6 @@ def test_a_preempted_request_resumes_from_its_own_published_blocks(params):
     assert final(b).cached_tokens == len(b.prompt_ids)  # usage counts the prompt's tokens only
     assert a.output_ids == reference(params, a.prompt_ids, 16)
     assert b.output_ids == reference(params, b.prompt_ids, 16)
-
-
-#: The tiny model with heads of 64 (kv_bits quantizes groups of 64 values of a head).
-WIDE = TINY.__class__(**{**TINY.__dict__, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
 
 
 @pytest.mark.parametrize("bits", [None, 8, 4])

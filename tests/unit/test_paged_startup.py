@@ -14,7 +14,7 @@ from models.loader import LoadedModel
 from service.config import Settings
 from service.process.memory import kv_bytes_per_position
 from service.process.startup import MemoryBudgetError, check_memory, context_ladder
-from tests.support import TINY, WordTokenizer, random_params
+from tests.support import TINY, WIDE, WordTokenizer, random_params
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +111,6 @@ def test_prefix_cache_bytes_takes_nothing_from_the_pool_and_an_explicit_value_is
     assert on.kv_pool_tokens == off
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any(f"prefix_cache_bytes = {budget // 2} does not apply with kv_cache = 'paged'" in m for m in warned)
-
-
-#: The tiny model with heads of 64 (kv_bits quantizes groups of 64 values of a head; TINY's are 16).
-WIDE = TINY.__class__(**{**TINY.__dict__, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
 
 
 def wide_model(name: str) -> LoadedModel:
