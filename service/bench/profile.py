@@ -4,7 +4,8 @@ For each batch bucket B (capacity bucket C, every row at position C/2) it times 
 model's (or ``--gguf``'s) decode step plus greedy token selection, compiled, four ways:
 
 * ``dispatch_s``: Python and graph building only: making the inputs and calling the compiled
-  functions, which returns lazy arrays (median of ``--repeats``);
+  functions, which returns lazy arrays (median of ``--repeats``); a paged step also queues its
+  pool's writes there (:meth:`Executor.queue_pool_writes`), so its split differs;
 * ``eval_s``: evaluating that already-built graph (kernels, launches and the wait);
 * ``sync_step_s``: a step as a synchronous loop runs it: inputs from Python lists, dispatch,
   then ``tolist()`` of the tokens before the next step is built (mean over ``--steps``);
@@ -17,6 +18,11 @@ the rows stay different as a batch of different requests is (a mixture of expert
 each to its own experts); the peer's loop does the same.
 
 ``--fuse on off`` times both parameter layouts (:func:`models.llama.fuse_projections`).
+``--kv static paged`` times the step over the static batch cache and over the paged KV pool
+(:meth:`Executor.use_paged`: ``--pool-tokens`` positions in 16-token blocks, each row's
+table listing its own blocks), one after the other in each round, so the two compare in one
+process on one host; ``paged-copying`` is the paged step queued without waiting for the step
+in flight (:meth:`Executor.queue_pool_writes`: MLX then copies the pool).
 With ``--peer``, mlx-lm's own model and KV cache (``mlx_lm.load`` of the converted default
 model, one cache of batch B at the same offset) run the pipelined loop too, as the reference.
 """
@@ -37,15 +43,31 @@ import mlx.core as mx
 from models.default import default_model_path
 from models.loader import LoadedModel, WeightsMode, load_model
 from service.bench.common import device_defaults, machine_info, quiet_compile_cache
-from service.engine.executor import Executor
+from service.engine.executor import Executor, PagedTables
 
 #: mlx-lm's KV cache in :func:`peer_timer`: one offset for the batch, or one per row.
 PeerCache = Literal["kv", "batch"]
 
+#: What stepserve's decode step runs over in :func:`stepserve_timer`.
+KvKind = Literal["static", "paged", "paged-copying"]
 
-def stepserve_timer(model: LoadedModel, batch: int, capacity: int, steps: int, repeats: int) -> Callable[[], dict]:
+#: Block size of the paged pool that :func:`stepserve_timer` builds (positions per block).
+BLOCK_TOKENS = 16
+
+
+def stepserve_timer(
+    model: LoadedModel,
+    batch: int,
+    capacity: int,
+    steps: int,
+    repeats: int,
+    kv: KvKind = "static",
+    pool_tokens: int = 0,
+) -> Callable[[], dict]:
     """Compile and warm stepserve's decode step plus greedy selection at (batch, capacity),
-    every row at position capacity/2; returns a function that times one round of it: seconds
+    every row at position capacity/2, over the static cache or (``kv="paged"``) a paged pool of
+    max(``pool_tokens``, what the rows' tables need) positions whose row b holds blocks
+    1 + b * C/16 .. (b + 1) * C/16 (:data:`BLOCK_TOKENS`); returns a function that times one round of it: seconds
     per decode step split as the module docstring says, and tokens/s of the synchronous and
     pipelined loops. Rounds reuse the compiled step; each step's KV cache replaces the one
     before, as :meth:`service.engine.runner.ModelRunner.decode` does, so the step writes its
@@ -53,14 +75,24 @@ def stepserve_timer(model: LoadedModel, batch: int, capacity: int, steps: int, r
     scatter copy its whole buffer first, a cost the server does not pay). The rows stay at
     capacity/2: each step rewrites that position."""
     executor = Executor(model, quiet_compile_cache(True))
-    decode, greedy = executor.step_fn("decode", batch, capacity), executor.step_fn("greedy")
-    cache = [executor.new_kv(batch, capacity, ring=True)]  # the latest step's cache (only it is kept)
+    greedy = executor.step_fn("greedy")
+    if kv != "static":
+        executor.waits_before_pool_writes = kv == "paged"
+        per_row = capacity // BLOCK_TOKENS
+        executor.use_paged(max(pool_tokens // BLOCK_TOKENS, batch * per_row + 1), BLOCK_TOKENS)
+        table = mx.arange(1, batch * per_row + 1, dtype=mx.int32).reshape(batch, per_row)
+        cache: list = [PagedTables(table, batch, capacity)]  # the pool itself is the executor's
+    else:
+        cache = [executor.new_kv(batch, capacity, ring=True)]  # the latest step's cache (only it is kept)
     py_tokens, py_positions = list(range(batch)), [capacity // 2] * batch
 
     def build(tokens=None):
         toks = mx.array(py_tokens, mx.int32) if tokens is None else tokens
-        logits, cache[0] = decode(model.params, toks, mx.array(py_positions, mx.int32), cache[0])
-        return distinct_rows(greedy(logits), logits.shape[-1]), cache[0]
+        logits, cache[0] = executor.decode(cache[0], toks, py_positions)
+        tokens = distinct_rows(greedy(logits), logits.shape[-1])
+        # The paged step queued its pool (the executor holds it; a reference here would make
+        # the next step copy it): the tokens are all there is to wait for.
+        return (tokens, cache[0]) if kv == "static" else (tokens,)
 
     mx.eval(build())  # compile and JIT the kernels
     mx.eval(build())
@@ -91,9 +123,11 @@ def stepserve_timer(model: LoadedModel, batch: int, capacity: int, steps: int, r
     return timed_round
 
 
-def profile_stepserve(model: LoadedModel, batch: int, capacity: int, steps: int, repeats: int) -> dict:
+def profile_stepserve(
+    model: LoadedModel, batch: int, capacity: int, steps: int, repeats: int, kv: KvKind = "static", pool_tokens: int = 0
+) -> dict:
     """One round of :func:`stepserve_timer` (its compile and warm-up untimed)."""
-    return stepserve_timer(model, batch, capacity, steps, repeats)()
+    return stepserve_timer(model, batch, capacity, steps, repeats, kv, pool_tokens)()
 
 
 def distinct_rows(tokens: mx.array, vocab: int) -> mx.array:
@@ -197,6 +231,15 @@ def _parser() -> argparse.ArgumentParser:
         default=["off"],
         help="fused Q/K/V and gate/up projections (stepserve's default: off)",
     )
+    parser.add_argument(
+        "--kv",
+        choices=["static", "paged", "paged-copying"],
+        nargs="+",
+        default=["static"],
+        help="what the decode step runs over: the static batch cache or the paged KV pool (see above)",
+    )
+    parser.add_argument("--pool-tokens", type=int, default=65536, help="positions of the paged pool (--kv paged)")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of every --kv kind, alternating")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--peer", action="store_true", help="also profile mlx-lm's model (needs mlx-lm)")
@@ -217,8 +260,14 @@ def _rows(args: argparse.Namespace, dtype: str, weights: WeightsMode) -> list[di
     for fuse in args.fuse:
         model = load_model(gguf, "profile", getattr(mx, dtype), weights, fuse=fuse == "on")
         for batch in args.batch:
-            profile = profile_stepserve(model, batch, args.capacity, args.steps, args.repeats)
-            emit({"batch": batch, "capacity": args.capacity, "fuse": fuse, **profile})
+            timers = {
+                kv: stepserve_timer(model, batch, args.capacity, args.steps, args.repeats, kv, args.pool_tokens)
+                for kv in args.kv
+            }
+            for round_ in range(args.rounds):  # alternate the kinds: a host's drift hits each alike
+                for kv, timer in timers.items():
+                    row = {"batch": batch, "capacity": args.capacity, "fuse": fuse, "kv": kv, "round": round_}
+                    emit({**row, **timer()})
     if args.peer:
         from models.gguf.convert import convert_gguf
 

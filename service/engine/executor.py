@@ -191,6 +191,7 @@ class Executor:
         self.kv_bits: int | None = None  # the pool's quantization (kv_bits), if any
         self.kv_group_size = 64
         self.in_blocks = False  # prefill writes into the pool's blocks (:func:`prefills_in_blocks`)
+        self.waits_before_pool_writes = True  # :meth:`queue_pool_writes`
 
     # -- the paged KV pool -------------------------------------------------------------------
 
@@ -258,6 +259,25 @@ class Executor:
         )
         mx.eval(self.pool)  # built now, on this thread: a lazy zeros would be evaluated on the engine's
         return self.pool
+
+    def queue_pool_writes(self) -> None:
+        """Queue the paged pool's pending writes (a step built on it, copy-on-writes before it)
+        on the device, once the device's work in flight is done (``mx.synchronize``).
+
+        Why the wait: MLX writes a scatter's input buffer in place only when nothing else holds
+        it (``array::is_donatable``), and a queued GPU step holds every input of its kernels
+        until it completes (``CommandEncoder::add_temporary``, MLX's CUDA and Metal backends).
+        The step before holds the pool (its attention reads the layers it wrote), so a step
+        queued while it runs would copy every layer's whole pool first: a pool sized to the
+        memory budget copied per step, and held twice (the static cache copies its rows only).
+        The host has built this step (the Python side) while the previous one ran; only the
+        queueing waits. :attr:`waits_before_pool_writes` False skips the wait (benchmarks
+        measure what it saves)."""
+        if self.pool is None:
+            return
+        if self.waits_before_pool_writes:
+            mx.synchronize()
+        mx.async_eval(self.pool)
 
     # -- compiled functions and buffers of this process -------------------------------------
 
@@ -406,6 +426,8 @@ class Executor:
             mx.array(rows, mx.int32),
             pool,
         )
+        del pool
+        self.queue_pool_writes()
         return logits
 
     def decode(self, kv: DecodeCache, tokens: mx.array, positions: list[int]) -> tuple[mx.array, DecodeCache]:
@@ -438,6 +460,7 @@ class Executor:
         if isinstance(kv, PagedTables):
             assert self.pool is not None, "use_paged() first"
             logits, self.pool = fn(self.model.params, tokens, at, kv.table, self.pool)
+            self.queue_pool_writes()
             return logits, kv
         return fn(self.model.params, tokens, at, kv)
 
