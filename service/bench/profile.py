@@ -11,7 +11,8 @@ model's (or ``--gguf``'s) decode step plus greedy token selection, compiled, fou
   then ``tolist()`` of the tokens before the next step is built (mean over ``--steps``);
 * ``pipelined_step_s``: the step ``t+1`` built from step ``t``'s still-lazy tokens and queued
   with ``mx.async_eval`` before step ``t``'s tokens are read back, as mlx-lm's generator does
-  (mean over ``--steps``). The gap ``sync - pipelined`` is host time the GPU sat idle.
+  (mean over ``--steps``). The gap ``sync - pipelined`` is host time the GPU sat idle;
+* ``peak_memory_bytes``: MLX's peak memory over the round (weights, cache or pool, transients).
 
 Row i starts from token i and feeds back its greedy token plus i (:func:`distinct_rows`), so
 the rows stay different as a batch of different requests is (a mixture of experts routes
@@ -98,6 +99,7 @@ def stepserve_timer(
     mx.eval(build())
 
     def timed_round() -> dict:
+        mx.reset_peak_memory()
         dispatch_times, eval_times = [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -118,6 +120,7 @@ def stepserve_timer(
             "pipelined_step_s": pipelined_step_s,
             "tok_s_sync": batch / sync_step_s,
             "tok_s_pipelined": batch / pipelined_step_s,
+            "peak_memory_bytes": mx.get_peak_memory(),  # MLX's, over the round (all its buffers)
         }
 
     return timed_round
