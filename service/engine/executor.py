@@ -266,7 +266,8 @@ class Executor:
 
         Why the wait: MLX writes a scatter's input buffer in place only when nothing else holds
         it (``array::is_donatable``), and a queued GPU step holds every input of its kernels
-        until it completes (``CommandEncoder::add_temporary``, MLX's CUDA and Metal backends).
+        until it completes (MLX's CUDA back-end: ``CommandEncoder::add_temporary``; Metal's: the
+        buffers its command buffer's completion handler keeps).
         The step before holds the pool (its attention reads the layers it wrote), so a step
         queued while it runs would copy every layer's whole pool first: a pool sized to the
         memory budget copied per step, and held twice (the static cache copies its rows only).
