@@ -49,6 +49,15 @@ def batches_last_chunks() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu
 
 
+def waits_before_pool_writes() -> bool:
+    """Whether this process waits for the device's work in flight before it queues writes into
+    the paged pool (:meth:`Executor.queue_pool_writes`): on a GPU, whose queued steps hold their
+    inputs until they complete; not on a CPU, where MLX evaluates a stream's operations in order
+    on the stream's thread, so the step before has let go of the pool when a scatter runs (the
+    same peak memory with and without the wait, docs/BENCHMARKS.md, "Paged KV")."""
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
 def pool_verifies(model: LoadedModel) -> bool:
     """Whether speculative decoding's verify step runs over the paged KV pool for ``model``, in
     one process: a hand-written family with a ``verify_paged``, or an mlx-lm module the pool
@@ -191,7 +200,7 @@ class Executor:
         self.kv_bits: int | None = None  # the pool's quantization (kv_bits), if any
         self.kv_group_size = 64
         self.in_blocks = False  # prefill writes into the pool's blocks (:func:`prefills_in_blocks`)
-        self.waits_before_pool_writes = True  # :meth:`queue_pool_writes`
+        self.waits_before_pool_writes = waits_before_pool_writes()  # :meth:`queue_pool_writes`
 
     # -- the paged KV pool -------------------------------------------------------------------
 
@@ -272,8 +281,8 @@ class Executor:
         queued while it runs would copy every layer's whole pool first: a pool sized to the
         memory budget copied per step, and held twice (the static cache copies its rows only).
         The host has built this step (the Python side) while the previous one ran; only the
-        queueing waits. :attr:`waits_before_pool_writes` False skips the wait (benchmarks
-        measure what it saves)."""
+        queueing waits. Only a GPU waits (:func:`waits_before_pool_writes`);
+        :attr:`waits_before_pool_writes` False skips it (benchmarks measure what it saves)."""
         if self.pool is None:
             return
         if self.waits_before_pool_writes:
