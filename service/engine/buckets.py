@@ -66,3 +66,18 @@ class BucketTable:
         Raises BucketLimitError."""
         ladder = [c for c in self.capacity if c & (c - 1) == 0 or c == self.capacity[-1]]
         return self._fit(tuple(ladder), positions, "KV capacity")
+
+
+def unpadded_prompt_ladder(prompt: tuple[int, ...]) -> tuple[int, ...]:
+    """The prompt buckets for a model whose prompt rows cannot be right-padded (recurrent layers
+    that read every position of a row, :attr:`models.adapter.AdapterArgs.pads_prompts` False):
+    ``prompt`` (ascending) with the powers of two below its smallest bucket added.
+
+    Such a model's every chunk is exactly a prompt bucket long, and what is left below the
+    smallest bucket ran one token per call (:func:`service.engine.prefill.chunk_plan`): a
+    30-token prompt was 30 calls of the whole model before its first token. With 2, 4, 8 and 16
+    below 32 it is 16 + 8 + 4 + 2, four calls: at most log2 of the smallest bucket, plus one
+    token for an odd length."""
+    smallest = prompt[0]
+    below = (2**k for k in range(1, smallest.bit_length()) if 2**k < smallest)
+    return tuple(sorted({*below, *prompt}))

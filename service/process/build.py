@@ -41,7 +41,7 @@ def build_engine(
     running and waiting limits, prefill chunk and step token budget, and speculative decoding
     (``draft``: the draft model, with ``speculative = 'draft'``)."""
     cache = CompileCache(served.compile, metrics.record_lookup, metrics.record_compile)
-    buckets = buckets_of(served)
+    buckets = buckets_of(served, model)
     prefix = PrefixCache(settings.prefix_block_tokens, prefix_budget(model, settings.prefix_cache_bytes))
     chunk_tokens = buckets.chunk_tokens(settings.prefill_chunk_tokens)  # the engine's chunk, for the draft's steps
     proposer: PromptLookup | DraftProposer | None = None
@@ -91,7 +91,7 @@ def paged_pool_tokens(settings: Settings, served: ServedModel, model: LoadedMode
         return served.kv_pool_tokens
     return memory.paged_pool_tokens(
         model,
-        buckets_of(served),
+        buckets_of(served, model),
         served.max_sequences or served.batch_buckets[-1],
         settings.prefill_chunk_tokens,
         settings.max_batched_tokens,

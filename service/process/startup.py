@@ -18,7 +18,7 @@ from models.hub import resolve_model_path
 from models.loader import LoadedModel, WeightsMode, device_name, load_model
 from models.sentence import EmbeddingModel, load_embedding_model
 from service.config import ServedModel, Settings
-from service.engine.buckets import BucketTable
+from service.engine.buckets import BucketTable, unpadded_prompt_ladder
 from service.engine.embedder import length_buckets
 from service.engine.executor import adapter_kv_bits_error, pages, pool_verifies, prefills_in_blocks
 from service.engine.warmup import WarmupSpec
@@ -216,9 +216,15 @@ def draft_name(model: str) -> str:
     return f"{model}/draft"
 
 
-def buckets_of(spec: ServedModel) -> BucketTable:
-    """The bucket table of one served model's settings."""
-    return BucketTable(tuple(spec.batch_buckets), tuple(spec.prompt_buckets), tuple(spec.capacity_buckets))
+def buckets_of(spec: ServedModel, model: LoadedModel, capacity: list[int] | None = None) -> BucketTable:
+    """The bucket table of one served model's settings, for ``model``: a model whose prompt
+    rows cannot be padded gets the prompt buckets below the smallest too
+    (:func:`service.engine.buckets.unpadded_prompt_ladder`). ``capacity``: a capacity ladder
+    instead of the settings' (a paged pool's, being sized)."""
+    prompt = tuple(spec.prompt_buckets)
+    if not model.args.pads_prompts:
+        prompt = unpadded_prompt_ladder(prompt)
+    return BucketTable(tuple(spec.batch_buckets), prompt, tuple(capacity or spec.capacity_buckets))
 
 
 def check_memory(
@@ -265,7 +271,7 @@ def check_memory(
         estimates = [
             memory.worst_case(
                 models[s.name],
-                buckets_of(s),
+                buckets_of(s, models[s.name]),
                 resolved[s.name],
                 settings.prefill_chunk_tokens,
                 settings.max_batched_tokens,
@@ -276,7 +282,7 @@ def check_memory(
         drafts = [  # a draft's weights, its cache mirroring the model's, and its catch-up prefill
             memory.worst_case(
                 models[draft_name(s.name)],
-                buckets_of(s),
+                buckets_of(s, models[s.name]),
                 resolved[s.name],
                 settings.prefill_chunk_tokens,
                 settings.max_batched_tokens,
@@ -387,7 +393,7 @@ def _check_paged(
         fixed = {  # no prefix cache of its own: the pool's cached blocks are the prefix cache
             s.name: memory.worst_case(
                 models[s.name],
-                BucketTable(tuple(s.batch_buckets), tuple(s.prompt_buckets), tuple(ladders[s.name])),
+                buckets_of(s, models[s.name], ladders[s.name]),
                 resolved[s.name],
                 settings.prefill_chunk_tokens,
                 settings.max_batched_tokens,
@@ -595,7 +601,7 @@ def warmup_extent(spec: ServedModel, model: LoadedModel, settings: Settings, max
     (``warmup_rehearsal``, unless set) dropped first (:func:`service.process.warm_sizing.size_extent`);
     the buckets left cold run eagerly when first used, never compiling on a request's time.
     """
-    buckets = buckets_of(spec)
+    buckets = buckets_of(spec, model)
     limit = buckets.capacity[-1]
     if device_name() == "gpu":
         prompt = limit if spec.warmup_prompt_tokens is None else spec.warmup_prompt_tokens

@@ -122,7 +122,7 @@ def test_embedding_models_alone_over_the_budget_are_refused_naming_the_model_and
 
 def test_an_embedding_model_takes_from_the_chat_models_budget(minilm_dir, minilm, tiny):
     spec = settings(minilm_dir).chat_models()[0]
-    chat = {b: worst_case(tiny, buckets_of(spec), b, 32, 64).total for b in (1, 2, 4)}
+    chat = {b: worst_case(tiny, buckets_of(spec, tiny), b, 32, 64).total for b in (1, 2, 4)}
     embed = startup.embedding_estimates(settings(minilm_dir), {"minilm": minilm})[0].total
 
     def resolved(budget: int, embedders: dict | None = None) -> int | None:
@@ -160,7 +160,7 @@ def test_an_on_demand_load_counts_the_embedding_models(minilm_dir, minilm, tiny,
     def spec_of(budget: int) -> Settings:
         return settings(minilm_dir, chat=False, models=models, batch_buckets=[1], memory_budget_bytes=budget)
 
-    need = worst_case(tiny, buckets_of(spec_of(1).chat_models()[0]), 1, 32, 64).total
+    need = worst_case(tiny, buckets_of(spec_of(1).chat_models()[0], tiny), 1, 32, 64).total
     embed = startup.embedding_estimates(spec_of(1), {"minilm": minilm})[0].total
     monkeypatch.setattr("service.process.on_demand.load_served", lambda spec, paged=False: {"tiny": tiny})
     metrics = Metrics(CollectorRegistry(), version="test", device="cpu")

@@ -97,7 +97,7 @@ def settings_for(tmp_path, **values):
 def test_unset_max_sequences_is_the_largest_batch_that_fits_the_budget(tmp_path, model):
     settings = settings_for(tmp_path)
     spec = settings.served_models()[0]
-    need = {b: worst_case(model, buckets_of(spec), b, 16, 32).total for b in (1, 2, 4)}
+    need = {b: worst_case(model, buckets_of(spec, model), b, 16, 32).total for b in (1, 2, 4)}
     budget = (need[2] + need[4]) // 2  # room for 2 running sequences, not 4
     resolved = check_memory(settings_for(tmp_path, memory_budget_bytes=budget), {"tiny": model})
     assert resolved.served_models()[0].max_sequences == 2
@@ -108,7 +108,7 @@ def test_unset_max_sequences_is_the_largest_batch_that_fits_the_budget(tmp_path,
 
 def test_an_explicit_max_sequences_over_the_budget_is_refused(tmp_path, model):
     spec = settings_for(tmp_path).served_models()[0]
-    need_1 = worst_case(model, buckets_of(spec), 1, 16, 32).total
+    need_1 = worst_case(model, buckets_of(spec, model), 1, 16, 32).total
     with pytest.raises(MemoryBudgetError, match="lower max_sequences"):
         check_memory(settings_for(tmp_path, memory_budget_bytes=need_1, max_sequences=4), {"tiny": model})
 

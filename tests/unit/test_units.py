@@ -7,7 +7,7 @@ import pytest
 
 from service.config import ConfigError, load_settings
 from service.engine import warmup
-from service.engine.buckets import BucketLimitError, BucketTable
+from service.engine.buckets import BucketLimitError, BucketTable, unpadded_prompt_ladder
 from service.engine.prefill import chunk_plan, last_chunk_rows
 from service.engine.sequence import FinishReason, SamplingParams, Sequence, TokenEvent
 from service.engine.warmup import WarmupSpec
@@ -78,6 +78,23 @@ def test_an_unpadded_chunk_plan_is_full_prompt_buckets_then_one_token_chunks(len
     assert sizes == sorted(sizes, reverse=True)  # largest first
     ones = sizes.count(1)
     assert ones < TABLE.prompt[0] and ones == (length - sum(s for s in sizes if s > 1))
+
+
+@pytest.mark.parametrize("length", [2, 17, 30, 31, 63, 100])
+def test_an_unpadded_ladder_prefills_a_short_remainder_in_log2_calls(length):
+    """A model whose rows cannot be padded gets the powers of two below the smallest prompt
+    bucket: a prompt's remainder below it goes in at most log2 of it chunks plus one token, not
+    one call per token (a 30-token prompt: 16 + 8 + 4 + 2, four calls instead of thirty)."""
+    assert unpadded_prompt_ladder((32, 64, 128)) == (2, 4, 8, 16, 32, 64, 128)
+    assert unpadded_prompt_ladder((8, 16)) == (2, 4, 8, 16) and unpadded_prompt_ladder((2, 4)) == (2, 4)
+    ladder = BucketTable(TABLE.batch, unpadded_prompt_ladder(TABLE.prompt), TABLE.capacity)
+    plan = chunk_plan(ladder, 100, length, 0, exact=True, padded=False)
+    assert covered(plan) == list(range(length)) and all(n == T for _, n, T in plan)
+    remainder = length % TABLE.prompt[0] if length > TABLE.prompt[0] else length
+    calls = [T for _, _, T in plan if T < TABLE.prompt[0]]
+    assert len(calls) == bin(remainder).count("1") <= TABLE.prompt[0].bit_length()
+    before = chunk_plan(TABLE, 100, length, 0, exact=True, padded=False)
+    assert len(before) - len(plan) == remainder - len(calls)  # the one-token calls it saves
 
 
 def test_a_recurrent_chunk_plan_near_the_largest_capacity_ends_in_one_token_chunks():

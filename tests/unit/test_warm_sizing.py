@@ -177,5 +177,5 @@ def test_a_zero_budget_warms_nothing_and_says_so(caplog):
     with caplog.at_level("WARNING", logger="stepserve"):
         coverage = warmup_extent(spec, model, settings, max_running=8)
     assert coverage.prompt_tokens == 0 and coverage.reduced
-    assert plan(buckets_of(spec), WarmupSpec(coverage.prompt_tokens, coverage.batch)) == []
+    assert plan(buckets_of(spec, model), WarmupSpec(coverage.prompt_tokens, coverage.batch)) == []
     assert any("warm-up reduced for this host to nothing" in r.getMessage() for r in caplog.records)
