@@ -5,7 +5,7 @@ model's (or ``--gguf``'s) decode step plus greedy token selection, compiled, fou
 
 * ``dispatch_s``: Python and graph building only: making the inputs and calling the compiled
   functions, which returns lazy arrays (median of ``--repeats``); a paged step also queues its
-  pool's writes there (:meth:`Executor.queue_pool_writes`), so its split differs;
+  pool's writes there (the wait of :meth:`Executor.wait_for_pool`), so its split differs;
 * ``eval_s``: evaluating that already-built graph (kernels, launches and the wait);
 * ``sync_step_s``: a step as a synchronous loop runs it: inputs from Python lists, dispatch,
   then ``tolist()`` of the tokens before the next step is built (mean over ``--steps``);
@@ -23,7 +23,7 @@ each to its own experts); the peer's loop does the same.
 (:meth:`Executor.use_paged`: ``--pool-tokens`` positions in 16-token blocks, each row's
 table listing its own blocks), one after the other in each round, so the two compare in one
 process on one host; ``paged-copying`` is the paged step queued without waiting for the step
-in flight (:meth:`Executor.queue_pool_writes`: MLX then copies the pool).
+in flight (the wait of :meth:`Executor.wait_for_pool`: MLX then copies the pool).
 With ``--peer``, mlx-lm's own model and KV cache (``mlx_lm.load`` of the converted default
 model, one cache of batch B at the same offset) run the pipelined loop too, as the reference.
 """
@@ -126,11 +126,9 @@ def stepserve_timer(
     return timed_round
 
 
-def profile_stepserve(
-    model: LoadedModel, batch: int, capacity: int, steps: int, repeats: int, kv: KvKind = "static", pool_tokens: int = 0
-) -> dict:
+def profile_stepserve(model: LoadedModel, batch: int, capacity: int, steps: int, repeats: int) -> dict:
     """One round of :func:`stepserve_timer` (its compile and warm-up untimed)."""
-    return stepserve_timer(model, batch, capacity, steps, repeats, kv, pool_tokens)()
+    return stepserve_timer(model, batch, capacity, steps, repeats)()
 
 
 def distinct_rows(tokens: mx.array, vocab: int) -> mx.array:

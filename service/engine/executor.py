@@ -51,7 +51,7 @@ def batches_last_chunks() -> bool:
 
 def waits_before_pool_writes() -> bool:
     """Whether this process waits for the device's work in flight before it queues writes into
-    the paged pool (:meth:`Executor.queue_pool_writes`): on a GPU, whose queued steps hold their
+    the paged pool (:meth:`Executor.wait_for_pool`): on a GPU, whose queued steps hold their
     inputs until they complete; not on a CPU, where MLX evaluates a stream's operations in order
     on the stream's thread, so the step before has let go of the pool when a scatter runs (the
     same peak memory with and without the wait, docs/BENCHMARKS.md, "Paged KV")."""
@@ -200,7 +200,7 @@ class Executor:
         self.kv_bits: int | None = None  # the pool's quantization (kv_bits), if any
         self.kv_group_size = 64
         self.in_blocks = False  # prefill writes into the pool's blocks (:func:`prefills_in_blocks`)
-        self.waits_before_pool_writes = waits_before_pool_writes()  # :meth:`queue_pool_writes`
+        self.waits_before_pool_writes = waits_before_pool_writes()  # :meth:`wait_for_pool`
 
     # -- the paged KV pool -------------------------------------------------------------------
 
@@ -269,25 +269,23 @@ class Executor:
         mx.eval(self.pool)  # built now, on this thread: a lazy zeros would be evaluated on the engine's
         return self.pool
 
-    def queue_pool_writes(self) -> None:
-        """Queue the paged pool's pending writes (a step built on it, copy-on-writes before it)
-        on the device, once the device's work in flight is done (``mx.synchronize``).
+    def wait_for_pool(self) -> None:
+        """Before a step built on the paged pool (a decode, verify or prefill step; copy-on-writes
+        before it) is queued: wait for the device's work in flight (``mx.synchronize``), where
+        :attr:`waits_before_pool_writes` (a GPU, :func:`waits_before_pool_writes`).
 
-        Why the wait: MLX writes a scatter's input buffer in place only when nothing else holds
-        it (``array::is_donatable``), and a queued GPU step holds every input of its kernels
+        Why: MLX writes a scatter's input buffer in place only when nothing else holds it
+        (``array::is_donatable``), and a queued GPU step holds every input of its kernels
         until it completes (MLX's CUDA back-end: ``CommandEncoder::add_temporary``; Metal's: the
-        buffers its command buffer's completion handler keeps).
-        The step before holds the pool (its attention reads the layers it wrote), so a step
-        queued while it runs would copy every layer's whole pool first: a pool sized to the
-        memory budget copied per step, and held twice (the static cache copies its rows only).
-        The host has built this step (the Python side) while the previous one ran; only the
-        queueing waits. Only a GPU waits (:func:`waits_before_pool_writes`);
-        :attr:`waits_before_pool_writes` False skips it (benchmarks measure what it saves)."""
-        if self.pool is None:
-            return
+        buffers its command buffer's completion handler keeps). The step before holds the pool
+        (its attention reads the layers it wrote), so a step queued while it runs would copy
+        layers of the whole pool first: a pool sized to the memory budget copied per step, and
+        held twice (the static cache copies its rows only). The host has built this step (the
+        Python side) while the previous one ran; only the queueing, by the caller's
+        ``mx.async_eval``, comes after the wait. Benchmarks set the attribute False to measure
+        what it saves."""
         if self.waits_before_pool_writes:
             mx.synchronize()
-        mx.async_eval(self.pool)
 
     # -- compiled functions and buffers of this process -------------------------------------
 
@@ -436,8 +434,7 @@ class Executor:
             mx.array(rows, mx.int32),
             pool,
         )
-        del pool
-        self.queue_pool_writes()
+        self.wait_for_pool()
         return logits
 
     def decode(self, kv: DecodeCache, tokens: mx.array, positions: list[int]) -> tuple[mx.array, DecodeCache]:
@@ -470,7 +467,7 @@ class Executor:
         if isinstance(kv, PagedTables):
             assert self.pool is not None, "use_paged() first"
             logits, self.pool = fn(self.model.params, tokens, at, kv.table, self.pool)
-            self.queue_pool_writes()
+            self.wait_for_pool()
             return logits, kv
         return fn(self.model.params, tokens, at, kv)
 

@@ -108,21 +108,21 @@ def test_peer_rounds_restart_at_half_the_capacity(tiny, kind):
 
 @pytest.mark.parametrize("kv", ["paged", "paged-copying"])
 def test_paged_timer_steps_over_the_pool(tiny, monkeypatch, kv):
-    """``--kv paged``: every step runs over the executor's paged pool and queues its writes
-    after the device's work in flight (``mx.synchronize``); ``paged-copying`` queues them without
-    that wait. The round's peak memory counts the pool."""
+    """``--kv paged``: every step runs over the executor's paged pool, queued after the device's
+    work in flight (``mx.synchronize``); ``paged-copying`` is queued without that wait. The
+    round's peak memory counts the pool."""
     import mlx.core as mx
 
     from service.bench import profile
     from service.engine.executor import Executor
 
-    pools, waits, queue = [], [], Executor.queue_pool_writes
+    pools, waits, wait = [], [], Executor.wait_for_pool
 
     def spy(self):
         pools.append(self.pool)
-        queue(self)
+        wait(self)
 
-    monkeypatch.setattr(Executor, "queue_pool_writes", spy)
+    monkeypatch.setattr(Executor, "wait_for_pool", spy)
     monkeypatch.setattr(mx, "synchronize", lambda *a: waits.append(a))
     figures = profile.stepserve_timer(tiny[1], 2, 32, 3, 2, kv=kv, pool_tokens=256)()
     assert figures["pipelined_step_s"] > 0 and len(pools) > 5
