@@ -30,7 +30,9 @@ class WarmupSpec:
             a position, so one that no prompt bucket fits before the largest capacity bucket
             runs a token at a time (:func:`service.engine.prefill.chunk_plan`).
         padded_prompts: prompt rows may be right-padded (``pads_prompts``); False: every
-            prompt's remainder below the smallest prompt bucket runs a token at a time.
+            chunk is exactly a prompt bucket (the ladder has the powers of two below its
+            smallest, :func:`service.engine.buckets.unpadded_prompt_ladder`), and an odd
+            remainder's last token runs alone.
     """
 
     prompt_tokens: int = 512
