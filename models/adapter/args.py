@@ -10,6 +10,7 @@ layouts, the steps) is imported where an mlx-lm module is actually served.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -142,6 +143,26 @@ class AdapterArgs:
     def has_states(self) -> bool:
         """Whether some layer keeps a recurrent state (of any stage: :attr:`group`)."""
         return self.group.has_states if self.group is not None else bool(self.state_layouts)
+
+    @property
+    def loops_prompts(self) -> bool:
+        """Whether a layer of the module runs mlx-lm's gated delta update
+        (``mlx_lm.models.gated_delta.gated_delta_update``: qwen3_next, qwen3_5, kimi_linear, ...)
+        as its ops loop, one position of the prompt at a time. mlx-lm takes that loop wherever
+        it has no kernel for the update: unless the default device is a GPU and Metal is
+        available (its own test, ``mx.metal.is_available()``). Traced, the loop becomes T
+        unrolled steps per layer, which ran slower than the same loop eager on a CUDA GPU and
+        as fast on the CPU (docs/BENCHMARKS.md, "Against peers on a GPU", Qwen3-Next); the
+        executor then runs this model's prefill and chunk steps eagerly
+        (:attr:`service.engine.compile_cache.StepSpec.eager`), its decode step compiled."""
+        if mx.default_device().type == mx.DeviceType.gpu and mx.metal.is_available():
+            return False
+        names = {type(m).__module__ for _, m in self.module.named_modules()}
+        for name in names:
+            update = getattr(sys.modules.get(name), "gated_delta_update", None)
+            if getattr(update, "__module__", None) == "mlx_lm.models.gated_delta":
+                return True
+        return False
 
     @property
     def capacity_pair(self) -> bool:

@@ -10,6 +10,9 @@ its compile time. The policy decides what runs:
 * ``auto``: whichever of the two :meth:`CompileCache.calibrate` measured faster for that key
   at warm-up (compiled must win by ``AUTO_MARGIN``; ties go to eager). Uncalibrated keys run
   compiled.
+
+A :class:`StepSpec` marked ``eager`` runs eagerly under every policy (a step its model is known
+to run slower compiled: :attr:`models.adapter.args.AdapterArgs.loops_prompts`).
 """
 
 from __future__ import annotations
@@ -69,11 +72,13 @@ class StepSpec:
         fn: the pure step function (hyper-parameters already bound).
         shapeless: compile once for all shapes (only where a test proves it safe).
         random_state: capture ``mx.random.state`` as compile input and output.
+        eager: never compiled, whatever the policy (the entry reports it runs eager).
     """
 
     fn: Callable[..., Any]
     shapeless: bool = False
     random_state: bool = False
+    eager: bool = False
 
 
 class _Entry:
@@ -99,7 +104,11 @@ class _Entry:
 
     def calibrate(self, args: tuple, repeats: int) -> bool:
         """Time the compiled and the eager form on ``args`` (median of ``repeats`` runs after
-        one untimed call each) and keep the faster; returns whether compiled was kept."""
+        one untimed call each) and keep the faster; returns whether compiled was kept. An eager
+        spec's entry (:attr:`StepSpec.eager`) only runs once and stays eager."""
+        if self._compiled is self._eager:  # an eager spec (StepSpec.eager): nothing to compare
+            mx.eval(self(*args))
+            return False
         self._fn = self._compiled
         mx.eval(self(*args))  # the compile
         mx.eval(self._eager(*args))
@@ -189,7 +198,7 @@ class CompileCache:
         return {key: entry.compiled for key, entry in self._entries.items()}
 
     def _build(self, spec: StepSpec) -> Callable[..., Any]:
-        if not self.enabled:
+        if not self.enabled or spec.eager:
             return spec.fn
         # A callable of its own per key: MLX keys its traces by the callable's identity and,
         # on every call, compares the inputs' shapes with each trace of that callable in turn

@@ -21,6 +21,7 @@ process's layers only (:attr:`models.loader.LoadedModel.layers`).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from functools import partial
@@ -37,6 +38,8 @@ from models.paged import PagedKV, gather, gather_quantized, view_index
 from service.engine.block_pool import NULL_BLOCK, BlockCopy
 from service.engine.compile_cache import CompileCache, StepKey, StepSpec
 from service.engine.kv_blocks import copy_blocks, join_blocks
+
+log = logging.getLogger("stepserve.engine")
 
 MODEL_PHASES = ("prefill", "chunk", "decode")  # run by every rank of a group; the rest only where the head is
 
@@ -183,8 +186,12 @@ class Executor:
         else:
             steps = {"prefill": pipeline.prefill, "chunk": pipeline.prefill_chunk, "decode": pipeline.decode}
             bound = {phase: partial(fn, args=a, stage=model.stage, group=model.group) for phase, fn in steps.items()}
+        eager = ("prefill", "chunk") if isinstance(a, AdapterArgs) and a.loops_prompts else ()
+        if eager:
+            log.info("model %s: prefill and chunk steps run eagerly (its gated delta layers loop over positions "
+                     "in mlx-lm's ops here)", model.name)  # fmt: skip
         self._specs = {
-            **{phase: StepSpec(fn) for phase, fn in bound.items()},
+            **{phase: StepSpec(fn, eager=phase in eager) for phase, fn in bound.items()},
             "sample": StepSpec(sampling.sample, random_state=True),
             "greedy": StepSpec(sampling.greedy, shapeless=True),
             "process": StepSpec(sampling.process),

@@ -113,6 +113,7 @@ def test_a_tiny_qwen3_next_directory_serves_mlx_lms_greedy_tokens(tmp_path, conv
     assert structured.status_code == 200, structured.text
     assert structured.json()["choices"][0]["message"]["content"].lstrip().startswith("{")
     assert "prefix cache off (its recurrent state cannot be cut at a block boundary)" in server.log()
+    assert "prefill and chunk steps run eagerly (its gated delta layers loop" in server.log()  # the CPU's ops loop
     expected = mlx_lm_texts(directory, CHATS)
     assert got == expected
     assert [c["message"]["content"] for c in n2["choices"]] == [expected[0]] * 2

@@ -25,6 +25,7 @@ from models.adapter import AdapterArgs
 from models.loader import LoadedModel, load_model
 from models.model_args import ModelArgs
 from models.tokenizer import ChatTokenizer, Detokenizer
+from service.bench.common import quiet_compile_cache
 from service.engine.buckets import BucketTable
 from service.engine.core import Engine
 from service.engine.executor import Executor
@@ -298,6 +299,26 @@ def test_prompt_lookup_speculation_gives_the_plain_tokens():
     proposed = metrics.registry.get_sample_value("stepserve_speculative_proposed_tokens_total", labels)
     accepted = metrics.registry.get_sample_value("stepserve_speculative_accepted_tokens_total", labels)
     assert proposed and accepted and accepted < proposed, (proposed, accepted)  # accepted and rolled back
+
+
+@pytest.mark.parametrize("policy", ["on", "auto"])
+@pytest.mark.parametrize(
+    "name, loops", [("qwen3_next", True), ("qwen3_5", True), ("kimi_linear", True), ("llama", False), ("lfm2", False)]
+)
+def test_a_model_whose_gated_delta_layers_loop_prefills_eagerly_and_decodes_compiled(name, loops, policy):
+    """On the CPU mlx-lm runs its gated delta update (qwen3_next, qwen3_5, kimi_linear) as an ops
+    loop over the prompt's positions: their prefill and chunk steps run eagerly under every
+    policy (auto does not time a compiled form), their decode step compiled; other models'
+    steps (a plain attention, lfm2's short convolutions) all compile."""
+    model = tiny_model(name)
+    assert model.args.loops_prompts is loops
+    executor = Executor(model, quiet_compile_cache(policy))
+    for phase, batch, size, capacity in (("prefill", 2, 8, 0), ("chunk", 1, 8, 16), ("decode", 2, 16, 0)):
+        compiled = executor.warm(phase, batch, size, capacity, repeats=1)
+        if policy == "on":
+            assert compiled is (phase == "decode" or not loops), (name, phase)
+        elif loops and phase != "decode":  # auto: the other choices are timings, not asserted
+            assert compiled is False, (name, phase)
 
 
 @pytest.mark.parametrize("name", ["gemma3_text", "qwen3_next"])
