@@ -334,13 +334,27 @@ class Executor:
         sliding-window layers as rings) or a linear staging cache."""
         return self.new_kv(batch, capacity, ring)
 
-    def prefill(self, tokens: list[list[int]], lengths: list[int]) -> tuple[mx.array, KVCache]:
+    def prefill(
+        self, tokens: list[list[int]], lengths: list[int], bucket: tuple[int, int] | None = None
+    ) -> tuple[mx.array, KVCache]:
         """Prefill B prompts right-padded to T tokens (``tokens``: B lists of T ids; ``lengths``:
         B real lengths >= 1) on a new cache of capacity T. Returns (float32 logits [B, V] at
-        each row's last real token, lazy; the cache [B, Hkv, T, D] per layer)."""
+        each row's last real token, lazy; the cache [B, Hkv, T, D] per layer).
+
+        ``bucket``: the (batch, prompt) bucket the call is looked up and counted under, where
+        the prefill step runs eagerly (:attr:`exact_prefill`) and (B, T) is smaller than it;
+        default (B, T)."""
         B, T = len(tokens), len(tokens[0])
-        fn = self.step_fn("prefill", B, T)
+        fn = self.step_fn("prefill", *(bucket or (B, T)))
         return fn(self.model.params, mx.array(tokens, mx.int32), mx.array(lengths, mx.int32), self.new_kv(B, T))
+
+    @property
+    def exact_prefill(self) -> bool:
+        """Whether whole prompts may be prefilled at their own shape, B rows of the longest
+        prompt's T tokens, rather than padded to a bucket: the prefill step runs eagerly
+        (:attr:`StepSpec.eager`: nothing is compiled per shape), so padding would only add
+        work (a model whose gated delta layers loop over positions pays for every padded one)."""
+        return self._specs["prefill"].eager
 
     def chunk(self, kv: KVCache, tokens: list[int], offset: int, length: int) -> tuple[mx.array, KVCache]:
         """Prefill one chunk of one prompt: ``tokens`` (T ids, right-padded; ``length`` real)

@@ -173,10 +173,21 @@ class Prefiller:
         """Prefill prompts together at bucket (batch_for(n), prompt_for(longest)) (:func:`pad_prompts`).
 
         Returns (logits float32 [B, V] at each prompt's last token, the prompts' KV cache
-        [B, Hkv, T, D] per layer); rows >= n are padding.
+        [B, Hkv, T, D] per layer); rows >= n are padding. Where the executor prefills at the
+        prompts' own shape (:attr:`Executor.exact_prefill`), the cache is [n, Hkv, longest, D]
+        and the logits' rows n..B-1 repeat row 0 (the first tokens are sampled at the batch
+        bucket, as warmed up).
         Raises BucketLimitError when the prompts do not fit a bucket.
         """
-        return self.executor.prefill(*pad_prompts(self.buckets, prompts))
+        rows, lengths = pad_prompts(self.buckets, prompts)
+        if not self.executor.exact_prefill:
+            return self.executor.prefill(rows, lengths)
+        n, longest = len(prompts), max(lengths)
+        bucket = (len(rows), len(rows[0]))
+        logits, kv = self.executor.prefill([r[:longest] for r in rows[:n]], lengths[:n], bucket)
+        if n < bucket[0]:
+            logits = logits[mx.array(list(range(n)) + [0] * (bucket[0] - n), mx.int32)]
+        return logits, kv
 
     def staging_capacity(self, length: int, start: int) -> int:
         """The staging capacity bucket that the first chunk of prefilling positions
@@ -293,7 +304,7 @@ class Prefiller:
             logits, kv, (B, T) = self._whole_in_blocks(group, kv_rows)
         else:
             logits, kv = self.prefill([list(p) for p in unique])
-            B, T = kv.batch, kv.capacity
+            B, T = logits.shape[0], self.buckets.prompt_for(max(len(p) for p in unique))  # the bucket's label
         if len(unique) < len(group):  # one logits row per request, padded to a batch bucket
             B = self.buckets.batch_for(len(group))
             logits = logits[mx.array(kv_rows + [0] * (B - len(group)), mx.int32)]

@@ -321,6 +321,32 @@ def test_a_model_whose_gated_delta_layers_loop_prefills_eagerly_and_decodes_comp
             assert compiled is False, (name, phase)
 
 
+@pytest.mark.parametrize("name", ["qwen3_next", "llama"])
+def test_an_eager_prefill_runs_whole_prompts_at_their_own_shape_with_mlx_lms_tokens(name, monkeypatch):
+    """Three prompts of 5, 11 and 3 tokens at once (prompt buckets 8 and 16, batch buckets 1, 2,
+    4): qwen3_next's eager prefill (its gated delta loop, :attr:`Executor.exact_prefill`) runs
+    the 5- and 3-token prompts as 2 rows of 5 tokens and the 11-token one as 1 row of 11, each
+    call looked up and counted at its bucket; llama's compiled prefill pads them to (2, 8) and
+    (1, 16). Both give mlx-lm's greedy tokens."""
+    model = tiny_model(name)
+    shapes: list[tuple[tuple[int, int], tuple[int, int] | None]] = []
+    prefill = Executor.prefill
+
+    def spy(self, tokens, lengths, bucket=None):
+        shapes.append(((len(tokens), len(tokens[0])), bucket))
+        return prefill(self, tokens, lengths, bucket)
+
+    monkeypatch.setattr(Executor, "prefill", spy)
+    requests = [(list(range(30, 35)), 6), (list(range(60, 71)), 5), ([7, 90, 11], 7)]
+    served = step_by_hand(engine_at(model, BUCKETS), requests)
+    for (prompt, max_tokens), got in zip(requests, served, strict=True):
+        assert got.tokens == mlx_lm_tokens(model, prompt, max_tokens), (name, len(prompt))
+    if name == "qwen3_next":
+        assert sorted(shapes) == [((1, 11), (1, 16)), ((2, 5), (2, 8))], shapes
+    else:
+        assert sorted(shapes) == [((1, 16), None), ((2, 8), None)], shapes
+
+
 @pytest.mark.parametrize("name", ["gemma3_text", "qwen3_next"])
 def test_a_model_without_a_verify_step_decodes_plain(name):
     model = tiny_model(name)
