@@ -353,8 +353,10 @@ class Executor:
         """Whether whole prompts may be prefilled at their own shape, B rows of the longest
         prompt's T tokens, rather than padded to a bucket: the prefill step runs eagerly
         (:attr:`StepSpec.eager`: nothing is compiled per shape), so padding would only add
-        work (a model whose gated delta layers loop over positions pays for every padded one)."""
-        return self._specs["prefill"].eager
+        work (a model whose gated delta layers loop over positions pays for every padded one).
+        One process only: a pipeline group's ranks, whose stages may compile their prefill,
+        run each call at its bucket."""
+        return self._specs["prefill"].eager and self.model.stage is None
 
     def chunk(self, kv: KVCache, tokens: list[int], offset: int, length: int) -> tuple[mx.array, KVCache]:
         """Prefill one chunk of one prompt: ``tokens`` (T ids, right-padded; ``length`` real)
