@@ -64,10 +64,11 @@ QUESTIONS = ["What is the capital of France?", "And of Italy?", "And of Spain?",
 def second():
     """A second instance with one slot and one queue place, so a burst gets 429s, speculating
     with prompt lookup (the speculative panels' data); a small warm-up (short prompts only, two
-    capacity buckets) keeps its start short."""
+    capacity buckets, no rehearsal: its dummy requests count in no metric) keeps its start short."""
     speculate = ["--speculative", "lookup", "--speculative-max-batch", "1", "--capacity-buckets", "256,512"]
     proc = ServerProcess.start(
-        ["--warmup-prompt-tokens", "32", "--max-waiting", "1", *speculate], env={"STEPSERVE_MAX_SEQUENCES": "1"}
+        ["--warmup-prompt-tokens", "32", "--warmup-rehearsal", "false", "--max-waiting", "1", *speculate],
+        env={"STEPSERVE_MAX_SEQUENCES": "1"},
     )
     try:
         proc.wait_ready()
