@@ -15,7 +15,8 @@ after another. Workloads (``--workload``):
 * ``chat``: ``POST /v1/chat/completions``, open-ended questions (nothing to copy);
 * ``documents``: ``POST /v1/chat/completions``, each request a different document of about
   ``--system-tokens`` words drawn at random (new ones each run, so no prefix cache holds one)
-  and a question about it: what many long, unrelated conversations at once cost in KV memory;
+  after a label unique to the run and the request, and a question about it: what many long,
+  unrelated conversations at once cost in KV memory;
 * ``long``: ``POST /v1/completions``, a short essay prompt (under 20 tokens, a different one
   per request) generating exactly ``--max-tokens`` tokens: the request sets ``ignore_eos``, so
   the model's end-of-sequence token does not stop it (a server without that field may stop early:
@@ -105,8 +106,10 @@ class Workload:
             return "/v1/completions", body | {"stream_options": {"include_usage": True}}
         if self.name == "documents":
             turn = next(self._turns)
-            document = word_prompt(random.Random(self._run * 1_000_003 + turn), self.system_tokens)
-            user = f"{document}\n\nWhat is the text above about?"
+            words = word_prompt(random.Random(self._run * 1_000_003 + turn), self.system_tokens)
+            # The label leads, so two documents differ from their first token (random words alone
+            # can share a first few words: a birthday collision over WORDS).
+            user = f"Document {self._run:08x}-{turn}: {words}\n\nWhat is the text above about?"
             body = {"model": self.model, "messages": [{"role": "user", "content": user}], **stream}
             return "/v1/chat/completions", body | {"stream_options": {"include_usage": True}}
         if self.name in ("copy", "chat"):
