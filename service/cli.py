@@ -67,8 +67,10 @@ def _parser() -> tuple[argparse.ArgumentParser, CliSettingsSource[argparse.Argum
 def models() -> int:
     """Print every supported ``model_type`` (hand-written ones marked ``native``; mlx-lm's with
     how they were tested, :data:`models.adapter.support.SUPPORTED`; those a pipeline group
-    splits, natively or through mlx-lm's ``PipelineMixin``) and the refused ones with
-    their reasons (:data:`models.adapter.support.REFUSED`). Returns 0."""
+    splits, natively or through mlx-lm's ``PipelineMixin``; those whose prefill runs eagerly
+    off a Metal GPU, :func:`models.adapter.args.loops_prompts_off_metal`) and the refused ones
+    with their reasons (:data:`models.adapter.support.REFUSED`). Returns 0."""
+    from models.adapter.args import loops_prompts_off_metal
     from models.adapter.support import PIPELINE_SPLITS, REFUSED, SUPPORTED
     from models.architectures import ARCHITECTURES
     from service.process.group import PIPELINE_TYPES
@@ -80,6 +82,8 @@ def models() -> int:
             how.append(f"native ({ARCHITECTURES[model_type].__name__})")
         if model_type in SUPPORTED:
             how.append(f"mlx-lm: {SUPPORTED[model_type]}")
+            if loops_prompts_off_metal(model_type):
+                how.append("prefill eager except on a Metal GPU (mlx-lm's gated delta loop)")
         if model_type in PIPELINE_TYPES or model_type in PIPELINE_SPLITS:
             how.append("splits into pipeline stages (--distributed)")
         print(f"  {model_type}: {'; '.join(how)}")

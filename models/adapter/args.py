@@ -10,8 +10,10 @@ layouts, the steps) is imported where an mlx-lm module is actually served.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import sys
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -21,6 +23,36 @@ from models.kv_cache import KVCache, layer_sizes
 
 if TYPE_CHECKING:
     from models.adapter.layout import KVLayout, Layout, StateLayout
+
+
+def _runs_gated_delta(module: ModuleType | None) -> bool:
+    """Whether ``module`` calls mlx-lm's ``gated_delta_update`` (it imports the function)."""
+    update = getattr(module, "gated_delta_update", None)
+    return getattr(update, "__module__", None) == "mlx_lm.models.gated_delta"
+
+
+def loops_prompts_off_metal(architecture: str) -> bool:
+    """Whether mlx-lm's module ``architecture`` (a key of
+    :data:`models.adapter.support.SUPPORTED`) builds layers that run the gated delta update,
+    found without building a model: the module itself, or a module of ``mlx_lm.models`` whose
+    classes it uses (``qwen3_5_moe`` takes ``qwen3_5``'s model), transitively. Such a model's
+    :attr:`AdapterArgs.loops_prompts` is true except on a Metal GPU (what ``stepserve models``
+    lists). Imports the module (and mlx-lm)."""
+    seen: set[str] = set()
+    todo = [f"mlx_lm.models.{architecture}"]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        module = importlib.import_module(name)
+        if _runs_gated_delta(module):
+            return True
+        for value in vars(module).values():
+            owner = getattr(value, "__module__", None) if isinstance(value, type) else None
+            if owner and owner.startswith("mlx_lm.models.") and owner not in seen:
+                todo.append(owner)
+    return False
 
 
 def _flatten(layouts: tuple[Layout, ...]) -> tuple[list[KVLayout], list[StateLayout]]:
@@ -157,12 +189,7 @@ class AdapterArgs:
         (:attr:`service.engine.compile_cache.StepSpec.eager`), its decode step compiled."""
         if mx.default_device().type == mx.DeviceType.gpu and mx.metal.is_available():
             return False
-        names = {type(m).__module__ for _, m in self.module.named_modules()}
-        for name in names:
-            update = getattr(sys.modules.get(name), "gated_delta_update", None)
-            if getattr(update, "__module__", None) == "mlx_lm.models.gated_delta":
-                return True
-        return False
+        return any(_runs_gated_delta(sys.modules.get(type(m).__module__)) for _, m in self.module.named_modules())
 
     @property
     def capacity_pair(self) -> bool:

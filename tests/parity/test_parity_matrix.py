@@ -22,6 +22,7 @@ import pytest
 from mlx_lm.utils import MODEL_REMAPPING
 
 from models.adapter import AdapterArgs
+from models.adapter.args import loops_prompts_off_metal
 from models.adapter.support import REFUSED, SUPPORTED, check_supported, resolve
 from models.errors import ModelLoadError
 from tests.parity.build import build_tiny
@@ -52,7 +53,10 @@ def test_module_matches_mlx_lm_or_is_refused(name):
             AdapterArgs.from_module(build_tiny(name))
         return
     assert name not in NOT_ON_CPU, f"{name} cannot run on the CPU, so the matrix cannot support it"
-    report = check_parity(build_tiny(name))
+    model = build_tiny(name)
+    # what `stepserve models` lists, read off the module without a model, is what the built one does
+    assert AdapterArgs.from_module(model).loops_prompts is loops_prompts_off_metal(name)
+    report = check_parity(model)
     assert report.ok, str(report)
     equal = any("ignore padding" in note for note in report.notes)
     assert SUPPORTED.get(name) == _described(CACHE_KIND[name], equal)

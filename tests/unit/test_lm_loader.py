@@ -168,3 +168,8 @@ def test_stepserve_models_lists_the_supported_and_refused_types(capsys):
     assert "  smollm: native (models.llama); splits into pipeline stages (--distributed)\n" in supported
     assert "  deepseek_v3: mlx-lm: parity matrix: mla; splits into pipeline stages" in supported
     assert "  gemma3_text: native (models.gemma3_text); mlx-lm: parity matrix: kv+sliding\n" in supported
+    eager = "prefill eager except on a Metal GPU (mlx-lm's gated delta loop)"
+    assert f"  qwen3_next: mlx-lm: parity matrix: kv+state; {eager}; splits into pipeline stages" in supported
+    assert f"  qwen3_5_moe: mlx-lm: parity matrix: kv+state; {eager};" in supported  # qwen3_5's layers
+    loops = {line.split(":")[0].strip() for line in supported.splitlines() if eager in line}
+    assert loops == {"qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear", "kimi_k3", "olmo_hybrid", "bailing_moe_v3"}
