@@ -76,7 +76,8 @@ def load_lm_dir(
         dtype: compute dtype: every floating parameter is cast to it (quantized weights stay
             uint32; their scales and biases take it).
         weights: ``dequantized`` expands quantized layers to dense ones (mlx-lm's
-            ``dequantize_model``) before the cast.
+            ``dequantize_model``) before the cast, in float32 (its scales and biases cast
+            first), as :func:`models.loader.prepare_params` does.
         group: the pipeline group this process is one rank of (the group ``mx.distributed``
             initialized, which mlx-lm's stages talk over), or None for the whole model.
         split: with ``group``, the layers of each rank, indexed by rank (rank r runs the
@@ -200,8 +201,9 @@ def _build(directory: Path) -> tuple[nn.Module, Path, str]:
 
 
 def _cast(module: nn.Module, dtype: mx.Dtype, weights: Literal["quantized", "dequantized"]) -> nn.Module:
-    """``module`` expanded (``dequantized``) and cast to ``dtype``, lazily."""
+    """``module`` expanded (``dequantized``, in float32) and cast to ``dtype``, lazily."""
     if weights == "dequantized":
+        module.set_dtype(mx.float32)  # the scales and biases: the expansion then runs in float32
         module = dequantize_model(module)
     module.set_dtype(dtype)
     return module

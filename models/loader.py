@@ -85,7 +85,11 @@ def prepare_params(params: Params, dtype: mx.Dtype, weights: WeightsMode, group_
     """Cast float leaves to ``dtype``; with ``weights="dequantized"`` expand quantized triples.
 
     Quantized ``weight`` (uint32) leaves are kept as they are; their ``scales`` and
-    ``biases`` take the compute dtype, as the activations do.
+    ``biases`` take the compute dtype, as the activations do. An expanded weight is
+    ``scale * q + bias`` computed in float32 and then cast to ``dtype``, as llama.cpp expands
+    a GGUF block (``dequantize_row_q4_1``: ``y = d * q + m`` in float from float16 ``d``, ``m``)
+    and as MLX's quantized matmul with float32 scales computes it (float16 arithmetic would
+    round each weight to float16 first; on the CPU it is also several times slower).
 
     Raises:
         ValueError: a quantized triple's shapes fit no MLX bit width at ``group_size``
@@ -98,6 +102,7 @@ def prepare_params(params: Params, dtype: mx.Dtype, weights: WeightsMode, group_
                 bits = quantized_bits(node, group_size)  # checked in either mode
                 if weights == "dequantized":
                     w, scales, biases = node["weight"], node["scales"], node["biases"]
+                    scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
                     dense = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
                     rest = {k: v for k, v in node.items() if k not in ("weight", "scales", "biases")}
                     return {"weight": dense, **{k: expand(v) for k, v in rest.items()}}

@@ -46,8 +46,8 @@ def compiles(server) -> float:
 def test_a_4200_token_prompt_continues_as_mlx_lm_continues_it(server, converted):
     """Past the 4,096 capacity bucket: nine 512-token chunks, decode at capacity 6,144."""
     reference, hf_tokenizer = mlx_lm.load(str(converted))
-    reference = dequantize_model(reference)  # dense float32, as stepserve serves on the CPU
-    reference.set_dtype(mx.float32)
+    reference.set_dtype(mx.float32)  # then expanded to dense float32, as stepserve serves on the CPU
+    reference = dequantize_model(reference)
     prompt = long_document(4200, hf_tokenizer) + "\nIn one sentence, the committee found that"
     ids = hf_tokenizer.encode(prompt, add_special_tokens=False)
     assert 4200 <= len(ids) <= 4500

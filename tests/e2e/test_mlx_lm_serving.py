@@ -50,8 +50,8 @@ def mlx_lm_texts(directory: Path, prompts: list[list[dict]] | list[str], max_tok
     ``directory`` (mlx-lm's load, its layers expanded and float32 as the CPU serves them; each
     prompt rendered and tokenized as the server does), up to the first stop token."""
     model, _ = lm_load_model(directory)
+    model.set_dtype(mx.float32)  # its scales and biases first: expanded in float32, as the server does
     model = dequantize_model(model)
-    model.set_dtype(mx.float32)
     tokenizer = tokenizer_from_dir(directory, json.loads((directory / "config.json").read_text()))
     texts = []
     for prompt in prompts:

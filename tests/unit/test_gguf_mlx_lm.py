@@ -54,9 +54,9 @@ def mlx_lm_tokens(directory: Path, model: LoadedModel, weights: WeightsMode) -> 
     """mlx-lm's own greedy tokens (``generate_step``) of PROMPTS, tokenized by ``model``, on its
     load of ``directory`` in float32 (its quantized layers expanded when ``weights`` says)."""
     module, _ = lm_load_model(directory)
+    module.set_dtype(mx.float32)  # before expanding: dequantized in float32, as stepserve does
     if weights == "dequantized":
         module = dequantize_model(module)
-    module.set_dtype(mx.float32)
     tokens = []
     for prompt in PROMPTS:
         steps = generate_step(mx.array(model.tokenizer.encode(prompt), mx.int32), module, max_tokens=MAX_TOKENS)

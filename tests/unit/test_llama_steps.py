@@ -152,6 +152,20 @@ def test_quantized_weights_match_their_dequantized_form(params):
     assert mx.allclose(q_logits, d_logits, atol=max(ATOL, 1e-3))
 
 
+def test_dequantized_weights_are_expanded_in_float32_from_float16_scales():
+    """A GGUF's scales and biases are float16: each weight is ``scale * q + bias`` in float32,
+    as llama.cpp expands the block, not that value rounded to float16 first."""
+    w = mx.random.normal((64, 128), key=mx.random.key(0))
+    packed, scales, biases = mx.quantize(w, group_size=32, bits=4)
+    node = {"weight": packed, "scales": scales.astype(mx.float16), "biases": biases.astype(mx.float16)}
+    dense = prepare_params({"proj": node}, mx.float32, "dequantized", 32)["proj"]["weight"]
+    wide = [node["scales"].astype(mx.float32), node["biases"].astype(mx.float32)]
+    assert dense.dtype == mx.float32
+    assert mx.array_equal(dense, mx.dequantize(packed, *wide, group_size=32, bits=4))
+    rounded = mx.dequantize(packed, node["scales"], node["biases"], group_size=32, bits=4).astype(mx.float32)
+    assert not mx.array_equal(dense, rounded)  # the float16 expansion differs: the test can tell them apart
+
+
 def test_cache_resize_keeps_prefix():
     kv = new_cache(2, 8, fill=1.0)
     grown = kv.resized(16)
