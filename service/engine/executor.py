@@ -350,19 +350,24 @@ class Executor:
 
     @property
     def exact_prefill(self) -> bool:
-        """Whether whole prompts may be prefilled at their own shape, B rows of the longest
-        prompt's T tokens, rather than padded to a bucket: the prefill step runs eagerly
-        (:attr:`StepSpec.eager`: nothing is compiled per shape), so padding would only add
-        work (a model whose gated delta layers loop over positions pays for every padded one).
-        One process only: a pipeline group's ranks, whose stages may compile their prefill,
-        run each call at its bucket."""
-        return self._specs["prefill"].eager and self.model.stage is None
+        """Whether prompts may be prefilled at their own shape rather than padded to a bucket:
+        whole prompts as B rows of the longest prompt's T tokens (:meth:`prefill`), a chunk
+        as its real tokens (:meth:`chunk`, :meth:`chunk_rows`). The prefill and chunk steps
+        run eagerly (:attr:`StepSpec.eager`: nothing is compiled per shape), so padding would
+        only add work (a model whose gated delta layers loop over positions pays for every
+        padded one). One process only: a pipeline group's ranks, whose stages may compile
+        their prefill, run each call at its bucket."""
+        return self._specs["prefill"].eager and self._specs["chunk"].eager and self.model.stage is None
 
     def chunk(self, kv: KVCache, tokens: list[int], offset: int, length: int) -> tuple[mx.array, KVCache]:
         """Prefill one chunk of one prompt: ``tokens`` (T ids, right-padded; ``length`` real)
         at positions ``offset``.. of the batch-1 staging cache ``kv`` [1, Hkv, C, D] (offset + T
-        <= C). Returns (float32 logits [1, V] at the chunk's last real token, lazy; the cache)."""
+        <= C). Returns (float32 logits [1, V] at the chunk's last real token, lazy; the cache).
+        Where the chunk step runs eagerly (:attr:`exact_prefill`) only the ``length`` real
+        tokens run, the call looked up and counted at its bucket T."""
         fn = self.step_fn("chunk", 1, len(tokens), kv.capacity)
+        if self.exact_prefill:
+            tokens = tokens[:length]
         ids, at, n = mx.array([tokens], mx.int32), mx.array([offset], mx.int32), mx.array([length], mx.int32)
         return fn(self.model.params, ids, at, n, kv)
 
@@ -382,15 +387,24 @@ class Executor:
         its output is never read).
 
         Returns (float32 logits [batch, V] at each row's last real token, lazy; the batched
-        cache [batch, Hkv, C, D] per layer, row i holding prompt i). Raises ValueError when
-        the caches' capacities differ or n > batch, RuntimeError where this executor runs
-        chunks one by one (a group's leader: its operations are broadcast one chunk at a time).
+        cache [batch, Hkv, C, D] per layer, row i holding prompt i). Where the chunk step runs
+        eagerly (:attr:`exact_prefill`) only the n rows run, each right-padded to the longest
+        real length, not T: the cache has n rows and the logits' rows n.. repeat row 0; the
+        call is looked up and counted at (batch, T, C). Raises ValueError when the caches'
+        capacities differ or n > batch, RuntimeError where this executor runs chunks one by
+        one (a group's leader: its operations are broadcast one chunk at a time).
         """
         if not self.batches_chunks:
             raise RuntimeError("this executor runs prompts' chunks one by one (batches_chunks is off)")
         n = len(kvs)
         if not 0 < n <= batch or len({kv.capacity for kv in kvs}) != 1:
             raise ValueError(f"{n} staging caches of capacities {[kv.capacity for kv in kvs]} for {batch} rows")
+        T = len(tokens[0])
+        fn = self.step_fn("chunk", batch, T, kvs[0].capacity)
+        bucket_rows = batch
+        if self.exact_prefill:
+            batch, T = n, max(lengths)
+            tokens = [row[:T] for row in tokens]
         rows = kvs + [kvs[0]] * (batch - n)
 
         def stack(parts) -> list[mx.array]:
@@ -399,12 +413,13 @@ class Executor:
         stacked = KVCache(
             stack(kv.keys for kv in rows), stack(kv.values for kv in rows), stack(kv.states for kv in rows)
         )
-        T = len(tokens[0])
-        fn = self.step_fn("chunk", batch, T, stacked.capacity)
         ids = mx.array(tokens + [[0] * T] * (batch - n), mx.int32)
         at = mx.array(offsets + [0] * (batch - n), mx.int32)
         real = mx.array(lengths + [1] * (batch - n), mx.int32)
-        return fn(self.model.params, ids, at, real, stacked)
+        logits, kv = fn(self.model.params, ids, at, real, stacked)
+        if batch < bucket_rows:  # sampled at the batch bucket, as warmed up
+            logits = logits[mx.array(list(range(n)) + [0] * (bucket_rows - n), mx.int32)]
+        return logits, kv
 
     def prefill_blocks(
         self,

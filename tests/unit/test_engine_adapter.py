@@ -347,6 +347,46 @@ def test_an_eager_prefill_runs_whole_prompts_at_their_own_shape_with_mlx_lms_tok
         assert sorted(shapes) == [((1, 16), None), ((2, 8), None)], shapes
 
 
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("name", ["qwen3_next", "llama"])
+def test_an_eager_chunk_runs_its_real_tokens_with_mlx_lms_tokens(name, batched, monkeypatch):
+    """Prompts of 21 and 19 tokens in chunks of 8 (prompt buckets 8 and 16): qwen3_next's eager
+    chunk step runs each chunk's real tokens, its last ones 5 and 3 (together as 2 rows of 5
+    where last chunks batch, as on a GPU: :meth:`Executor.chunk_rows`), each call looked up at
+    its bucket T = 8; llama's compiled chunk step runs them padded to 8. Both give mlx-lm's
+    greedy tokens."""
+    model = tiny_model(name)
+    calls: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+    step_fn = Executor.step_fn
+
+    def spy(self, phase, *bucket):
+        fn = step_fn(self, phase, *bucket)
+        if phase != "chunk":
+            return fn
+
+        def call(params, ids, at, real, kv):
+            calls.append((bucket, tuple(ids.shape), max(real.tolist())))
+            return fn(params, ids, at, real, kv)
+
+        return call
+
+    monkeypatch.setattr(Executor, "step_fn", spy)
+    engine = engine_at(model, BUCKETS, prefill_chunk_tokens=8, max_batched_tokens=16)
+    engine.executor.batches_chunks = batched
+    requests = [(list(range(30, 51)), 5), (list(range(60, 79)), 5)]
+    served = step_by_hand(engine, requests)
+    for (prompt, max_tokens), got in zip(requests, served, strict=True):
+        assert got.tokens == mlx_lm_tokens(model, prompt, max_tokens), (name, len(prompt))
+    assert all(bucket[1] == 8 for bucket, _, _ in calls), calls
+    if name == "qwen3_next":
+        assert all(shape[1] == longest for _, shape, longest in calls), calls
+        last = sorted(shape for _, shape, longest in calls if longest < 8)
+        assert last == ([(2, 5)] if batched else [(1, 3), (1, 5)]), calls
+    else:
+        assert all(shape == bucket[:2] for bucket, shape, _ in calls), calls
+        assert any(longest < 8 for _, _, longest in calls), calls
+
+
 @pytest.mark.parametrize("name", ["gemma3_text", "qwen3_next"])
 def test_a_model_without_a_verify_step_decodes_plain(name):
     model = tiny_model(name)
