@@ -32,7 +32,7 @@ from tests.support import engine_at, gemma_gguf
 
 BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(16, 32), capacity=(64,))
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,"]
-MAX_TOKENS = 16
+MAX_TOKENS = 8
 
 
 def engine_tokens(model: LoadedModel) -> list[list[int]]:
