@@ -44,6 +44,14 @@ log = logging.getLogger("stepserve.engine")
 MODEL_PHASES = ("prefill", "chunk", "decode")  # run by every rank of a group; the rest only where the head is
 
 
+def rows_at_bucket(logits: mx.array, rows: int) -> mx.array:
+    """``logits`` [n, V] of a call run at its prompts' own shape (:attr:`Executor.exact_prefill`)
+    as [rows, V], rows n.. repeating row 0: the first tokens are sampled at the batch bucket,
+    as warmed up, and a padding row's is never read."""
+    n = logits.shape[0]
+    return logits if n == rows else logits[mx.array(list(range(n)) + [0] * (rows - n), mx.int32)]
+
+
 def batches_last_chunks() -> bool:
     """Whether this process runs several prompts' last chunks in one call (:meth:`Executor.chunk_rows`):
     on a GPU, where each compiled call is hundreds of kernel launches of host work; not on a CPU,
@@ -401,11 +409,11 @@ class Executor:
             raise ValueError(f"{n} staging caches of capacities {[kv.capacity for kv in kvs]} for {batch} rows")
         T = len(tokens[0])
         fn = self.step_fn("chunk", batch, T, kvs[0].capacity)
-        bucket_rows = batch
+        run = batch  # the rows the call runs: n at the prompts' own shape
         if self.exact_prefill:
-            batch, T = n, max(lengths)
+            run, T = n, max(lengths)
             tokens = [row[:T] for row in tokens]
-        rows = kvs + [kvs[0]] * (batch - n)
+        rows = kvs + [kvs[0]] * (run - n)
 
         def stack(parts) -> list[mx.array]:
             return [mx.concatenate(list(layer), axis=0) for layer in zip(*parts, strict=True)]
@@ -413,13 +421,11 @@ class Executor:
         stacked = KVCache(
             stack(kv.keys for kv in rows), stack(kv.values for kv in rows), stack(kv.states for kv in rows)
         )
-        ids = mx.array(tokens + [[0] * T] * (batch - n), mx.int32)
-        at = mx.array(offsets + [0] * (batch - n), mx.int32)
-        real = mx.array(lengths + [1] * (batch - n), mx.int32)
+        ids = mx.array(tokens + [[0] * T] * (run - n), mx.int32)
+        at = mx.array(offsets + [0] * (run - n), mx.int32)
+        real = mx.array(lengths + [1] * (run - n), mx.int32)
         logits, kv = fn(self.model.params, ids, at, real, stacked)
-        if batch < bucket_rows:  # sampled at the batch bucket, as warmed up
-            logits = logits[mx.array(list(range(n)) + [0] * (bucket_rows - n), mx.int32)]
-        return logits, kv
+        return rows_at_bucket(logits, batch), kv
 
     def prefill_blocks(
         self,

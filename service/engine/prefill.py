@@ -35,7 +35,7 @@ import mlx.core as mx
 from models.kv_cache import KVCache
 from service.engine.block_pool import BlockPool
 from service.engine.buckets import BucketTable
-from service.engine.executor import Executor, InBlocks
+from service.engine.executor import Executor, InBlocks, rows_at_bucket
 from service.engine.outputs import RunnerOutput
 from service.engine.selector import TokenSelector, observe
 from service.engine.sequence import Sequence
@@ -185,9 +185,7 @@ class Prefiller:
         n, longest = len(prompts), max(lengths)
         bucket = (len(rows), len(rows[0]))
         logits, kv = self.executor.prefill([r[:longest] for r in rows[:n]], lengths[:n], bucket)
-        if n < bucket[0]:
-            logits = logits[mx.array(list(range(n)) + [0] * (bucket[0] - n), mx.int32)]
-        return logits, kv
+        return rows_at_bucket(logits, bucket[0]), kv
 
     def staging_capacity(self, length: int, start: int) -> int:
         """The staging capacity bucket that the first chunk of prefilling positions

@@ -14,21 +14,20 @@ from tests.support import STEPSERVE, ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"  # the model keeps counting: no early end-of-sequence
-# Small servers: one slot and one queue place with a 5 s limit; two slots and 5 s of grace.
-# The limits are far above what a short request needs on any CPU (first tokens in 0.2-0.4 s,
-# 12 tokens in about a second, on a loaded 2-core one), and far below what a 2000-token one
-# needs: what is tested is the lifecycle, not the speed of the matmuls (so no warm-up
+# Small servers: one slot and one queue place with a 10 s limit; two slots and 15 s of grace.
+# The limits are far above what a short request needs on any CPU, and far below what a
+# 2000-token one needs: what is tested is the lifecycle, not the speed of the matmuls (so no warm-up
 # rehearsal either: its dummy requests only make the first real ones quicker).
 QUEUE_LIMITS = {
     "STEPSERVE_BATCH_BUCKETS": "[1]",
     "STEPSERVE_MAX_WAITING": "1",
-    "STEPSERVE_REQUEST_TIMEOUT_S": "5",
+    "STEPSERVE_REQUEST_TIMEOUT_S": "10",
     "STEPSERVE_WARMUP_PROMPT_TOKENS": "32",
     "STEPSERVE_WARMUP_REHEARSAL": "false",
 }
 DRAIN = {
     "STEPSERVE_BATCH_BUCKETS": "[1, 2]",
-    "STEPSERVE_SHUTDOWN_GRACE_S": "5",
+    "STEPSERVE_SHUTDOWN_GRACE_S": "15",
     "STEPSERVE_WARMUP_PROMPT_TOKENS": "32",
     "STEPSERVE_WARMUP_BATCH": "2",
     "STEPSERVE_WARMUP_REHEARSAL": "false",
@@ -133,7 +132,7 @@ def start_server(env: dict) -> ServerProcess:
 
 
 def test_full_queue_429_and_time_limits():
-    """One slot: the running request keeps counting past the 5 s limit, so it times out
+    """One slot: the running request keeps counting past the 10 s limit, so it times out
     after its first tokens (200, "timeout"); the queued one times out waiting for the slot (504,
     or "timeout" after a first token when the freed slot let it start just before its limit); a
     third finds the queue full (429)."""
