@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
+from models import paged_kernel
 from models.attention import Attend, cache_layout
 
 #: The block that padding writes go to (:data:`service.engine.block_pool.NULL_BLOCK`): never a
@@ -237,6 +238,10 @@ class PagedAttention:
     :func:`models.attention.cache_layout`'s for a buffer of M * bt positions: every position a
     row has written is below that size, where a ring's mask and a linear one agree. Nothing
     frees a sliding layer's blocks behind its window here; the mask alone keeps them unseen.
+
+    A decode step (one query per row, ``ends`` None) on MLX's CUDA back-end skips the view:
+    :func:`models.paged_kernel.decode_attention` reads the pool through the table (where
+    :func:`models.paged_kernel.applies`), with the same answer.
     """
 
     def __init__(self, block_table: mx.array, positions: mx.array, scale: float, ends: mx.array | None = None):
@@ -252,6 +257,10 @@ class PagedAttention:
         def attend(q, k, v, keys, values):
             index = self.index(keys.shape[1], keys.shape[2])
             keys, values = write_at(keys, index, k), write_at(values, index, v)
+            if self.ends is None and paged_kernel.applies(q, keys):  # a decode step on a CUDA GPU
+                at = self.positions[:, 0]
+                o = paged_kernel.decode_attention(q, keys, values, self.block_table, at, self.scale, window)
+                return o, keys, values
             view_k, view_v = gather_at(keys, index), gather_at(values, index)
             mask = self.mask(window, view_k.shape[2])
             o = mx.fast.scaled_dot_product_attention(q, view_k, view_v, scale=self.scale, mask=mask)

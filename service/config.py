@@ -176,6 +176,13 @@ class Settings(BaseSettings):
         "whose attention goes through mlx-lm's scaled_dot_product_attention); another model is refused at start-up)",
     )
     kv_block_tokens: int = Field(16, ge=1, description="kv_cache = 'paged': token positions per block")
+    paged_attention_kernel: bool = Field(
+        True,
+        description="kv_cache = 'paged' on MLX's CUDA back-end: a decode step's attention reads the pool through "
+        "the block table in one kernel (models.paged_kernel; the hand-written families, full-precision pools); "
+        "false: the portable path (the rows' blocks gathered into a view per layer). Other back-ends have no such "
+        "kernel and always take the portable path",
+    )
     kv_bits: int | None = Field(
         None,
         description="kv_cache = 'paged': keep the pool's keys and values quantized to this many bits (groups of 64 "

@@ -23,7 +23,9 @@ each to its own experts); the peer's loop does the same.
 (:meth:`Executor.use_paged`: ``--pool-tokens`` positions in 16-token blocks, each row's
 table listing its own blocks), one after the other in each round, so the two compare in one
 process on one host; ``paged-copying`` is the paged step queued without waiting for the step
-in flight (the wait of :meth:`Executor.wait_for_pool`: MLX then copies the pool).
+in flight (the wait of :meth:`Executor.wait_for_pool`: MLX then copies the pool);
+``paged-portable`` is the paged step with the CUDA decode-attention kernel turned off
+(:func:`models.paged_kernel.enable`: the views gathered per layer, as on other back-ends).
 With ``--peer``, mlx-lm's own model and KV cache (``mlx_lm.load`` of the converted default
 model, one cache of batch B at the same offset) run the pipelined loop too, as the reference.
 """
@@ -41,6 +43,7 @@ from typing import Literal
 
 import mlx.core as mx
 
+from models import paged_kernel
 from models.default import default_model_path
 from models.loader import LoadedModel, WeightsMode, load_model
 from service.bench.common import device_defaults, machine_info, quiet_compile_cache
@@ -50,7 +53,7 @@ from service.engine.executor import Executor, PagedTables
 PeerCache = Literal["kv", "batch"]
 
 #: What stepserve's decode step runs over in :func:`stepserve_timer`.
-KvKind = Literal["static", "paged", "paged-copying"]
+KvKind = Literal["static", "paged", "paged-copying", "paged-portable"]
 
 #: Block size of the paged pool that :func:`stepserve_timer` builds (positions per block).
 BLOCK_TOKENS = 16
@@ -77,8 +80,9 @@ def stepserve_timer(
     capacity/2: each step rewrites that position."""
     executor = Executor(model, quiet_compile_cache(True))
     greedy = executor.step_fn("greedy")
+    paged_kernel.enable(kv != "paged-portable")  # read when the step is traced, below
     if kv != "static":
-        executor.waits_before_pool_writes = kv == "paged"
+        executor.waits_before_pool_writes = kv != "paged-copying"
         per_row = capacity // BLOCK_TOKENS
         executor.use_paged(max(pool_tokens // BLOCK_TOKENS, batch * per_row + 1), BLOCK_TOKENS)
         table = mx.arange(1, batch * per_row + 1, dtype=mx.int32).reshape(batch, per_row)
@@ -97,6 +101,7 @@ def stepserve_timer(
 
     mx.eval(build())  # compile and JIT the kernels
     mx.eval(build())
+    paged_kernel.enable(True)
 
     def timed_round() -> dict:
         mx.reset_peak_memory()
@@ -234,7 +239,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--kv",
-        choices=["static", "paged", "paged-copying"],
+        choices=["static", "paged", "paged-copying", "paged-portable"],
         nargs="+",
         default=["static"],
         help="what the decode step runs over: the static batch cache or the paged KV pool (see above)",

@@ -13,6 +13,7 @@ from functools import partial
 
 from prometheus_client import CollectorRegistry
 
+from models import paged_kernel
 from models.loader import LoadedModel, device_name
 from models.sentence import EmbeddingModel
 from service import __version__
@@ -48,6 +49,7 @@ def build_engine(
     # Rings and states decode plain (load_models); the paged pool's view is linear, so a model with
     # sliding-window layers verifies there (a hand-written family's or mlx-lm's class: pool_verifies).
     paged = settings.kv_cache == "paged"
+    paged_kernel.enable(settings.paged_attention_kernel)  # before any paged step is traced
     if served.speculative != "off" and (pool_verifies(model) if paged else model.args.can_verify):
         proposer = PromptLookup() if draft is None else DraftProposer(draft, buckets, cache, chunk_tokens)
     engine = Engine(

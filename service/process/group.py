@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 
+from models import paged_kernel
 from models.adapter import AdapterArgs, StageTraits
 from models.architectures import uses_mlx_lm
 from models.loader import LoadedModel
@@ -313,6 +314,7 @@ def follow(start: GroupStart) -> int:
     ``distributed_timeout_s`` (10 x before warm-up is over) ends the process."""
     settings, rank = start.settings, start.group.rank()
     spec = settings.served_models()[0]
+    paged_kernel.enable(settings.paged_attention_kernel)  # as rank 0's build_engine
     follower = Follower(Executor(start.model, CompileCache(spec.compile, lambda *a: None, lambda s: None)))
     timeout = settings.distributed_timeout_s
     watch(follower.progress, lambda: timeout * (WARMUP_STALL_FACTOR if follower.warming else 1), f"rank {rank}")

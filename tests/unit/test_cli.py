@@ -43,6 +43,7 @@ SAMPLES = {
     "prefix_block_tokens": ("16", 16),
     "kv_cache": ("paged", "paged"),
     "kv_block_tokens": ("32", 32),
+    "paged_attention_kernel": ("false", False),
     "kv_bits": ("8", 8),
     "max_model_len": ("32768", 32768),
     "kv_pool_tokens": ("4096", 4096),

@@ -1,0 +1,154 @@
+"""The CUDA paged decode attention kernel (:mod:`models.paged_kernel`) against the portable path
+it replaces on that back-end: the same attention over views gathered from the pool, with random
+block tables (shuffled, shared and null blocks), rows at different positions across many blocks,
+sliding windows, grouped query heads, and each float dtype; then a compiled model's paged decode
+steps with and without it. These run only where MLX has its CUDA back-end (the lent GPU machine):
+elsewhere the kernel never runs and the portable path is what :mod:`tests.unit.test_paged_kv`
+tests. One test runs everywhere: off a CUDA GPU the kernel does not apply."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+
+from models import llama, paged_kernel
+from models.attention import cache_layout
+from models.paged import PagedAttention, PagedKV, gather
+from tests.support import WIDE, random_params
+
+cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernel runs on MLX's CUDA back-end only")
+
+BT, N = 16, 700  # block tokens, pool blocks
+
+
+@pytest.fixture
+def kernel_on():
+    """The kernel enabled (the default), restored whatever a test set."""
+    paged_kernel.enable(True)
+    yield
+    paged_kernel.enable(True)
+
+
+def random_tables(rng: random.Random, positions: list[int], columns: int) -> mx.array:
+    """int32 [B, columns]: each row distinct shuffled blocks for positions 0..its position (rows 0
+    and 1 share their first block), null-padded."""
+    ids = rng.sample(range(1, N), N - 1)
+    rows: list[list[int]] = []
+    for b, p in enumerate(positions):
+        need = p // BT + 1
+        row = [ids.pop() for _ in range(need)]
+        if b == 1 and rows and need > 1:
+            row[0] = rows[0][0]
+        rows.append(row + [0] * (columns - need))
+    return mx.array(rows, mx.int32)
+
+
+def reference(q, keys, values, table, positions, scale, window):
+    """The portable path's answer in float32: gathered views, cache_layout's mask, MLX's SDPA."""
+    view_k, view_v = (gather(p.astype(mx.float32), table) for p in (keys, values))
+    mask = cache_layout(positions[:, None], window, view_k.shape[2])[1]
+    return mx.fast.scaled_dot_product_attention(q.astype(mx.float32), view_k, view_v, scale=scale, mask=mask)
+
+
+def test_the_kernel_does_not_apply_off_a_cuda_gpu_or_when_disabled(kernel_on):
+    q, pool = mx.zeros((1, 4, 1, 64)), mx.zeros((2, 2, BT, 64))
+    assert paged_kernel.applies(q, pool) == (mx.cuda.is_available() and mx.default_device().type == mx.DeviceType.gpu)
+    paged_kernel.enable(False)
+    assert not paged_kernel.applies(q, pool)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [None, 100])
+def test_decode_attention_equals_the_gathered_views_attention(kernel_on, dtype, head_dim, window):
+    positions = [0, 15, 16, 700, 2047, 333]  # a first token, block edges, many tiles per warp
+    hq, hkv, columns = 8, 2, 2048 // BT
+    rng = random.Random(head_dim + (window or 0))
+    table = random_tables(rng, positions, columns)
+    mx.random.seed(head_dim)
+    keys, values = (mx.random.normal((N, hkv, BT, head_dim)).astype(dtype) for _ in range(2))
+    q = mx.random.normal((len(positions), hq, 1, head_dim)).astype(dtype)
+    at, scale = mx.array(positions, mx.int32), head_dim**-0.5
+    got = paged_kernel.decode_attention(q, keys, values, table, at, scale, window)
+    want = reference(q, keys, values, table, at, scale, window)
+    assert got.shape == q.shape and got.dtype == dtype
+    tol = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 2e-2}[dtype]
+    err = mx.abs(got.astype(mx.float32) - want).max().item()
+    assert err < tol, err
+    # a control: another table reads other blocks, and the kernel's answer moves with it
+    other = random_tables(random.Random(99), positions, columns)
+    moved = paged_kernel.decode_attention(q, keys, values, other, at, scale, window)
+    assert mx.abs(moved.astype(mx.float32) - want).max().item() > 10 * tol
+
+
+@cuda
+@pytest.mark.parametrize("window", [None, 40])
+def test_paged_attention_runs_the_kernel_under_compile_with_the_table_an_input(kernel_on, window):
+    positions, hq, hkv, D = [5, 90, 200], 6, 2, 64
+    columns = 256 // BT
+    mx.random.seed(1)
+    keys, values = (mx.random.normal((N, hkv, BT, D)) for _ in range(2))
+    q = mx.random.normal((3, hq, 1, D))
+    k, v = mx.random.normal((3, hkv, 1, D)), mx.random.normal((3, hkv, 1, D))
+    at = mx.array(positions, mx.int32)[:, None]
+    assert paged_kernel.applies(q, keys)
+    traces = []
+
+    def step(table, at, q, k, v, keys, values):
+        return PagedAttention(table, at, D**-0.5)(window)(q, k, v, keys, values)
+
+    def traced(*inputs):
+        traces.append(1)  # Python runs only while tracing
+        return step(*inputs)
+
+    compiled = mx.compile(traced)
+    for seed in (3, 4):
+        table = random_tables(random.Random(seed), positions, columns)
+        got, got_keys, _ = compiled(table, at, q, k, v, keys, values)
+        paged_kernel.enable(False)
+        want, want_keys, _ = step(table, at, q, k, v, keys, values)
+        paged_kernel.enable(True)
+        assert mx.allclose(got, want, atol=1e-5), (seed, mx.abs(got - want).max().item())
+        assert mx.array_equal(got_keys, want_keys)
+    assert len(traces) == 1  # one trace served both tables: the table is an input, not a constant
+
+
+@cuda
+def test_a_models_paged_decode_steps_give_the_portable_paths_greedy_tokens(kernel_on):
+    """WIDE (heads of 64) through :func:`models.llama.decode_paged`, compiled, 24 steps of 3
+    rows at different positions (rows 0 and 1 sharing a block): the kernel's greedy tokens are
+    the gather path's, and its logits agree to 1e-4 of their scale (this random model's logits
+    reach about 85; float32 sums in another order, carried through 24 steps' keys and values,
+    moved them by up to 0.007 on one H200)."""
+    params = random_params(WIDE, seed=5)
+    D, hkv, layers = WIDE.dim_per_head, WIDE.num_key_value_heads, WIDE.num_hidden_layers
+    starts, columns = [3, 17, 40], 8
+    table = random_tables(random.Random(7), [s + 24 for s in starts], columns)
+    mx.random.seed(8)
+    filled = [mx.random.normal((N, hkv, BT, D)) * 0.5 for _ in range(2 * layers)]
+
+    def run(on: bool) -> tuple[list[list[int]], mx.array]:
+        paged_kernel.enable(on)
+
+        def decode(tokens, positions, keys, values):
+            logits, pool = llama.decode_paged(params, tokens, positions, table, PagedKV(keys, values), args=WIDE)
+            return logits, pool.keys, pool.values
+
+        step = mx.compile(decode)
+        keys, values = list(filled[:layers]), list(filled[layers:])
+        tokens, out, logits = mx.array([1, 2, 3], mx.int32), [], None
+        for i in range(24):
+            logits, keys, values = step(tokens, mx.array(starts, mx.int32) + i, keys, values)
+            tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+            out.append(tokens.tolist())
+        assert logits is not None
+        return out, logits
+
+    got, got_logits = run(True)
+    want, want_logits = run(False)
+    assert got == want
+    scale = mx.abs(want_logits).max().item()
+    assert mx.abs(got_logits - want_logits).max().item() <= 1e-4 * scale
