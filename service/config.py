@@ -166,11 +166,9 @@ class Settings(BaseSettings):
     prefix_block_tokens: int = Field(
         32, ge=1, description="tokens per prefix-cache block: prefixes are reused in whole blocks"
     )
-    kv_cache: Literal["auto", "static", "paged"] = Field(
-        "auto",
-        description="where decode keeps keys and values: 'auto' the paged pool on a GPU where every model served "
-        "from start-up can page and none is on demand or has a draft model (one process), else static (the start-up "
-        "log says which and why); 'static' one buffer per batch at its capacity bucket; "
+    kv_cache: Literal["static", "paged"] = Field(
+        "static",
+        description="where decode keeps keys and values: 'static' one buffer per batch at its capacity bucket; "
         "'paged' a pool of fixed-size blocks each request takes as its tokens need them, preempting the newest "
         "request when it runs out (one process, or a pipeline group whose every rank pools its own layers; the "
         "hand-written model families and mlx-lm's classes whose attention caches are of one shape with no recurrent "

@@ -227,44 +227,6 @@ def buckets_of(spec: ServedModel, model: LoadedModel, capacity: list[int] | None
     return BucketTable(tuple(spec.batch_buckets), prompt, tuple(capacity or spec.capacity_buckets))
 
 
-def resolve_kv_cache(settings: Settings, models: dict[str, LoadedModel], device: str) -> Settings:
-    """``settings`` with ``kv_cache = 'auto'`` resolved, for one process on ``device``
-    (:func:`models.loader.device_name`) serving the chat ``models`` loaded at start-up; other
-    values are returned as they are.
-
-    'auto' is the paged pool (:mod:`service.engine.kv_blocks`) on a GPU, where the KV cache is
-    what bounds how many sequences fit (a Mac's unified memory; a CUDA GPU's, where the pool's
-    decode attention is one kernel, :mod:`models.paged_kernel`), when every such model's caches
-    page (:func:`service.engine.executor.pages`), no chat model loads on demand (its caches are
-    unknown until then) and none has a draft model (a draft's steps run on the static cache).
-    Otherwise static: on the CPU (a host's RAM is shared with everything else, and a pool sized
-    to MLX's limit would take it all at start-up), or naming the model that cannot page. The
-    choice and its reason are logged.
-    """
-    if settings.kv_cache != "auto":
-        return settings
-    specs = settings.chat_models()
-    reasons = [
-        f"model '{s.name}' loads on demand" if s.load == "on_demand" else f"model '{s.name}' has a draft model"
-        for s in specs
-        if s.load == "on_demand" or s.speculative == "draft"
-    ]
-    reasons += [
-        f"model '{s.name}' ({models[s.name].args.model_type}) cannot page"
-        for s in specs
-        if s.name in models and not pages(models[s.name])
-    ]
-    if device != "gpu":
-        reasons.insert(0, "on the CPU")
-    kv_cache = "static" if reasons else "paged"
-    log.info(
-        "kv_cache = 'auto': %s (%s)",
-        kv_cache,
-        "; ".join(reasons) if reasons else "a GPU, and every model pages",
-    )
-    return settings.model_copy(update={"kv_cache": kv_cache})
-
-
 def check_memory(
     settings: Settings, models: dict[str, LoadedModel], embedders: dict[str, EmbeddingModel] | None = None
 ) -> Settings:
@@ -278,17 +240,13 @@ def check_memory(
     largest running batch (one of its batch buckets) with which all the models fit; the
     embedding models' bytes are taken off the budget first. Each model's figures are logged.
 
-    ``kv_cache = 'auto'`` is resolved first (:func:`resolve_kv_cache`).
-
     Returns:
-        ``settings`` with ``kv_cache`` resolved and the ``max_sequences`` of every model in
-        ``models`` set.
+        ``settings`` with the ``max_sequences`` of every model in ``models`` set.
 
     Raises:
         MemoryBudgetError: the models cannot fit the budget (even at one sequence each where
             ``max_sequences`` is unset); the message names each model's figures and the fix.
     """
-    settings = resolve_kv_cache(settings, models, device_name())
     specs = [s for s in settings.chat_models() if s.name in models]  # on-demand ones once loaded
     name, budget = _budget(settings)
     limit = budget if budget is not None else mx.get_memory_limit()
