@@ -55,7 +55,7 @@ def test_a_pool_smaller_than_the_context_bounds_a_sequence_and_one_smaller_than_
         check_memory(settings(memory_budget_bytes=model.nbytes + 8 * per, capacity_buckets=[16, 32]), {"tiny": model})
 
 
-def test_the_ladder_stops_where_its_prefill_step_leaves_a_pool_that_still_holds_one_sequence(model):
+def test_the_ladder_stops_where_its_prefill_step_leaves_a_pool_that_still_holds_one_sequence(model, monkeypatch):
     # A ladder up to the context (512) would need a prefill step that leaves a pool below the
     # smallest bucket (refused before); its top is now the longest sequence whose pool, beside
     # that sequence's prefill step, still holds it. The tiny model prefills in the pool's blocks:
@@ -63,6 +63,11 @@ def test_the_ladder_stops_where_its_prefill_step_leaves_a_pool_that_still_holds_
     # and one layer's view of its blocks, C / 2 positions' (2 layers), so a budget of 800 positions
     # tops the ladder at 304 (pool 312); at 600 it tops at 227 positions, under the smallest
     # bucket. (The staging path's step counted the scores alone: its staging row was not counted.)
+    # The figures are a process's that runs prompts' last chunks one by one (the CPU); a GPU
+    # batches them, a larger step (it failed there, 2026-11-29, before this line).
+    import service.process.memory as memory
+
+    monkeypatch.setattr(memory, "batches_last_chunks", lambda: False)
     per, bt = kv_bytes_per_position(model), 16
     budget = model.nbytes + 800 * per
     resolved = check_memory(settings(memory_budget_bytes=budget), {"tiny": model})
