@@ -26,9 +26,6 @@ import mlx.core as mx
 #: (:func:`applies`); set from the ``paged_attention_kernel`` setting at start-up.
 _enabled = True
 
-#: Positions one warp scores at a time (one per lane).
-TILE = 32
-
 _SOURCE = """
     constexpr int G = HQ / HKV;
     constexpr int THREADS = NW * 32;
