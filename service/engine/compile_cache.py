@@ -120,8 +120,21 @@ class _Entry:
     def __call__(self, *args):
         if self.compile_seconds is not None:
             return self._fn(*args)
-        start = time.perf_counter()
-        out = self._fn(*args)
+        return self.call_owning(list(args))
+
+    def call_owning(self, args: list) -> Any:
+        """:meth:`__call__` on the arguments in ``args``, which this call empties before the
+        first call's evaluation (the compile, timed and reported). MLX updates an input in place
+        only when nothing else holds it: a paged step's scatters into the KV pool would copy the
+        whole pool (every layer) if the caller still held it while that evaluation ran. A
+        caller that drops its own references first (:meth:`Executor.warm`) gets the in-place
+        write; one that keeps them gets a copy, as with :meth:`__call__`."""
+        call, start = tuple(args), time.perf_counter()
+        args.clear()
+        out = self._fn(*call)
+        if self.compile_seconds is not None:
+            return out
+        del call
         mx.eval(out)
         self.compile_seconds = time.perf_counter() - start
         self._on_compiled(CompileStat(self.key.model, self.key.phase, self.key.bucket, self.compile_seconds))

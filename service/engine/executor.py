@@ -676,15 +676,17 @@ class Executor:
         Under the ``auto`` policy, time it compiled and eager (``repeats`` runs each) and keep
         the faster. Returns whether the bucket runs compiled."""
         fn = self.step_fn(phase, batch, size, capacity)
-        args = self.dummy_inputs(phase, batch, size, capacity)
+        args = list(self.dummy_inputs(phase, batch, size, capacity))
         if self.compiled.policy == "auto":
-            return fn.calibrate(args, repeats)
-        out = fn(*args)
-        if self.pool is not None and (
+            return fn.calibrate(tuple(args), repeats)
+        pooled = self.pool is not None and (
             phase in ("decode", "verify") or (phase in ("prefill", "chunk") and self.in_blocks)
-        ):
+        )
+        if pooled:  # the call alone holds the pool, so its first evaluation writes it in place
+            self.pool = None
+        out = fn.call_owning(args)  # empties args
+        if pooled:
             self.pool = out[1]  # the pool is replaced, not copied: the old one is no longer held
-        del args
         mx.eval(out)
         return fn.compiled
 

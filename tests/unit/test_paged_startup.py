@@ -276,3 +276,24 @@ def test_an_8b_models_kv_bits_8_pool_holds_1_8_times_the_tokens_at_one_context()
     assert sized(max_model_len=32768) == (32768, 72_488)
     assert sized(max_model_len=32768, kv_bits=8) == (32768, 136_448)
     assert sized(kv_bits=8) == (84_608, 84_608)
+
+
+def test_warming_a_paged_step_writes_the_pool_in_place(model):
+    """A bucket's first call is evaluated inside the compile cache (its compile is timed); the
+    warm-up hands it the pool alone, so the step's scatters write the pool in place. Before, the
+    executor still held the pool during that evaluation and every layer's pool was copied: twice
+    the pool at once, which ran an 8B model's GPU out of memory with a pool sized from MLX's own
+    limit (docs/BENCHMARKS.md, "The paged decode attention kernel")."""
+    from service.engine.compile_cache import CompileCache
+    from service.engine.executor import Executor
+
+    executor = Executor(model, CompileCache("on", lambda *a: None, lambda s: None))
+    pool = executor.use_paged(4000, 16)
+    size = pool.nbytes
+    del pool
+    for phase, batch, bucket in (("decode", 4, 256), ("decode", 2, 512)):
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        executor.warm(phase, batch, bucket)
+        assert mx.get_peak_memory() - base < size / 4, (phase, batch, bucket, mx.get_peak_memory() - base, size)
+        assert executor.pool is not None and executor.pool.nbytes == size
