@@ -321,13 +321,16 @@ def test_a_model_whose_gated_delta_layers_loop_prefills_eagerly_and_decodes_comp
             assert compiled is False, (name, phase)
 
 
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu"])
 @pytest.mark.parametrize("name", ["qwen3_next", "llama"])
-def test_an_eager_prefill_runs_whole_prompts_at_their_own_shape_with_mlx_lms_tokens(name, monkeypatch):
+def test_an_eager_prefill_runs_whole_prompts_at_their_own_shape_with_mlx_lms_tokens(name, gpu, monkeypatch):
     """Three prompts of 5, 11 and 3 tokens at once (prompt buckets 8 and 16, batch buckets 1, 2,
     4): qwen3_next's eager prefill (its gated delta loop, :attr:`Executor.exact_prefill`) runs
     the 5- and 3-token prompts as 2 rows of 5 tokens and the 11-token one as 1 row of 11, each
-    call looked up and counted at its bucket; llama's compiled prefill pads them to (2, 8) and
-    (1, 16). Both give mlx-lm's greedy tokens."""
+    call looked up and counted at its bucket; where the executor batches prompts as a GPU's does
+    (``batches_chunks``) it runs all three as 3 rows of 11, one pass of the loop, counted at
+    (4, 16). llama's compiled prefill pads them to (2, 8) and (1, 16) either way. All give
+    mlx-lm's greedy tokens."""
     model = tiny_model(name)
     shapes: list[tuple[tuple[int, int], tuple[int, int] | None]] = []
     prefill = Executor.prefill
@@ -338,10 +341,14 @@ def test_an_eager_prefill_runs_whole_prompts_at_their_own_shape_with_mlx_lms_tok
 
     monkeypatch.setattr(Executor, "prefill", spy)
     requests = [(list(range(30, 35)), 6), (list(range(60, 71)), 5), ([7, 90, 11], 7)]
-    served = step_by_hand(engine_at(model, BUCKETS), requests)
+    engine = engine_at(model, BUCKETS)
+    engine.executor.batches_chunks = gpu
+    served = step_by_hand(engine, requests)
     for (prompt, max_tokens), got in zip(requests, served, strict=True):
         assert got.tokens == mlx_lm_tokens(model, prompt, max_tokens), (name, len(prompt))
-    if name == "qwen3_next":
+    if name == "qwen3_next" and gpu:
+        assert shapes == [((3, 11), (4, 16))], shapes
+    elif name == "qwen3_next":
         assert sorted(shapes) == [((1, 11), (1, 16)), ((2, 5), (2, 8))], shapes
     else:
         assert sorted(shapes) == [((1, 16), None), ((2, 8), None)], shapes
