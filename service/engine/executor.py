@@ -676,9 +676,9 @@ class Executor:
         Under the ``auto`` policy, time it compiled and eager (``repeats`` runs each) and keep
         the faster. Returns whether the bucket runs compiled."""
         fn = self.step_fn(phase, batch, size, capacity)
-        args = list(self.dummy_inputs(phase, batch, size, capacity))
         if self.compiled.policy == "auto":
-            return fn.calibrate(tuple(args), repeats)
+            return fn.calibrate(self.dummy_inputs(phase, batch, size, capacity), repeats)
+        args = list(self.dummy_inputs(phase, batch, size, capacity))
         pooled = self.pool is not None and (
             phase in ("decode", "verify") or (phase in ("prefill", "chunk") and self.in_blocks)
         )

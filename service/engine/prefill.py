@@ -110,18 +110,12 @@ class Prefiller:
         out = RunnerOutput()
         self._pending: list[_Pending] = []
         self._written = []
-        whole: dict[int, list[Sequence]] = {}  # whole prompts, by prompt bucket (0: one group, see below)
+        whole: list[Sequence] = []
         finals: dict[tuple[int, int], list[Sequence]] = {}  # last chunks, by (chunk bucket T, staging C)
-        # An eager prefill at the prompts' own shape on a GPU (a gated delta loop in mlx-lm's ops:
-        # its host work is per position, whatever the rows) runs whole prompts of every bucket
-        # together, shortest first, cut by the token budget at the longest's bucket: each call is
-        # one more pass of the loop, as mlx-lm's batched prefill pads its prompts to the longest.
-        merged = self.executor.exact_prefill and self.executor.batches_chunks
         for seq in seqs:
             try:
                 if seq.num_computed == 0 and self._goes_whole(len(seq.prefill_ids)):
-                    key = 0 if merged else self.buckets.prompt_for(len(seq.prefill_ids))
-                    whole.setdefault(key, []).append(seq)
+                    whole.append(seq)
                 elif (last := self._last_chunk(seq)) is not None:
                     finals.setdefault(last, []).append(seq)
                 else:
@@ -130,10 +124,8 @@ class Prefiller:
                 self.executor.raise_if_fatal(exc)
                 out.failed.append((seq, f"prefill failed: {type(exc).__name__}"))
         buckets, budget = self.buckets, self.whole_tokens
-        if 0 in whole:
-            group = sorted(whole.pop(0), key=lambda s: len(s.prefill_ids))
-            whole[buckets.prompt_for(len(group[-1].prefill_ids))] = group
-        calls = [(self._whole, p) for T, g in whole.items() for p in _parts(g, buckets.prefill_rows(T, budget))]
+        groups = self._whole_groups(whole).items()
+        calls = [(self._whole, p) for T, g in groups for p in _parts(g, buckets.prefill_rows(T, budget))]
         for (T, C), group in finals.items():
             rows = last_chunk_rows(buckets, T, budget, self.rows_cap, C)
             calls += [(self._chunks, group[i : i + rows]) for i in range(0, len(group), rows)]
@@ -145,6 +137,20 @@ class Prefiller:
                 out.failed += [(seq, f"prefill failed: {type(exc).__name__}") for seq in part]
         self._read_back(out)
         return out
+
+    def _whole_groups(self, seqs: list[Sequence]) -> dict[int, list[Sequence]]:
+        """Whole prompts grouped by the prompt bucket their calls are counted at: each prompt's
+        own bucket; or, where an eager prefill runs at the prompts' own shape on a GPU (a gated
+        delta loop in mlx-lm's ops, whose host work is per position whatever the rows), one
+        group at the longest's bucket, shortest first: each call is one more pass of the loop,
+        and mlx-lm's batched prefill also pads its prompts to the longest."""
+        if seqs and self.executor.exact_prefill and self.executor.batches_chunks:
+            group = sorted(seqs, key=lambda s: len(s.prefill_ids))
+            return {self.buckets.prompt_for(len(group[-1].prefill_ids)): group}
+        groups: dict[int, list[Sequence]] = {}
+        for seq in seqs:
+            groups.setdefault(self.buckets.prompt_for(len(seq.prefill_ids)), []).append(seq)
+        return groups
 
     def _goes_whole(self, length: int) -> bool:
         """Whether a prompt of ``length`` tokens (none cached) is prefilled whole: at most
