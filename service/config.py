@@ -166,9 +166,11 @@ class Settings(BaseSettings):
     prefix_block_tokens: int = Field(
         32, ge=1, description="tokens per prefix-cache block: prefixes are reused in whole blocks"
     )
-    kv_cache: Literal["static", "paged"] = Field(
-        "static",
-        description="where decode keeps keys and values: 'static' one buffer per batch at its capacity bucket; "
+    kv_cache: Literal["auto", "static", "paged"] = Field(
+        "auto",
+        description="where decode keeps keys and values: 'auto' the paged pool on a GPU where every model served "
+        "from start-up can page and none is on demand or has a draft model (one process), else static (the start-up "
+        "log says which and why); 'static' one buffer per batch at its capacity bucket; "
         "'paged' a pool of fixed-size blocks each request takes as its tokens need them, preempting the newest "
         "request when it runs out (one process, or a pipeline group whose every rank pools its own layers; the "
         "hand-written model families and mlx-lm's classes whose attention caches are of one shape with no recurrent "
@@ -206,7 +208,8 @@ class Settings(BaseSettings):
         description="kv_cache = 'paged': token positions each model's pool holds (the default of every [[models]] "
         "entry, which may set its own); unset: its share of what the memory budget leaves after the weights and the "
         "largest prefill steps (for a hand-written family in one process, which prefills straight into its blocks, "
-        "a step holds no staging cache: only one layer's view of its blocks and its activations)",
+        "a step holds no staging cache: only one layer's view of its blocks and its activations); with no budget set "
+        "(MLX's own limit), at most max_sequences sequences at the longest capacity",
     )
     responses_store_bytes: int = Field(
         64 * 1024 * 1024,

@@ -112,6 +112,9 @@ def start_group(settings: Settings, group: mx.distributed.Group) -> GroupStart:
     Raises:
         GroupStartError: some rank could not start (the same message on every rank).
     """
+    if settings.kv_cache == "auto":  # a group pages only where asked: kv_cache = 'paged'
+        settings = settings.model_copy(update={"kv_cache": "static"})
+        log.info("kv_cache = 'auto': static (a pipeline group; set kv_cache = 'paged' for its pool)")
     spec = settings.served_models()[0]
     dtype, weights = startup.compute_dtype(spec.dtype), startup.weights_mode(spec.weights)
     budget = startup.memory_budget(settings)

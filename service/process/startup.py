@@ -227,6 +227,44 @@ def buckets_of(spec: ServedModel, model: LoadedModel, capacity: list[int] | None
     return BucketTable(tuple(spec.batch_buckets), prompt, tuple(capacity or spec.capacity_buckets))
 
 
+def resolve_kv_cache(settings: Settings, models: dict[str, LoadedModel], device: str) -> Settings:
+    """``settings`` with ``kv_cache = 'auto'`` resolved, for one process on ``device``
+    (:func:`models.loader.device_name`) serving the chat ``models`` loaded at start-up; other
+    values are returned as they are.
+
+    'auto' is the paged pool (:mod:`service.engine.kv_blocks`) on a GPU, where the KV cache is
+    what bounds how many sequences fit (a Mac's unified memory; a CUDA GPU's, where the pool's
+    decode attention is one kernel, :mod:`models.paged_kernel`), when every such model's caches
+    page (:func:`service.engine.executor.pages`), no chat model loads on demand (its caches are
+    unknown until then) and none has a draft model (a draft's steps run on the static cache).
+    Otherwise static: on the CPU (a host's RAM is shared with everything else, and a pool sized
+    to MLX's limit would take it all at start-up), or naming the model that cannot page. The
+    choice and its reason are logged.
+    """
+    if settings.kv_cache != "auto":
+        return settings
+    specs = settings.chat_models()
+    reasons = [
+        f"model '{s.name}' loads on demand" if s.load == "on_demand" else f"model '{s.name}' has a draft model"
+        for s in specs
+        if s.load == "on_demand" or s.speculative == "draft"
+    ]
+    reasons += [
+        f"model '{s.name}' ({models[s.name].args.model_type}) cannot page"
+        for s in specs
+        if s.name in models and not pages(models[s.name])
+    ]
+    if device != "gpu":
+        reasons.insert(0, "on the CPU")
+    kv_cache = "static" if reasons else "paged"
+    log.info(
+        "kv_cache = 'auto': %s (%s)",
+        kv_cache,
+        "; ".join(reasons) if reasons else "a GPU, and every model pages",
+    )
+    return settings.model_copy(update={"kv_cache": kv_cache})
+
+
 def check_memory(
     settings: Settings, models: dict[str, LoadedModel], embedders: dict[str, EmbeddingModel] | None = None
 ) -> Settings:
@@ -240,13 +278,17 @@ def check_memory(
     largest running batch (one of its batch buckets) with which all the models fit; the
     embedding models' bytes are taken off the budget first. Each model's figures are logged.
 
+    ``kv_cache = 'auto'`` is resolved first (:func:`resolve_kv_cache`).
+
     Returns:
-        ``settings`` with the ``max_sequences`` of every model in ``models`` set.
+        ``settings`` with ``kv_cache`` resolved and the ``max_sequences`` of every model in
+        ``models`` set.
 
     Raises:
         MemoryBudgetError: the models cannot fit the budget (even at one sequence each where
             ``max_sequences`` is unset); the message names each model's figures and the fix.
     """
+    settings = resolve_kv_cache(settings, models, device_name())
     specs = [s for s in settings.chat_models() if s.name in models]  # on-demand ones once loaded
     name, budget = _budget(settings)
     limit = budget if budget is not None else mx.get_memory_limit()
@@ -353,8 +395,11 @@ def _check_paged(
     A model's ``kv_pool_tokens`` (its ``[[models]]`` entry's, else the top level's) is its pool's
     size as given; the models without one split what the budget leaves after the embedding
     models (``embedding``) and the given pools evenly in bytes, each share in tokens at its
-    model's bytes per position (its ``kv_bits``: a quantized pool holds more tokens). Pools over
-    the budget are logged as a warning.
+    model's bytes per position (its ``kv_bits``: a quantized pool holds more tokens). With no
+    budget set (neither ``memory_budget_bytes`` nor ``mlx_memory_limit_bytes``: MLX's own limit,
+    most of the device) a share is at most ``max_sequences`` sequences at the ladder's top:
+    more blocks could only cache prefixes, and the rest is left to the host. Pools over the
+    budget are logged as a warning.
 
     A sequence may grow to the model's context (``max_model_len``, else its
     ``max_position_embeddings``) where the pool holds that much: unless the capacity buckets
@@ -382,6 +427,7 @@ def _check_paged(
     per_position = {s.name: memory.pool_bytes_per_position(models[s.name], s.kv_bits) for s in specs}
     given = {s.name: s.kv_pool_tokens for s in specs if s.kv_pool_tokens is not None}  # set: taken as given
     unset = [s for s in specs if s.name not in given]
+    capped = _budget(settings)[1] is None  # sized from MLX's own limit: take only what rows can use
 
     def sized(
         tops: dict[str, int],
@@ -403,7 +449,10 @@ def _check_paged(
         }
         rest = limit - sum(e.weights + e.prefill + e.prefix_cache for e in fixed.values()) - embedded
         left = rest - sum(given[n] * per_position[n] for n in given)  # the unset ones split the rest evenly in bytes
-        pools = given | {s.name: max(0, left // len(unset) // per_position[s.name]) for s in unset}
+        share = {s.name: max(0, left // len(unset) // per_position[s.name]) for s in unset}
+        if capped:  # more than every row at the ladder's top would only hold cached prefixes
+            share = {n: min(t, resolved[n] * -(-ladders[n][-1] // bt) * bt) for n, t in share.items()}
+        pools = given | share
         return ladders, fixed, rest, pools
 
     # A longer ladder needs a larger prefill step, which leaves a smaller pool: each extended

@@ -142,7 +142,7 @@ def test_kv_bits_per_model_defaults_to_the_top_level_and_is_checked_naming_the_e
     with pytest.raises(ConfigError, match=r"models\[1\]\.kv_bits: kv_bits must be 4 or 8 \(got 6\)"):
         bits(b={"kv_bits": 6})
     static = [{"name": "a"}, {"name": "b", "kv_bits": 8}]
-    with pytest.raises(ConfigError, match=r"models\[1\]\.kv_bits: model 'b' sets kv_bits = 8, .* kv_cache is 'static'"):
+    with pytest.raises(ConfigError, match=r"models\[1\]\.kv_bits: model 'b' sets kv_bits = 8, .* kv_cache is 'auto'"):
         load_settings(models=static)
 
 
@@ -297,3 +297,57 @@ def test_warming_a_paged_step_writes_the_pool_in_place(model):
         executor.warm(phase, batch, bucket)
         assert mx.get_peak_memory() - base < size / 4, (phase, batch, bucket, mx.get_peak_memory() - base, size)
         assert executor.pool is not None and executor.pool.nbytes == size
+
+
+def test_kv_cache_auto_pages_on_a_gpu_and_is_static_on_the_cpu_or_for_a_model_that_cannot_page(model, tmp_path, caplog):
+    """The default, ``kv_cache = 'auto'``: the paged pool on a GPU when every model served from
+    start-up pages; static on the CPU, for a model with recurrent state (Qwen3-Next's), beside an
+    on-demand model or with a draft model, the log naming why. An explicit value stays."""
+    from models.loader import load_model
+    from service.process.startup import resolve_kv_cache
+    from tests.parity.tiny_configs import TINY_CONFIGS
+    from tests.support import write_mlx_lm_dir
+
+    auto = Settings(model_name="tiny", prefix_cache_bytes=0, batch_buckets=[1, 2, 4], prompt_buckets=[16, 32])
+    assert auto.kv_cache == "auto"
+    caplog.set_level("INFO", logger="stepserve")
+    assert resolve_kv_cache(auto, {"tiny": model}, "gpu").kv_cache == "paged"
+    assert "kv_cache = 'auto': paged (a GPU, and every model pages)" in caplog.text
+    assert resolve_kv_cache(auto, {"tiny": model}, "cpu").kv_cache == "static"
+    assert "kv_cache = 'auto': static (on the CPU)" in caplog.text
+    assert check_memory(auto, {"tiny": model}).kv_cache == (
+        "paged" if mx.default_device().type == mx.DeviceType.gpu else "static"
+    )
+
+    write_mlx_lm_dir(tmp_path / "qn", TINY_CONFIGS["qwen3_next"])
+    qn = load_model(tmp_path / "qn", "qn", mx.float32)
+    assert resolve_kv_cache(Settings(model_name="qn"), {"qn": qn}, "gpu").kv_cache == "static"
+    assert "static (model 'qn' (qwen3_next) cannot page)" in caplog.text
+
+    both = Settings.model_validate({"models": [{"name": "tiny"}, {"name": "b", "load": "on_demand"}]})
+    assert resolve_kv_cache(both, {"tiny": model}, "gpu").kv_cache == "static"
+    assert "static (model 'b' loads on demand)" in caplog.text
+    drafted = Settings(model_name="tiny", speculative="draft", draft_model=tmp_path / "draft")
+    assert resolve_kv_cache(drafted, {"tiny": model}, "gpu").kv_cache == "static"
+    assert "static (model 'tiny' has a draft model)" in caplog.text
+    for explicit in ("static", "paged"):
+        for device in ("cpu", "gpu"):
+            assert (
+                resolve_kv_cache(Settings(model_name="tiny", kv_cache=explicit), {"tiny": model}, device).kv_cache
+                == explicit
+            )
+
+
+def test_a_pool_sized_from_mlxs_own_limit_holds_at_most_every_row_at_the_ladders_top(model, monkeypatch):
+    """With no budget set the pool is sized from MLX's limit (most of a GPU's memory), and taken
+    only up to what ``max_sequences`` rows at the ladder's top can hold: a small model does not
+    claim the device for prefix caching. A budget that is set is used whole."""
+    monkeypatch.setattr(mx, "get_memory_limit", lambda: 10**9)
+    unset = check_memory(settings(), {"tiny": model})
+    spec = unset.served_models()[0]
+    assert (spec.max_sequences, spec.capacity_buckets[-1]) == (4, 512)
+    assert unset.kv_pool_tokens == 4 * 512
+    given = check_memory(settings(memory_budget_bytes=10**9), {"tiny": model}).kv_pool_tokens
+    assert given is not None and given > 4 * 512
+    rows = check_memory(settings(max_sequences=2), {"tiny": model}).kv_pool_tokens
+    assert rows == 2 * 512
