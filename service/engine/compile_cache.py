@@ -117,6 +117,34 @@ class _Entry:
         self._fn = self._compiled if compiled < eager * (1 - AUTO_MARGIN) else self._eager
         return self.compiled
 
+    def calibrate_pooled(self, head: tuple, pool: list, repeats: int) -> bool:
+        """:meth:`calibrate` for a step whose last argument is a KV pool it writes and returns
+        as its second output (a paged step): ``head`` the other arguments, ``pool`` a one-item
+        list holding the pool, which each call takes out and replaces with the pool it returns.
+        The caller drops its own references first, as for :meth:`call_owning`: each evaluation
+        then writes the pool in place instead of copying it (every layer) once per call."""
+
+        def run(fn: Callable[..., Any]) -> float:
+            start, call = time.perf_counter(), (*head, pool.pop())
+            out = fn(*call)
+            del call
+            mx.eval(out)
+            pool.append(out[1])
+            return time.perf_counter() - start
+
+        first = self.call_owning([*head, pool.pop()])  # the compile (or the eager run), timed and reported
+        mx.eval(first)
+        pool.append(first[1])
+        del first
+        if self._compiled is self._eager:  # an eager spec (StepSpec.eager): nothing to compare
+            return False
+        run(self._eager)
+        compiled = sorted(run(self._compiled) for _ in range(repeats))[repeats // 2]
+        eager = sorted(run(self._eager) for _ in range(repeats))[repeats // 2]
+        self.timings = (compiled, eager)
+        self._fn = self._compiled if compiled < eager * (1 - AUTO_MARGIN) else self._eager
+        return self.compiled
+
     def __call__(self, *args):
         if self.compile_seconds is not None:
             return self._fn(*args)

@@ -676,14 +676,19 @@ class Executor:
         Under the ``auto`` policy, time it compiled and eager (``repeats`` runs each) and keep
         the faster. Returns whether the bucket runs compiled."""
         fn = self.step_fn(phase, batch, size, capacity)
-        if self.compiled.policy == "auto":
-            return fn.calibrate(self.dummy_inputs(phase, batch, size, capacity), repeats)
-        args = list(self.dummy_inputs(phase, batch, size, capacity))
         pooled = self.pool is not None and (
             phase in ("decode", "verify") or (phase in ("prefill", "chunk") and self.in_blocks)
         )
+        if self.compiled.policy == "auto" and not pooled:
+            return fn.calibrate(self.dummy_inputs(phase, batch, size, capacity), repeats)
+        args = list(self.dummy_inputs(phase, batch, size, capacity))
         if pooled:  # the call alone holds the pool, so its first evaluation writes it in place
             self.pool = None
+        if self.compiled.policy == "auto":  # every timed call hands the pool on, never copies it
+            held = [args.pop()]
+            compiled = fn.calibrate_pooled(tuple(args), held, repeats)
+            self.pool = held.pop()
+            return compiled
         out = fn.call_owning(args)  # empties args
         if pooled:
             self.pool = out[1]  # the pool is replaced, not copied: the old one is no longer held

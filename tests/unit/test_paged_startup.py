@@ -278,16 +278,18 @@ def test_an_8b_models_kv_bits_8_pool_holds_1_8_times_the_tokens_at_one_context()
     assert sized(kv_bits=8) == (84_608, 84_608)
 
 
-def test_warming_a_paged_step_writes_the_pool_in_place(model):
+@pytest.mark.parametrize("policy", ["on", "auto"])
+def test_warming_a_paged_step_writes_the_pool_in_place(model, policy):
     """A bucket's first call is evaluated inside the compile cache (its compile is timed); the
     warm-up hands it the pool alone, so the step's scatters write the pool in place. Before, the
     executor still held the pool during that evaluation and every layer's pool was copied: twice
     the pool at once, which ran an 8B model's GPU out of memory with a pool sized from MLX's own
-    limit (docs/BENCHMARKS.md, "The paged decode attention kernel")."""
+    limit (docs/BENCHMARKS.md, "The paged decode attention kernel"). Under ``--compile auto``
+    the warm-up times each bucket compiled and eager, several calls: each hands the pool on."""
     from service.engine.compile_cache import CompileCache
     from service.engine.executor import Executor
 
-    executor = Executor(model, CompileCache("on", lambda *a: None, lambda s: None))
+    executor = Executor(model, CompileCache(policy, lambda *a: None, lambda s: None))
     pool = executor.use_paged(4000, 16)
     size = pool.nbytes
     del pool
@@ -351,3 +353,57 @@ def test_a_pool_sized_from_mlxs_own_limit_holds_at_most_every_row_at_the_ladders
     assert given is not None and given > 4 * 512
     rows = check_memory(settings(max_sequences=2), {"tiny": model}).kv_pool_tokens
     assert rows == 2 * 512
+
+
+def test_compile_auto_on_the_pool_warms_chooses_and_answers_as_compiled_steps(model):
+    """``--compile auto`` on a paged pool: the warm-up times every bucket compiled and eager on
+    the pool itself, handing it on from call to call, and keeps one form per bucket; requests
+    after ready miss no step, get the greedy tokens of an engine compiled throughout, and leave
+    every block free."""
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    from service.engine.buckets import BucketTable
+    from service.engine.sequence import SamplingParams, Sequence
+    from service.engine.warmup import WarmupSpec
+    from service.metrics import Metrics
+    from tests.support import engine_at, start_engine
+
+    buckets = BucketTable(batch=(1, 2), prompt=(8, 16), capacity=(32, 64))
+    answers = {}
+    for policy in ("on", "auto"):
+        misses: list[tuple] = []
+        metrics = Metrics(CollectorRegistry(), version="t", device="cpu")
+        metrics.record_lookup = lambda m, p, b, hit, misses=misses: None if hit else misses.append((m, p, b))  # type: ignore[method-assign]
+        engine = engine_at(
+            model, buckets, metrics, compile=policy, kv_cache="paged", kv_block_tokens=16, kv_pool_tokens=512,
+            prefill_chunk_tokens=8,
+        )  # fmt: skip
+        start_engine(engine, WarmupSpec(prompt_tokens=16, batch=2, chunk_tokens=8, max_batched_tokens=16))
+        try:
+            assert engine.ready.wait(120)
+            choices = engine.compile_choices()
+            assert any(k.startswith("decode b2") for k in choices), choices
+            before = len(misses)
+            seqs = [
+                Sequence(
+                    [3 + i, 5, 7, 11, 13, 2, 4][: 5 + i],
+                    SamplingParams(max_tokens=12, ignore_eos=True),
+                    model.tokenizer.detokenizer(),
+                    lambda event: None,
+                )
+                for i in range(2)
+            ]
+            for seq in seqs:
+                engine.submit(seq)
+            deadline = time.monotonic() + 60
+            while not (all(s.finish_reason for s in seqs) and engine.idle) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert all(s.finish_reason == "length" for s in seqs)
+            assert misses[before:] == []
+            assert engine.paged is not None and engine.paged.blocks.stats().used == 0
+            answers[policy] = [list(s.output_ids) for s in seqs]
+        finally:
+            engine.stop()
+    assert answers["auto"] == answers["on"] and all(len(a) == 12 for a in answers["on"])
