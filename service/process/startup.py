@@ -237,9 +237,10 @@ def resolve_kv_cache(settings: Settings, models: dict[str, LoadedModel], device:
     decode attention is one kernel, :mod:`models.paged_kernel`), when every such model's caches
     page (:func:`service.engine.executor.pages`), no chat model loads on demand (its caches are
     unknown until then) and none has a draft model (a draft's steps run on the static cache).
-    Otherwise static: on the CPU (a host's RAM is shared with everything else, and a pool sized
-    to MLX's limit would take it all at start-up), or naming the model that cannot page. The
-    choice and its reason are logged.
+    Otherwise static: on the CPU, where no kernel reads the pool (a paged step gathers each
+    row's blocks into a view per layer, :class:`models.paged.PagedAttention`, and the static
+    cache serves as fast or faster there: docs/BENCHMARKS.md), or naming the model that cannot
+    page. The choice and its reason are logged.
     """
     if settings.kv_cache != "auto":
         return settings
