@@ -228,6 +228,17 @@ def engine_at(model, buckets, metrics=None, draft=None, **settings):
     return engine_for(model, config, metrics, draft)
 
 
+def serve_all(engine, seqs, idle: bool = True, timeout_s: float = 60.0) -> None:
+    """Submit ``seqs`` to a started ``engine`` and wait until every one has finished (and, with
+    ``idle``, the engine has nothing left running), or ``timeout_s`` seconds have passed; the
+    caller asserts what it needs of them (a limit on waiting, not on speed)."""
+    for seq in seqs:
+        engine.submit(seq)
+    deadline = time.monotonic() + timeout_s
+    while not (all(s.finish_reason for s in seqs) and (engine.idle or not idle)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def start_engine(engine, spec) -> None:
     """Start ``engine``'s thread with the server's warm-up driver, as ``spec`` (a
     :class:`~service.engine.warmup.WarmupSpec`) says."""

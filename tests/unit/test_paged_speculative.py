@@ -8,7 +8,6 @@ step, and once idle every block is back."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,7 +21,7 @@ from service.engine.executor import PagedTables
 from service.engine.sequence import SamplingParams, Sequence
 from service.engine.warmup import WarmupSpec
 from service.metrics import Metrics
-from tests.support import TINY, WordTokenizer, engine_at, random_params, start_engine
+from tests.support import TINY, WordTokenizer, engine_at, random_params, serve_all, start_engine
 
 BUCKETS = BucketTable(batch=(1, 2, 4), prompt=(8, 16), capacity=(16, 32, 64))
 K = 3  # proposals per row at most: a verify step is 4 tokens wide, as wide as a block
@@ -229,11 +228,7 @@ def test_warm_up_calibrates_and_compiles_the_paged_verify_steps(params, method):
             )
             for i in range(2)
         ]
-        for seq in seqs:
-            engine.submit(seq)
-        deadline = time.monotonic() + 60
-        while not (all(s.finish_reason for s in seqs) and engine.idle) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        serve_all(engine, seqs)
         assert all(s.finish_reason for s in seqs)
         assert misses[before:] == []
         assert engine.paged is not None and engine.paged.blocks.stats().used == 0

@@ -360,15 +360,13 @@ def test_compile_auto_on_the_pool_warms_chooses_and_answers_as_compiled_steps(mo
     the pool itself, handing it on from call to call, and keeps one form per bucket; requests
     after ready miss no step, get the greedy tokens of an engine compiled throughout, and leave
     every block free."""
-    import time
-
     from prometheus_client import CollectorRegistry
 
     from service.engine.buckets import BucketTable
     from service.engine.sequence import SamplingParams, Sequence
     from service.engine.warmup import WarmupSpec
     from service.metrics import Metrics
-    from tests.support import engine_at, start_engine
+    from tests.support import engine_at, serve_all, start_engine
 
     buckets = BucketTable(batch=(1, 2), prompt=(8, 16), capacity=(32, 64))
     answers = {}
@@ -395,11 +393,7 @@ def test_compile_auto_on_the_pool_warms_chooses_and_answers_as_compiled_steps(mo
                 )
                 for i in range(2)
             ]
-            for seq in seqs:
-                engine.submit(seq)
-            deadline = time.monotonic() + 60
-            while not (all(s.finish_reason for s in seqs) and engine.idle) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            serve_all(engine, seqs)
             assert all(s.finish_reason == "length" for s in seqs)
             assert misses[before:] == []
             assert engine.paged is not None and engine.paged.blocks.stats().used == 0

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from tests.support import (
     new_cache,
     prefill_one,
     random_params,
+    serve_all,
     start_engine,
     write_dir,
 )
@@ -364,11 +364,7 @@ def test_warm_up_calibrates_and_compiles_every_verify_step(params, method):
             ([1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=20, seed=i, temperature=0.5 * i)) for i in range(2)
         ]
         seqs = [Sequence(p, s, model.tokenizer.detokenizer(), lambda e: None) for p, s in requests]
-        for seq in seqs:
-            engine.submit(seq)
-        deadline = time.monotonic() + 60
-        while not all(s.finish_reason for s in seqs) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        serve_all(engine, seqs, idle=False)
         assert all(s.finish_reason for s in seqs)
         assert misses[before:] == []
         if method == "draft":  # (lookup's buckets speculate or not as this CPU measured them)
