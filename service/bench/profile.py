@@ -1,6 +1,6 @@
 """``stepserve bench profile``: where a decode step's time goes, in-process.
 
-For each batch bucket B (capacity bucket C, every row at position C/2) it times the default
+For each batch bucket B (capacity bucket C, every row at position C/2 unless set) it times the default
 model's (or ``--gguf``'s) decode step plus greedy token selection, compiled, four ways:
 
 * ``dispatch_s``: Python and graph building only: making the inputs and calling the compiled
@@ -13,6 +13,10 @@ model's (or ``--gguf``'s) decode step plus greedy token selection, compiled, fou
   with ``mx.async_eval`` before step ``t``'s tokens are read back, as mlx-lm's generator does
   (mean over ``--steps``). The gap ``sync - pipelined`` is host time the GPU sat idle;
 * ``peak_memory_bytes``: MLX's peak memory over the round (weights, cache or pool, transients).
+
+``--row-position P`` puts every row at position P instead, and ``--long-row N`` row 0 at N: one
+long sequence among short ones (the mixed load of a document decoding beside chats), whose
+step a paged pool's attention may spend on that row alone.
 
 Row i starts from token i and feeds back its greedy token plus i (:func:`distinct_rows`), so
 the rows stay different as a batch of different requests is (a mixture of experts routes
@@ -67,9 +71,11 @@ def stepserve_timer(
     repeats: int,
     kv: KvKind = "static",
     pool_tokens: int = 0,
+    positions: list[int] | None = None,
 ) -> Callable[[], dict]:
     """Compile and warm stepserve's decode step plus greedy selection at (batch, capacity),
-    every row at position capacity/2, over the static cache or (``kv="paged"``) a paged pool of
+    row b at position ``positions[b]`` (default: every row at capacity/2; each below
+    ``capacity``), over the static cache or (``kv="paged"``) a paged pool of
     max(``pool_tokens``, what the rows' tables need) positions whose row b holds blocks
     1 + b * C/16 .. (b + 1) * C/16 (:data:`BLOCK_TOKENS`); returns a function that times one round of it: seconds
     per decode step split as the module docstring says, and tokens/s of the synchronous and
@@ -77,7 +83,13 @@ def stepserve_timer(
     before, as :meth:`service.engine.runner.ModelRunner.decode` does, so the step writes its
     keys and values in place (holding the first cache for every step made each layer's
     scatter copy its whole buffer first, a cost the server does not pay). The rows stay at
-    capacity/2: each step rewrites that position."""
+    their positions: each step rewrites that position.
+
+    Raises:
+        ValueError: ``positions`` has not ``batch`` entries, or one is outside [0, capacity)."""
+    positions = positions or [capacity // 2] * batch
+    if len(positions) != batch or not all(0 <= p < capacity for p in positions):
+        raise ValueError(f"positions {positions}: need {batch} of them, each in [0, {capacity})")
     executor = Executor(model, quiet_compile_cache(True))
     greedy = executor.step_fn("greedy")
     paged_kernel.enable(kv != "paged-portable")  # read when the step is traced, below
@@ -89,7 +101,7 @@ def stepserve_timer(
         cache: list = [PagedTables(table, batch, capacity)]  # the pool itself is the executor's
     else:
         cache = [executor.new_kv(batch, capacity, ring=True)]  # the latest step's cache (only it is kept)
-    py_tokens, py_positions = list(range(batch)), [capacity // 2] * batch
+    py_tokens, py_positions = list(range(batch)), list(positions)
 
     def build(tokens=None):
         toks = mx.array(py_tokens, mx.int32) if tokens is None else tokens
@@ -245,6 +257,14 @@ def _parser() -> argparse.ArgumentParser:
         help="what the decode step runs over: the static batch cache or the paged KV pool (see above)",
     )
     parser.add_argument("--pool-tokens", type=int, default=65536, help="positions of the paged pool (--kv paged)")
+    parser.add_argument("--row-position", type=int, default=None, help="every row's position (default: capacity/2)")
+    parser.add_argument(
+        "--long-row",
+        type=int,
+        default=None,
+        help="row 0's position instead (below --capacity): one long sequence among short ones, as a document "
+        "decoding beside chats",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="rounds of every --kv kind, alternating")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=20)
@@ -266,13 +286,17 @@ def _rows(args: argparse.Namespace, dtype: str, weights: WeightsMode) -> list[di
     for fuse in args.fuse:
         model = load_model(gguf, "profile", getattr(mx, dtype), weights, fuse=fuse == "on")
         for batch in args.batch:
+            positions = row_positions(batch, args.capacity, args.row_position, args.long_row)
             timers = {
-                kv: stepserve_timer(model, batch, args.capacity, args.steps, args.repeats, kv, args.pool_tokens)
+                kv: stepserve_timer(
+                    model, batch, args.capacity, args.steps, args.repeats, kv, args.pool_tokens, positions
+                )
                 for kv in args.kv
             }
             for round_ in range(args.rounds):  # alternate the kinds: a host's drift hits each alike
                 for kv, timer in timers.items():
-                    row = {"batch": batch, "capacity": args.capacity, "fuse": fuse, "kv": kv, "round": round_}
+                    row = {"batch": batch, "capacity": args.capacity, "positions": positions}
+                    row |= {"fuse": fuse, "kv": kv, "round": round_}
                     emit({**row, **timer()})
     if args.peer:
         from models.gguf.convert import convert_gguf
@@ -285,10 +309,25 @@ def _rows(args: argparse.Namespace, dtype: str, weights: WeightsMode) -> list[di
     return rows
 
 
+def row_positions(batch: int, capacity: int, position: int | None, long_row: int | None) -> list[int]:
+    """Each row's position in :func:`stepserve_timer`: ``position`` (default capacity/2), and
+    row 0 at ``long_row`` where given (a long document among chats)."""
+    positions = [capacity // 2 if position is None else position] * batch
+    if long_row is not None:
+        positions[0] = long_row
+    return positions
+
+
 def main(argv: list[str]) -> int:
     """``stepserve bench profile [options]``: print one JSON line per row and write them all
     to ``--out``. Returns 0."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.peer and (args.row_position is not None or args.long_row is not None):
+        parser.error("--peer times mlx-lm's cache at one offset for every row: leave out --row-position and --long-row")
+    for name, value in (("--row-position", args.row_position), ("--long-row", args.long_row)):
+        if value is not None and not 0 <= value < args.capacity:
+            parser.error(f"{name} {value}: positions run from 0 to --capacity - 1 ({args.capacity - 1})")
     dtype, weights = device_defaults(args.dtype, args.weights)
     result = {
         "command": "stepserve bench profile " + " ".join(argv),

@@ -129,3 +129,27 @@ def test_paged_timer_steps_over_the_pool(tiny, monkeypatch, kv):
     assert pools[-1].num_blocks == 256 // profile.BLOCK_TOKENS
     assert figures["peak_memory_bytes"] >= pools[-1].nbytes
     assert (len(waits) >= len(pools)) if kv == "paged" else not waits
+
+
+@pytest.mark.parametrize("kv", ["static", "paged"])
+def test_profile_rows_sit_at_the_positions_asked_a_long_row_among_short_ones(tiny, kv, monkeypatch):
+    """``--long-row`` and ``--row-position``: every decode step the timer builds puts row 0 at
+    the long position and the others at theirs, on the static cache and on the pool; a
+    position outside the capacity is refused."""
+    from service.bench import profile
+    from service.engine.executor import Executor
+
+    seen: list[list[int]] = []
+    decode = Executor.decode
+
+    def spy(self, kv_cache, tokens, positions):
+        seen.append(list(positions))
+        return decode(self, kv_cache, tokens, positions)
+
+    monkeypatch.setattr(Executor, "decode", spy)
+    positions = profile.row_positions(3, 32, 4, 29)
+    assert positions == [29, 4, 4] and profile.row_positions(2, 32, None, None) == [16, 16]
+    profile.stepserve_timer(tiny[1], 3, 32, 2, 1, kv, 64, positions)()
+    assert len(seen) > 4 and all(p == [29, 4, 4] for p in seen)
+    with pytest.raises(ValueError, match="each in"):
+        profile.stepserve_timer(tiny[1], 3, 32, 2, 1, kv, 64, [32, 4, 4])
