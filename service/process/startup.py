@@ -70,7 +70,7 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
                     resolve_model_path(path)
             log.info("model %s: loaded on demand (%s)", spec.name, spec.path or "the default model")
             continue
-        models |= load_served(spec, paged=settings.kv_cache == "paged")
+        models |= load_served(spec, paged=None if settings.kv_cache == "auto" else settings.kv_cache == "paged")
     return models
 
 
@@ -84,14 +84,15 @@ def model_path(path: Path | None) -> Path:
     return default_model_path() if path is None else resolve_model_path(path)
 
 
-def load_served(spec: ServedModel, paged: bool = False) -> dict[str, LoadedModel]:
+def load_served(spec: ServedModel, paged: bool | None = False) -> dict[str, LoadedModel]:
     """Load one served model (and its draft model, with ``speculative = "draft"``, as
     ``"NAME/draft"``, :func:`draft_name`), each as its ``model_impl`` says
     (:func:`models.loader.load_model`; a draft model as ``auto`` does); its path through
     :func:`model_path`. ``paged``: decode runs on a paged KV pool (``kv_cache = "paged"``), whose
     verify step (:func:`service.engine.executor.pool_verifies`: a hand-written family's, or
     mlx-lm's class wherever the pool holds it) takes a model with sliding-window layers too (its
-    view of a row is linear).
+    view of a row is linear); None: not known yet (``kv_cache = "auto"``, resolved once the
+    models are loaded, :func:`resolve_kv_cache`), checked as for the static cache.
 
     Raises:
         ModelLoadError: a file is missing, unreadable or unsupported (the message names it),
@@ -116,7 +117,13 @@ def load_served(spec: ServedModel, paged: bool = False) -> dict[str, LoadedModel
         if paged and not model.args.has_states:
             log.info("model '%s': %s decodes without speculation on the paged pool", spec.name, _served_by(model))
         else:
-            unless = " unless kv_cache = 'paged'" if not paged and pool_verifies(model) else ""
+            unless = ""
+            if not paged and pool_verifies(model):
+                unless = (
+                    " on the static cache (kv_cache = 'auto': the paged pool, where it speculates, if chosen below)"
+                    if paged is None
+                    else " unless kv_cache = 'paged'"
+                )
             log.info("model '%s' has %s: it decodes without speculation%s", spec.name, _no_verify(model), unless)
     if spec.speculative == "draft" and not verifies:
         if model.args.has_states:

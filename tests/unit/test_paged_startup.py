@@ -401,3 +401,24 @@ def test_compile_auto_on_the_pool_warms_chooses_and_answers_as_compiled_steps(mo
         finally:
             engine.stop()
     assert answers["auto"] == answers["on"] and all(len(a) == 12 for a in answers["on"])
+
+
+def test_lookup_on_a_model_only_the_pool_verifies_logs_what_auto_may_still_choose(tmp_path, caplog):
+    """Gemma 3's sliding-window layers verify on the pool, not on the static cache. Loaded for
+    the static cache, ``--speculative lookup`` names the fix; loaded under ``kv_cache = 'auto'``
+    (resolved after loading) the log says the pool, if chosen, speculates; for the pool, no
+    such line."""
+    from service.process.startup import load_served
+    from tests.support import tiny_config, write_lm_dir
+
+    write_lm_dir(tmp_path / "g", tiny_config("gemma3_text"))
+    spec = Settings(model_name="g", model=tmp_path / "g", speculative="lookup").served_models()[0]
+    caplog.set_level("INFO", logger="stepserve")
+    lines = {}
+    for paged in (False, None, True):
+        caplog.clear()
+        load_served(spec, paged=paged)
+        lines[paged] = [r.getMessage() for r in caplog.records if "without speculation" in r.getMessage()]
+    assert len(lines[False]) == 1 and lines[False][0].endswith("unless kv_cache = 'paged'")
+    assert len(lines[None]) == 1 and "kv_cache = 'auto': the paged pool, where it speculates" in lines[None][0]
+    assert lines[True] == [], lines
