@@ -106,16 +106,11 @@ class _Entry:
         """Time the compiled and the eager form on ``args`` (median of ``repeats`` runs after
         one untimed call each) and keep the faster; returns whether compiled was kept. An eager
         spec's entry (:attr:`StepSpec.eager`) only runs once and stays eager."""
-        if self._compiled is self._eager:  # an eager spec (StepSpec.eager): nothing to compare
-            mx.eval(self(*args))
-            return False
-        self._fn = self._compiled
-        mx.eval(self(*args))  # the compile
-        mx.eval(self._eager(*args))
-        compiled, eager = median_seconds(self._compiled, args, repeats), median_seconds(self._eager, args, repeats)
-        self.timings = (compiled, eager)
-        self._fn = self._compiled if compiled < eager * (1 - AUTO_MARGIN) else self._eager
-        return self.compiled
+        return self._calibrate(
+            lambda: mx.eval(self(*args)),
+            lambda fn: mx.eval(fn(*args)),
+            lambda fn: median_seconds(fn, args, repeats),
+        )
 
     def calibrate_pooled(self, head: tuple, pool: list, repeats: int) -> bool:
         """:meth:`calibrate` for a step whose last argument is a KV pool it writes and returns
@@ -124,23 +119,36 @@ class _Entry:
         The caller drops its own references first, as for :meth:`call_owning`: each evaluation
         then writes the pool in place instead of copying it (every layer) once per call."""
 
-        def run(fn: Callable[..., Any]) -> float:
-            start, call = time.perf_counter(), (*head, pool.pop())
+        def first() -> None:
+            out = self.call_owning([*head, pool.pop()])
+            mx.eval(out)  # before the pool is kept again: only the output holds it meanwhile
+            pool.append(out[1])
+
+        def run(fn: Callable[..., Any]) -> None:
+            call = (*head, pool.pop())
             out = fn(*call)
             del call
             mx.eval(out)
             pool.append(out[1])
-            return time.perf_counter() - start
 
-        first = self.call_owning([*head, pool.pop()])  # the compile (or the eager run), timed and reported
-        mx.eval(first)
-        pool.append(first[1])
-        del first
+        return self._calibrate(first, run, lambda fn: median_wall(lambda: run(fn), repeats))
+
+    def _calibrate(
+        self,
+        first: Callable[[], None],
+        run: Callable[[Callable[..., Any]], None],
+        timed: Callable[[Callable[..., Any]], float],
+    ) -> bool:
+        """The calibration of :meth:`calibrate` and :meth:`calibrate_pooled`: ``first`` makes
+        the entry's first call (the compile, timed and reported), ``run(fn)`` runs and evaluates
+        ``fn`` once on the arguments, and ``timed(fn)`` is its median seconds."""
         if self._compiled is self._eager:  # an eager spec (StepSpec.eager): nothing to compare
+            first()
             return False
+        self._fn = self._compiled
+        first()  # the compile
         run(self._eager)
-        compiled = sorted(run(self._compiled) for _ in range(repeats))[repeats // 2]
-        eager = sorted(run(self._eager) for _ in range(repeats))[repeats // 2]
+        compiled, eager = timed(self._compiled), timed(self._eager)
         self.timings = (compiled, eager)
         self._fn = self._compiled if compiled < eager * (1 - AUTO_MARGIN) else self._eager
         return self.compiled
@@ -171,10 +179,15 @@ class _Entry:
 
 def median_seconds(fn: Callable[..., Any], args: tuple, repeats: int) -> float:
     """Median wall seconds of ``mx.eval(fn(*args))`` over ``repeats`` runs (no warm-up run)."""
+    return median_wall(lambda: mx.eval(fn(*args)), repeats)
+
+
+def median_wall(call: Callable[[], None], repeats: int) -> float:
+    """Median wall seconds of ``call()`` over ``repeats`` runs (no warm-up run)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        mx.eval(fn(*args))
+        call()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
