@@ -9,9 +9,11 @@ token per row) on MLX's CUDA back-end. There is no Metal kernel: nothing here co
 
 The kernel is single-pass attention with an online softmax (Milakov and Gimelshein 2018, "Online
 normalizer calculation for softmax"; as FlashAttention, Dao et al. 2022, and vLLM's paged
-attention, Kwon et al. 2023, use it): one thread block per (row, query head), its warps taking
-tiles of 32 positions in turn, each lane one position's score, then the warp's weighted values
-accumulated in float32, the warps' partial results merged at the end.
+attention, Kwon et al. 2023, use it): one thread block per (row, query head, partition of the
+row's positions: :func:`partitions`), its warps taking tiles of 32 positions in turn, each lane
+one position's score, then the warp's weighted values accumulated in float32, the warps' partial
+results merged at the end; the partitions' results are merged by their softmax sums in MLX ops
+(Flash-Decoding's split of the keys, Dao et al. 2023; vLLM's paged attention v2).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ import mlx.core as mx
 #: Whether decode steps over a paged pool use :func:`decode_attention` where it applies
 #: (:func:`applies`); set from the ``paged_attention_kernel`` setting at start-up.
 _enabled = True
+#: Positions per partition of a row (vLLM's paged attention v2 ``PARTITION_SIZE``) and the most
+#: partitions a step uses (bounding the float32 partials: [B * Hq, 32, D] per layer).
+_PARTITION, _MAX_PARTITIONS = 512, 32
 
 _SOURCE = """
     constexpr int G = HQ / HKV;
@@ -33,11 +38,23 @@ _SOURCE = """
     constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte load
     const float NEG = -__int_as_float(0x7f800000);
     const int row = blockIdx.y;          // b * HQ + h
+    const int part = blockIdx.z, parts = gridDim.z;  // this block's partition of the row's positions
     const int b = row / HQ, kvh = (row % HQ) / G;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int n = pos[b] + 1;            // positions 0..pos[b] are written
     const int lo = W > 0 ? max(0, n - W) : 0;
+    const int first = max(lo, part * P), last = min(n, (part + 1) * P);  // [first, last) of the row here
     const int* trow = table + b * cols[0];  // the table's columns: an input, so one build serves every bucket
+    float* orow = o + ((long long)row * parts + part) * D;
+    float* mlrow = ml + ((long long)row * parts + part) * 2;
+    if (first >= last) {                 // none of this row's positions: a partial that weighs nothing
+        for (int d = threadIdx.x; d < D; d += THREADS) orow[d] = 0.f;
+        if (threadIdx.x == 0) {
+            mlrow[0] = NEG;
+            mlrow[1] = 0.f;
+        }
+        return;
+    }
 
     __shared__ float qs[D];
     __shared__ float ms[NW];
@@ -54,11 +71,11 @@ _SOURCE = """
     #pragma unroll
     for (int i = 0; i < DL; ++i) acc[i] = 0.f;
 
-    for (int start = lo + warp * 32; start < n; start += THREADS) {
+    for (int start = first + warp * 32; start < last; start += THREADS) {
         const int p = start + lane;
         float s = NEG;
         long long base = 0;
-        if (p < n) {
+        if (p < last) {
             base = ((long long)(trow[p / BT] * HKV + kvh) * BT + p % BT) * D;
             const T* kr = kp + base;
             float dot = 0.f;
@@ -81,14 +98,14 @@ _SOURCE = """
         for (int off = 16; off > 0; off /= 2) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffff, tmax, off));
         const float mnew = fmaxf(m, tmax);
         const float corr = expf(m - mnew);
-        const float pj = p < n ? expf(s - mnew) : 0.f;
+        const float pj = p < last ? expf(s - mnew) : 0.f;
         float psum = pj;
         #pragma unroll
         for (int off = 16; off > 0; off /= 2) psum += __shfl_xor_sync(0xffffffff, psum, off);
         l = l * corr + psum;
         #pragma unroll
         for (int i = 0; i < DL; ++i) acc[i] *= corr;
-        const int valid = min(32, n - start);
+        const int valid = min(32, last - start);
         #pragma unroll 4
         for (int j = 0; j < valid; ++j) {
             const float w = __shfl_sync(0xffffffff, pj, j);
@@ -107,16 +124,18 @@ _SOURCE = """
     #pragma unroll
     for (int i = 0; i < DL; ++i) accs[warp][lane * DL + i] = acc[i];
     __syncthreads();
+    float mmax = NEG;
+    for (int w = 0; w < NW; ++w) mmax = fmaxf(mmax, ms[w]);
+    float total = 0.f;
+    for (int w = 0; w < NW; ++w) total += ls[w] * expf(ms[w] - mmax);  // a warp with no position adds 0
     for (int d = threadIdx.x; d < D; d += THREADS) {
-        float mmax = NEG;
-        for (int w = 0; w < NW; ++w) mmax = fmaxf(mmax, ms[w]);
-        float total = 0.f, o = 0.f;
-        for (int w = 0; w < NW; ++w) {
-            const float f = expf(ms[w] - mmax);
-            total += ls[w] * f;
-            o += accs[w][d] * f;
-        }
-        out[row * D + d] = static_cast<T>(o / total);
+        float o_d = 0.f;
+        for (int w = 0; w < NW; ++w) o_d += accs[w][d] * expf(ms[w] - mmax);
+        orow[d] = o_d / total;
+    }
+    if (threadIdx.x == 0) {
+        mlrow[0] = mmax;
+        mlrow[1] = total;
     }
 """
 
@@ -130,7 +149,7 @@ def _kernel() -> Callable[..., list[mx.array]]:
         mx.fast.cuda_kernel(
             name="stepserve_paged_decode",
             input_names=["q", "kp", "vp", "table", "cols", "pos", "scale"],
-            output_names=["out"],
+            output_names=["o", "ml"],
             source=_SOURCE,
         ),
     )
@@ -197,8 +216,9 @@ def decode_attention(
     B, Hq, _, D = q.shape
     _, Hkv, bt, _ = keys.shape
     M = block_table.shape[1]
-    warps = 8 if B * Hq < 64 else 4
-    (out,) = _kernel()(
+    parts, per_part = partitions(M * bt)
+    warps = 8 if B * Hq * parts < 64 else 4
+    o, ml = _kernel()(
         inputs=[
             q.reshape(B * Hq, D).astype(keys.dtype),
             keys,
@@ -216,10 +236,45 @@ def decode_attention(
             ("HKV", Hkv),
             ("W", window or 0),
             ("NW", warps),
+            ("P", per_part),
         ],
-        grid=(warps * 32, B * Hq, 1),
+        grid=(warps * 32, B * Hq, parts),
         threadgroup=(warps * 32, 1, 1),
-        output_shapes=[(B * Hq, D)],
-        output_dtypes=[keys.dtype],
+        output_shapes=[(B * Hq, parts, D), (B * Hq, parts, 2)],
+        output_dtypes=[mx.float32, mx.float32],
     )
+    out = o[:, 0] if parts == 1 else merge_partitions(o, ml)
     return out.reshape(B, Hq, 1, D).astype(q.dtype)
+
+
+def merge_partitions(o: mx.array, ml: mx.array) -> mx.array:
+    """Attention over a row's positions from its partitions' results (Flash-Decoding's
+    reduction, Dao et al. 2023; vLLM's paged attention v2 ``reduce`` kernel).
+
+    Args:
+        o: float32 [R, S, D]: each partition's attention output over its own positions, already
+            normalized by its softmax sum (zeros for a partition with no positions).
+        ml: float32 [R, S, 2]: each partition's largest score ``m`` and its softmax sum
+            ``l = sum exp(score - m)`` (``-inf`` and 0 for an empty partition).
+
+    Returns:
+        float32 [R, D]: sum_s o_s * l_s * exp(m_s - M) / sum_s l_s * exp(m_s - M), M = max_s m_s:
+        the softmax over all the partitions' positions at once. Every row needs one partition
+        with a position (else the division is 0 / 0).
+    """
+    top, total = ml[..., 0:1], ml[..., 1:2]
+    weight = total * mx.exp(top - top.max(axis=1, keepdims=True))  # an empty partition weighs 0
+    return (o * weight).sum(axis=1) / weight.sum(axis=1)
+
+
+def partitions(view: int) -> tuple[int, int]:
+    """(partitions, positions per partition) splitting a decode step's ``view`` positions (the
+    block table's width times the block size) among thread blocks: 512 positions each (vLLM's
+    paged attention v2 partition size, as Flash-Decoding, Dao et al. 2023, splits the keys), at
+    most 32 partitions (longer views get longer partitions, in whole tiles of 32), one for a view
+    of 512 or fewer. A row's partitions past its length return at once, so a long row's
+    positions are read by many thread blocks at once instead of one per query head, and short
+    rows beside it cost little more than alone."""
+    parts = min(_MAX_PARTITIONS, max(1, -(-view // _PARTITION)))
+    per_part = -(-view // parts)
+    return parts, -(-per_part // 32) * 32

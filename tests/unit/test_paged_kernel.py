@@ -152,3 +152,67 @@ def test_a_models_paged_decode_steps_give_the_portable_paths_greedy_tokens(kerne
     assert got == want
     scale = mx.abs(want_logits).max().item()
     assert mx.abs(got_logits - want_logits).max().item() <= 1e-4 * scale
+
+
+def test_merging_partitions_gives_the_softmax_over_all_their_positions():
+    """The kernel's partitions each attend over their own positions; merged by their largest
+    score and softmax sum they give attention over every position at once, an empty partition
+    (a row shorter than the view) weighing nothing. Runs everywhere: the merge is MLX ops."""
+    rng = random.Random(7)
+    rows, parts, per, D = 3, 5, 8, 4
+    scores = [[[rng.gauss(0, 3) for _ in range(per)] for _ in range(parts)] for _ in range(rows)]
+    values = mx.random.normal((rows, parts, per, D), key=mx.random.key(7))
+    filled = [5, 1, 3]  # row r's positions lie in its first filled[r] partitions
+    o, ml = [], []
+    for r in range(rows):
+        for s in range(parts):
+            if s < filled[r]:
+                sc = mx.array(scores[r][s])
+                top = sc.max()
+                e = mx.exp(sc - top)
+                o.append((e[:, None] * values[r, s]).sum(axis=0) / e.sum())
+                ml.append(mx.stack([top, e.sum()]))
+            else:
+                o.append(mx.zeros((D,)))
+                ml.append(mx.array([-float("inf"), 0.0]))
+    got = paged_kernel.merge_partitions(mx.stack(o).reshape(rows, parts, D), mx.stack(ml).reshape(rows, parts, 2))
+    for r in range(rows):
+        sc = mx.array([x for s in range(filled[r]) for x in scores[r][s]])
+        want = mx.softmax(sc)[None] @ values[r, : filled[r]].reshape(-1, D)
+        assert mx.allclose(got[r], want[0], atol=1e-5), (r, got[r], want)
+    assert not mx.allclose(got[1], got[0], atol=1e-3)  # rows differ: the control
+
+
+def test_partitions_are_512_positions_up_to_32_of_them_in_whole_tiles():
+    assert paged_kernel.partitions(256) == (1, 256)
+    assert paged_kernel.partitions(512) == (1, 512)
+    assert paged_kernel.partitions(2048) == (4, 512)
+    assert paged_kernel.partitions(8192) == (16, 512)
+    assert paged_kernel.partitions(20480) == (32, 640)
+    parts, per = paged_kernel.partitions(131072)
+    assert (parts, per) == (32, 4096) and parts * per >= 131072
+
+
+@cuda
+@pytest.mark.parametrize("window", [None, 3000])
+def test_a_long_row_beside_short_ones_spans_partitions_of_a_capped_view(kernel_on, window):
+    """A view of 20,480 positions: 32 partitions of 640 (not a multiple of 512), one row near the
+    end, one at a partition's edge, short ones whose later partitions are empty."""
+    blocks, D, hq, hkv = 1400, 64, 8, 2
+    positions = [19_999, 5, 16_383, 639, 640]
+    columns = 20_480 // BT
+    rng = random.Random(11 + (window or 0))
+    ids = rng.sample(range(1, blocks), blocks - 1)
+    rows = []
+    for p in positions:
+        need = p // BT + 1
+        rows.append([ids.pop() for _ in range(need)] + [0] * (columns - need))
+    table = mx.array(rows, mx.int32)
+    mx.random.seed(5)
+    keys, values = (mx.random.normal((blocks, hkv, BT, D)).astype(mx.float16) for _ in range(2))
+    q = mx.random.normal((len(positions), hq, 1, D)).astype(mx.float16)
+    at, scale = mx.array(positions, mx.int32), D**-0.5
+    got = paged_kernel.decode_attention(q, keys, values, table, at, scale, window)
+    want = reference(q, keys, values, table, at, scale, window)
+    err = mx.abs(got.astype(mx.float32) - want).max().item()
+    assert err < 2e-3, err
