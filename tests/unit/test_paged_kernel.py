@@ -198,8 +198,8 @@ def test_partitions_are_512_positions_up_to_32_of_them_in_whole_tiles():
 def test_a_long_row_beside_short_ones_spans_partitions_of_a_capped_view(kernel_on, window):
     """A view of 20,480 positions: 32 partitions of 640 (not a multiple of 512), one row near the
     end, one at a partition's edge, short ones whose later partitions are empty."""
-    blocks, D, hq, hkv = 1400, 64, 8, 2
     positions = [19_999, 5, 16_383, 639, 640]
+    blocks, D, hq, hkv = sum(p // BT + 1 for p in positions) + 1, 64, 8, 2
     columns = 20_480 // BT
     rng = random.Random(11 + (window or 0))
     ids = rng.sample(range(1, blocks), blocks - 1)
