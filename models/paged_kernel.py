@@ -9,11 +9,16 @@ token per row) on MLX's CUDA back-end. There is no Metal kernel: nothing here co
 
 The kernel is single-pass attention with an online softmax (Milakov and Gimelshein 2018, "Online
 normalizer calculation for softmax"; as FlashAttention, Dao et al. 2022, and vLLM's paged
-attention, Kwon et al. 2023, use it): one thread block per (row, query head, partition of the
-row's positions: :func:`partitions`), its warps taking tiles of 32 positions in turn, each lane
-one position's score, then the warp's weighted values accumulated in float32, the warps' partial
-results merged at the end; the partitions' results are merged by their softmax sums in MLX ops
-(Flash-Decoding's split of the keys, Dao et al. 2023; vLLM's paged attention v2).
+attention, Kwon et al. 2023, use it): one thread block per (row, query head), its warps taking
+tiles of 32 positions in turn, each lane one position's score, then the warp's weighted values
+accumulated in float32, the warps' partial results merged at the end.
+
+A view longer than 4,096 positions is split (:func:`partitions`): one thread block per (row,
+query head, partition of 512 positions or more), so a long row's positions are read by many
+blocks at once instead of one per query head, and the partitions' results are merged by their
+softmax sums in MLX ops (Flash-Decoding's split of the keys, Dao et al. 2023; vLLM's paged
+attention v2). Shorter views keep the single pass: the merge's few extra operations per layer
+cost a one-stream decode more than the split saves there (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -27,10 +32,14 @@ import mlx.core as mx
 #: Whether decode steps over a paged pool use :func:`decode_attention` where it applies
 #: (:func:`applies`); set from the ``paged_attention_kernel`` setting at start-up.
 _enabled = True
-#: Positions per partition of a row (vLLM's paged attention v2 ``PARTITION_SIZE``) and the most
-#: partitions a step uses (bounding the float32 partials: [B * Hq, 32, D] per layer).
-_PARTITION, _MAX_PARTITIONS = 512, 32
+#: Positions per partition of a row (vLLM's paged attention v2 ``PARTITION_SIZE``), the most
+#: partitions a step uses (bounding the float32 partials: [B * Hq, 32, D] per layer), and the
+#: longest view read in a single pass (measured: docs/BENCHMARKS.md).
+_PARTITION, _MAX_PARTITIONS, _SINGLE_PASS_VIEW = 512, 32, 4096
 
+#: The kernel's body; STEPSERVE_SPLIT (defined before it by :func:`_kernel`) picks what it writes:
+#: each partition's normalized output and its (largest score, softmax sum) for
+#: :func:`merge_partitions`, or (one partition) the attention output itself.
 _SOURCE = """
     constexpr int G = HQ / HKV;
     constexpr int THREADS = NW * 32;
@@ -38,13 +47,15 @@ _SOURCE = """
     constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte load
     const float NEG = -__int_as_float(0x7f800000);
     const int row = blockIdx.y;          // b * HQ + h
-    const int part = blockIdx.z, parts = gridDim.z;  // this block's partition of the row's positions
+    const int part = blockIdx.z;         // this block's partition of the row's positions
     const int b = row / HQ, kvh = (row % HQ) / G;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int n = pos[b] + 1;            // positions 0..pos[b] are written
     const int lo = W > 0 ? max(0, n - W) : 0;
     const int first = max(lo, part * P), last = min(n, (part + 1) * P);  // [first, last) of the row here
     const int* trow = table + b * cols[0];  // the table's columns: an input, so one build serves every bucket
+#if STEPSERVE_SPLIT
+    const int parts = gridDim.z;
     float* orow = o + ((long long)row * parts + part) * D;
     float* mlrow = ml + ((long long)row * parts + part) * 2;
     if (first >= last) {                 // none of this row's positions: a partial that weighs nothing
@@ -55,6 +66,7 @@ _SOURCE = """
         }
         return;
     }
+#endif
 
     __shared__ float qs[D];
     __shared__ float ms[NW];
@@ -131,26 +143,32 @@ _SOURCE = """
     for (int d = threadIdx.x; d < D; d += THREADS) {
         float o_d = 0.f;
         for (int w = 0; w < NW; ++w) o_d += accs[w][d] * expf(ms[w] - mmax);
+#if STEPSERVE_SPLIT
         orow[d] = o_d / total;
+#else
+        out[row * D + d] = static_cast<T>(o_d / total);
+#endif
     }
+#if STEPSERVE_SPLIT
     if (threadIdx.x == 0) {
         mlrow[0] = mmax;
         mlrow[1] = total;
     }
+#endif
 """
 
 
 @functools.cache
-def _kernel() -> Callable[..., list[mx.array]]:
-    """The compiled-on-first-use kernel (MLX JIT-compiles it per template; raises RuntimeError
-    without MLX's CUDA back-end)."""
+def _kernel(split: bool) -> Callable[..., list[mx.array]]:
+    """The compiled-on-first-use kernel, writing partitions' results (``split``) or the output
+    (MLX JIT-compiles it per template; raises RuntimeError without MLX's CUDA back-end)."""
     return cast(
         Callable[..., list[mx.array]],
         mx.fast.cuda_kernel(
-            name="stepserve_paged_decode",
+            name="stepserve_paged_decode_split" if split else "stepserve_paged_decode",
             input_names=["q", "kp", "vp", "table", "cols", "pos", "scale"],
-            output_names=["o", "ml"],
-            source=_SOURCE,
+            output_names=["o", "ml"] if split else ["out"],
+            source=f"#define STEPSERVE_SPLIT {int(split)}\n{_SOURCE}",
         ),
     )
 
@@ -217,8 +235,9 @@ def decode_attention(
     _, Hkv, bt, _ = keys.shape
     M = block_table.shape[1]
     parts, per_part = partitions(M * bt)
+    split = parts > 1
     warps = 8 if B * Hq * parts < 64 else 4
-    o, ml = _kernel()(
+    outputs = _kernel(split)(
         inputs=[
             q.reshape(B * Hq, D).astype(keys.dtype),
             keys,
@@ -240,10 +259,10 @@ def decode_attention(
         ],
         grid=(warps * 32, B * Hq, parts),
         threadgroup=(warps * 32, 1, 1),
-        output_shapes=[(B * Hq, parts, D), (B * Hq, parts, 2)],
-        output_dtypes=[mx.float32, mx.float32],
+        output_shapes=[(B * Hq, parts, D), (B * Hq, parts, 2)] if split else [(B * Hq, D)],
+        output_dtypes=[mx.float32, mx.float32] if split else [keys.dtype],
     )
-    out = o[:, 0] if parts == 1 else merge_partitions(o, ml)
+    out = merge_partitions(*outputs) if split else outputs[0]
     return out.reshape(B, Hq, 1, D).astype(q.dtype)
 
 
@@ -268,13 +287,14 @@ def merge_partitions(o: mx.array, ml: mx.array) -> mx.array:
 
 
 def partitions(view: int) -> tuple[int, int]:
-    """(partitions, positions per partition) splitting a decode step's ``view`` positions (the
-    block table's width times the block size) among thread blocks: 512 positions each (vLLM's
-    paged attention v2 partition size, as Flash-Decoding, Dao et al. 2023, splits the keys), at
-    most 32 partitions (longer views get longer partitions, in whole tiles of 32), one for a view
-    of 512 or fewer. A row's partitions past its length return at once, so a long row's
-    positions are read by many thread blocks at once instead of one per query head, and short
-    rows beside it cost little more than alone."""
-    parts = min(_MAX_PARTITIONS, max(1, -(-view // _PARTITION)))
+    """(partitions, positions per partition) for a decode step's ``view`` positions (the block
+    table's width times the block size): one partition, the whole view in a single pass, up to
+    4,096 positions; beyond that, partitions of 512 positions (vLLM's paged attention v2
+    partition size, as Flash-Decoding, Dao et al. 2023, splits the keys), at most 32 of them
+    (longer views get longer partitions, in whole tiles of 32). A row's partitions past its
+    length return at once, so short rows beside a long one cost little more than alone."""
+    if view <= _SINGLE_PASS_VIEW:
+        return 1, -(-view // 32) * 32
+    parts = min(_MAX_PARTITIONS, -(-view // _PARTITION))
     per_part = -(-view // parts)
     return parts, -(-per_part // 32) * 32

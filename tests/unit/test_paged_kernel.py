@@ -183,10 +183,11 @@ def test_merging_partitions_gives_the_softmax_over_all_their_positions():
     assert not mx.allclose(got[1], got[0], atol=1e-3)  # rows differ: the control
 
 
-def test_partitions_are_512_positions_up_to_32_of_them_in_whole_tiles():
+def test_views_up_to_4096_are_one_pass_longer_ones_partitions_of_512_up_to_32_in_whole_tiles():
     assert paged_kernel.partitions(256) == (1, 256)
-    assert paged_kernel.partitions(512) == (1, 512)
-    assert paged_kernel.partitions(2048) == (4, 512)
+    assert paged_kernel.partitions(2048) == (1, 2048)
+    assert paged_kernel.partitions(4096) == (1, 4096)
+    assert paged_kernel.partitions(4112) == (9, 480)
     assert paged_kernel.partitions(8192) == (16, 512)
     assert paged_kernel.partitions(20480) == (32, 640)
     parts, per = paged_kernel.partitions(131072)
@@ -195,12 +196,16 @@ def test_partitions_are_512_positions_up_to_32_of_them_in_whole_tiles():
 
 @cuda
 @pytest.mark.parametrize("window", [None, 3000])
-def test_a_long_row_beside_short_ones_spans_partitions_of_a_capped_view(kernel_on, window):
-    """A view of 20,480 positions: 32 partitions of 640 (not a multiple of 512), one row near the
-    end, one at a partition's edge, short ones whose later partitions are empty."""
-    positions = [19_999, 5, 16_383, 639, 640]
+@pytest.mark.parametrize(
+    ("view", "positions"), [(8192, [7_000, 5, 511, 512, 4_100]), (20_480, [19_999, 5, 16_383, 639, 640])]
+)
+def test_a_long_row_beside_short_ones_spans_partitions_of_a_split_view(kernel_on, window, view, positions):
+    """Views of 8,192 positions (16 partitions of 512) and 20,480 (32 of 640, not a multiple of
+    512): one row near the end, rows at a partition's edges, short ones whose later partitions
+    are empty."""
+    assert paged_kernel.partitions(view)[0] > 1
     blocks, D, hq, hkv = sum(p // BT + 1 for p in positions) + 1, 64, 8, 2
-    columns = 20_480 // BT
+    columns = view // BT
     rng = random.Random(11 + (window or 0))
     ids = rng.sample(range(1, blocks), blocks - 1)
     rows = []
