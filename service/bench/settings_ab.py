@@ -25,7 +25,10 @@ With it A starts, then B beside it on its own port (the device must hold both: a
 out of memory says so; run without ``--together`` then), and both stay up for ``--rounds``
 paired rounds (default 12) per workload and level, after each side's warm-up: a round is one
 burst of ``level`` streams of ``--requests`` requests each (default 1) to A and one to B, one
-server at a time (never both loaded at once), in an order shuffled per round (``--seed``).
+server at a time (never both loaded at once), in orders balanced over each pair of rounds: the
+first of a pair in an order drawn at random (``--seed``), the second in the other, so that with
+an even ``--rounds`` each side goes first equally often (whichever goes first or second gains
+or pays the same in every pair).
 Per round, B / A of the burst's aggregate tok/s (one stream, one request: that request's
 tok/s); reported: the geometric mean of those paired ratios, their min and max, each side's
 median tok/s over rounds, each round's ratio and order, and each side's TTFT and ITL p50 pooled
@@ -453,15 +456,18 @@ def paired_rounds(
     """One workload at one level on both servers of one lifetime (``urls``, ``loads``: by side
     key): each side's untimed warm-up (``args.warmup_requests`` per stream), then
     ``args.rounds`` rounds, each a burst of ``level`` streams of ``args.requests`` requests
-    (:func:`service.bench.load.run`) to A and to B, one server at a time, in an order ``rng``
-    shuffles per round; appended to ``into``."""
+    (:func:`service.bench.load.run`) to A and to B, one server at a time: rounds 0, 2, ... in
+    an order ``rng`` draws, each following round in the other order; appended to ``into``."""
     for key, url in urls.items():
         if args.warmup_requests:
             run(url, [level], args.warmup_requests, loads[key])
     lifetime = max(into.lifetimes, default=-1) + 1
-    for _ in range(args.rounds):
-        order = ["a", "b"]
-        rng.shuffle(order)
+    order = ["a", "b"]
+    for i in range(args.rounds):
+        if i % 2 == 0:
+            rng.shuffle(order)
+        else:
+            order.reverse()
         into.orders.append("".join(order))
         into.lifetimes.append(lifetime)
         for key in order:

@@ -229,6 +229,22 @@ def test_together_orders_come_from_the_seed(monkeypatch, tmp_path: Path):
     assert orders("--seed", "3") == orders("--seed", "3")
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_together_each_pair_of_rounds_puts_each_side_first_once(monkeypatch, tmp_path: Path, seed):
+    """A side that goes first (or second) may gain or pay for it: over each pair of rounds each
+    side goes first once, the pair's first order still drawn from the seed."""
+    _, paired = together(monkeypatch, tmp_path, FakeServers(), "--seed", str(seed))
+    firsts = set()
+    for rows in paired.values():
+        for row in rows:
+            orders = row["order_by_round"]
+            assert len(orders) == 4
+            for first, second in (orders[0:2], orders[2:4]):
+                assert {first, second} == {"ab", "ba"}
+            firsts.add(orders[0])
+    assert firsts == {"ab", "ba"}  # the pairs' first orders are drawn, not fixed
+
+
 @pytest.mark.parametrize(
     ("log", "says"),
     [
