@@ -37,9 +37,11 @@ _enabled = True
 #: longest view read in a single pass (measured: docs/BENCHMARKS.md).
 _PARTITION, _MAX_PARTITIONS, _SINGLE_PASS_VIEW = 512, 32, 4096
 
-#: The kernel's body; STEPSERVE_SPLIT (defined before it by :func:`_kernel`) picks what it writes:
-#: each partition's normalized output and its (largest score, softmax sum) for
-#: :func:`merge_partitions`, or (one partition) the attention output itself.
+#: The kernel's body; STEPSERVE_SPLIT (defined before it by :func:`_kernel`) picks what it reads
+#: and writes: a partition of P positions of the row (a template constant: 512 for the ladder's
+#: views from 6,144 to 16,384, one build for those), its normalized output and its (largest score,
+#: softmax sum) for :func:`merge_partitions`; or all the row's positions and the attention
+#: output itself, with no constant that depends on the view (one build for every bucket).
 _SOURCE = """
     constexpr int G = HQ / HKV;
     constexpr int THREADS = NW * 32;
@@ -47,15 +49,14 @@ _SOURCE = """
     constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte load
     const float NEG = -__int_as_float(0x7f800000);
     const int row = blockIdx.y;          // b * HQ + h
-    const int part = blockIdx.z;         // this block's partition of the row's positions
     const int b = row / HQ, kvh = (row % HQ) / G;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int n = pos[b] + 1;            // positions 0..pos[b] are written
     const int lo = W > 0 ? max(0, n - W) : 0;
-    const int first = max(lo, part * P), last = min(n, (part + 1) * P);  // [first, last) of the row here
     const int* trow = table + b * cols[0];  // the table's columns: an input, so one build serves every bucket
 #if STEPSERVE_SPLIT
-    const int parts = gridDim.z;
+    const int part = blockIdx.z, parts = gridDim.z;  // this block's partition of the row's positions (P each)
+    const int first = max(lo, part * P), last = min(n, (part + 1) * P);  // [first, last) of the row here
     float* orow = o + ((long long)row * parts + part) * D;
     float* mlrow = ml + ((long long)row * parts + part) * 2;
     if (first >= last) {                 // none of this row's positions: a partial that weighs nothing
@@ -66,6 +67,8 @@ _SOURCE = """
         }
         return;
     }
+#else
+    const int first = lo, last = n;      // the row's positions, all in this block
 #endif
 
     __shared__ float qs[D];
@@ -255,7 +258,7 @@ def decode_attention(
             ("HKV", Hkv),
             ("W", window or 0),
             ("NW", warps),
-            ("P", per_part),
+            *([("P", per_part)] if split else []),
         ],
         grid=(warps * 32, B * Hq, parts),
         threadgroup=(warps * 32, 1, 1),
