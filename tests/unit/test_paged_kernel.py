@@ -86,9 +86,11 @@ def test_decode_attention_equals_the_gathered_views_attention(kernel_on, dtype, 
 
 @cuda
 @pytest.mark.parametrize("window", [None, 40])
-def test_paged_attention_runs_the_kernel_under_compile_with_the_table_an_input(kernel_on, window):
-    positions, hq, hkv, D = [5, 90, 200], 6, 2, 64
-    columns = 256 // BT
+@pytest.mark.parametrize(("view", "positions"), [(256, [5, 90, 200]), (8192, [5, 90, 5000])], ids=["one-pass", "split"])
+def test_paged_attention_runs_the_kernel_under_compile_with_the_table_an_input(kernel_on, window, view, positions):
+    """A traced step, in a single pass and split into partitions merged in MLX ops."""
+    hq, hkv, D = 6, 2, 64
+    columns = view // BT
     mx.random.seed(1)
     keys, values = (mx.random.normal((N, hkv, BT, D)) for _ in range(2))
     q = mx.random.normal((3, hq, 1, D))
