@@ -87,7 +87,7 @@ def stepserve_timer(
 
     Raises:
         ValueError: ``positions`` has not ``batch`` entries, or one is outside [0, capacity)."""
-    positions = positions or [capacity // 2] * batch
+    positions = positions or row_positions(batch, capacity, None, None)
     if len(positions) != batch or not all(0 <= p < capacity for p in positions):
         raise ValueError(f"positions {positions}: need {batch} of them, each in [0, {capacity})")
     executor = Executor(model, quiet_compile_cache(True))

@@ -679,16 +679,17 @@ class Executor:
         pooled = self.pool is not None and (
             phase in ("decode", "verify") or (phase in ("prefill", "chunk") and self.in_blocks)
         )
-        if self.compiled.policy == "auto" and not pooled:
+        auto = self.compiled.policy == "auto"
+        if auto and not pooled:
             return fn.calibrate(self.dummy_inputs(phase, batch, size, capacity), repeats)
         args = list(self.dummy_inputs(phase, batch, size, capacity))
         if pooled:  # the call alone holds the pool, so its first evaluation writes it in place
             self.pool = None
-        if self.compiled.policy == "auto":  # every timed call hands the pool on, never copies it
-            held = [args.pop()]
-            compiled = fn.calibrate_pooled(tuple(args), held, repeats)
-            self.pool = held.pop()
-            return compiled
+            if auto:  # every timed call hands the pool on, never copies it
+                held = [args.pop()]
+                compiled = fn.calibrate_pooled(tuple(args), held, repeats)
+                self.pool = held.pop()
+                return compiled
         out = fn.call_owning(args)  # empties args
         if pooled:
             self.pool = out[1]  # the pool is replaced, not copied: the old one is no longer held

@@ -36,7 +36,7 @@ import mlx.core as mx
 from models import paged_kernel
 from models.adapter import AdapterArgs, StageTraits
 from models.architectures import uses_mlx_lm
-from models.loader import LoadedModel
+from models.loader import LoadedModel, device_name
 from models.pipeline import Stage, plan_stages
 from models.stage_loader import ModelLayout, load_stage, model_layout
 from models.tokenizer import ChatTokenizer
@@ -112,9 +112,7 @@ def start_group(settings: Settings, group: mx.distributed.Group) -> GroupStart:
     Raises:
         GroupStartError: some rank could not start (the same message on every rank).
     """
-    if settings.kv_cache == "auto":  # a group pages only where asked: kv_cache = 'paged'
-        settings = settings.model_copy(update={"kv_cache": "static"})
-        log.info("kv_cache = 'auto': static (a pipeline group; set kv_cache = 'paged' for its pool)")
+    settings = startup.resolve_kv_cache(settings, {}, device_name(), group=True)  # 'auto': static in a group
     spec = settings.served_models()[0]
     dtype, weights = startup.compute_dtype(spec.dtype), startup.weights_mode(spec.weights)
     budget = startup.memory_budget(settings)

@@ -234,10 +234,10 @@ def buckets_of(spec: ServedModel, model: LoadedModel, capacity: list[int] | None
     return BucketTable(tuple(spec.batch_buckets), prompt, tuple(capacity or spec.capacity_buckets))
 
 
-def resolve_kv_cache(settings: Settings, models: dict[str, LoadedModel], device: str) -> Settings:
-    """``settings`` with ``kv_cache = 'auto'`` resolved, for one process on ``device``
-    (:func:`models.loader.device_name`) serving the chat ``models`` loaded at start-up; other
-    values are returned as they are.
+def resolve_kv_cache(settings: Settings, models: dict[str, LoadedModel], device: str, group: bool = False) -> Settings:
+    """``settings`` with ``kv_cache = 'auto'`` resolved, for one process (or, ``group``, a
+    pipeline group's rank) on ``device`` (:func:`models.loader.device_name`) serving the chat
+    ``models`` loaded at start-up; other values are returned as they are.
 
     'auto' is the paged pool (:mod:`service.engine.kv_blocks`) on a GPU, where the KV cache is
     what bounds how many sequences fit (a Mac's unified memory; a CUDA GPU's, where the pool's
@@ -246,8 +246,9 @@ def resolve_kv_cache(settings: Settings, models: dict[str, LoadedModel], device:
     unknown until then) and none has a draft model (a draft's steps run on the static cache).
     Otherwise static: on the CPU, where no kernel reads the pool (a paged step gathers each
     row's blocks into a view per layer, :class:`models.paged.PagedAttention`, and the static
-    cache serves as fast or faster there: docs/BENCHMARKS.md), or naming the model that cannot
-    page. The choice and its reason are logged.
+    cache serves as fast or faster there: docs/BENCHMARKS.md), in a pipeline group (which pages
+    only where ``kv_cache = 'paged'`` asks), or naming the model that cannot page. The choice
+    and its reason are logged.
     """
     if settings.kv_cache != "auto":
         return settings
@@ -262,6 +263,8 @@ def resolve_kv_cache(settings: Settings, models: dict[str, LoadedModel], device:
         for s in specs
         if s.name in models and not pages(models[s.name])
     ]
+    if group:
+        reasons.insert(0, "a pipeline group, which pages only with kv_cache = 'paged'")
     if device != "gpu":
         reasons.insert(0, "on the CPU")
     kv_cache = "static" if reasons else "paged"
@@ -314,7 +317,7 @@ def check_memory(
             log.warning("the embedding models could need %.2f GB, over %s %.2f GB", total / 1e9, name, limit / 1e9)
         return settings
     if settings.kv_cache == "paged":
-        return _check_paged(settings, models, specs, name, limit, embedding)
+        return _check_paged(settings, models, specs, name, limit, embedding, capped=budget is None)
     candidates = sorted({b for s in specs if s.max_sequences is None for b in s.batch_buckets}, reverse=True) or [0]
     for rows in candidates:
         resolved = {s.name: s.max_sequences or min(rows, s.batch_buckets[-1]) for s in specs}
@@ -396,6 +399,7 @@ def _check_paged(
     name: str,
     limit: int,
     embedding: list[memory.EmbeddingEstimate],
+    capped: bool,
 ) -> Settings:
     """:func:`check_memory` with paged KV pools: each model holds its weights, its largest
     prefill step, its prefix cache and a pool, not a worst-case batch. ``max_sequences``, unset,
@@ -404,8 +408,8 @@ def _check_paged(
     size as given; the models without one split what the budget leaves after the embedding
     models (``embedding``) and the given pools evenly in bytes, each share in tokens at its
     model's bytes per position (its ``kv_bits``: a quantized pool holds more tokens). With no
-    budget set (neither ``memory_budget_bytes`` nor ``mlx_memory_limit_bytes``: MLX's own limit,
-    most of the device) a share is at most ``max_sequences`` sequences at the ladder's top:
+    budget set (``capped``: neither ``memory_budget_bytes`` nor ``mlx_memory_limit_bytes``, so
+    ``limit`` is MLX's own, most of the device) a share is at most ``max_sequences`` sequences at the ladder's top:
     more blocks could only cache prefixes, and the rest is left to the host. Pools over the
     budget are logged as a warning.
 
@@ -435,7 +439,6 @@ def _check_paged(
     per_position = {s.name: memory.pool_bytes_per_position(models[s.name], s.kv_bits) for s in specs}
     given = {s.name: s.kv_pool_tokens for s in specs if s.kv_pool_tokens is not None}  # set: taken as given
     unset = [s for s in specs if s.name not in given]
-    capped = _budget(settings)[1] is None  # sized from MLX's own limit: take only what rows can use
 
     def sized(
         tops: dict[str, int],

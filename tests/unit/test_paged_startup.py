@@ -332,6 +332,8 @@ def test_kv_cache_auto_pages_on_a_gpu_and_is_static_on_the_cpu_or_for_a_model_th
     drafted = Settings(model_name="tiny", speculative="draft", draft_model=tmp_path / "draft")
     assert resolve_kv_cache(drafted, {"tiny": model}, "gpu").kv_cache == "static"
     assert "static (model 'tiny' has a draft model)" in caplog.text
+    assert resolve_kv_cache(auto, {"tiny": model}, "gpu", group=True).kv_cache == "static"
+    assert "static (a pipeline group, which pages only with kv_cache = 'paged')" in caplog.text
     for explicit in ("static", "paged"):
         for device in ("cpu", "gpu"):
             assert (
