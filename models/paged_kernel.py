@@ -16,9 +16,10 @@ accumulated in float32, the warps' partial results merged at the end.
 A view longer than 4,096 positions is split (:func:`partitions`): one thread block per (row,
 query head, partition of 512 positions or more), so a long row's positions are read by many
 blocks at once instead of one per query head, and the partitions' results are merged by their
-softmax sums in MLX ops (Flash-Decoding's split of the keys, Dao et al. 2023; vLLM's paged
-attention v2). Shorter views keep the single pass: the merge's few extra operations per layer
-cost a one-stream decode more than the split saves there (docs/BENCHMARKS.md).
+softmax sums in a second kernel (Flash-Decoding's split of the keys, Dao et al. 2023; vLLM's
+paged attention v2 and its reduce kernel). Shorter views keep the single pass: the merge's extra
+operations per layer cost a one-stream decode more than the split saves there
+(docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -161,6 +162,64 @@ _SOURCE = """
 """
 
 
+#: The partitions' merge, one thread block per (row, query head) and one thread per output
+#: dimension: :func:`merge_partitions`'s arithmetic in one kernel (vLLM's paged attention v2
+#: ``reduce`` kernel does the same), in place of its several MLX operations per layer.
+_REDUCE_SOURCE = """
+    const int row = blockIdx.y, d = threadIdx.x;
+    constexpr int parts = S;
+    const float* mlrow = ml + (long long)row * parts * 2;
+    float top = -__int_as_float(0x7f800000);
+    for (int s = 0; s < parts; ++s) top = fmaxf(top, mlrow[2 * s]);
+    float num = 0.f, den = 0.f;
+    for (int s = 0; s < parts; ++s) {
+        const float w = mlrow[2 * s + 1] * expf(mlrow[2 * s] - top);  // an empty partition: 0 * exp(-inf) = 0
+        num += o[((long long)row * parts + s) * D + d] * w;
+        den += w;
+    }
+    out[(long long)row * D + d] = static_cast<T>(num / den);
+"""
+
+
+@functools.cache
+def _reduce_kernel() -> Callable[..., list[mx.array]]:
+    """The compiled-on-first-use merge kernel (raises RuntimeError without MLX's CUDA back-end)."""
+    return cast(
+        Callable[..., list[mx.array]],
+        mx.fast.cuda_kernel(
+            name="stepserve_paged_decode_reduce",
+            input_names=["o", "ml"],
+            output_names=["out"],
+            source=_REDUCE_SOURCE,
+        ),
+    )
+
+
+def reduce_partitions(o: mx.array, ml: mx.array, dtype: mx.Dtype) -> mx.array:
+    """:func:`merge_partitions` in one CUDA kernel, the result cast to ``dtype``.
+
+    Args:
+        o: float32 [R, S, D], ml: float32 [R, S, 2]: as :func:`merge_partitions` takes them.
+        dtype: the output's dtype (the queries').
+
+    Returns:
+        [R, D] in ``dtype``.
+
+    Raises:
+        RuntimeError: without MLX's CUDA back-end.
+    """
+    R, S, D = o.shape
+    (out,) = _reduce_kernel()(
+        inputs=[o, ml],
+        template=[("T", dtype), ("D", D), ("S", S)],
+        grid=(D, R, 1),
+        threadgroup=(D, 1, 1),
+        output_shapes=[(R, D)],
+        output_dtypes=[dtype],
+    )
+    return out
+
+
 @functools.cache
 def _kernel(split: bool) -> Callable[..., list[mx.array]]:
     """The compiled-on-first-use kernel, writing partitions' results (``split``) or the output
@@ -265,7 +324,7 @@ def decode_attention(
         output_shapes=[(B * Hq, parts, D), (B * Hq, parts, 2)] if split else [(B * Hq, D)],
         output_dtypes=[mx.float32, mx.float32] if split else [keys.dtype],
     )
-    out = merge_partitions(*outputs) if split else outputs[0]
+    out = reduce_partitions(outputs[0], outputs[1], q.dtype) if split else outputs[0]
     return out.reshape(B, Hq, 1, D).astype(q.dtype)
 
 

@@ -185,6 +185,26 @@ def test_merging_partitions_gives_the_softmax_over_all_their_positions():
     assert not mx.allclose(got[1], got[0], atol=1e-3)  # rows differ: the control
 
 
+@cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
+def test_the_reduce_kernel_merges_as_the_mlx_ops_do(dtype):
+    """The split step's merge in one kernel equals :func:`merge_partitions` (MLX ops), empty
+    partitions (score -inf, sum 0) included, cast to the queries' dtype."""
+    rows, parts, D = 12, 16, 128
+    mx.random.seed(3)
+    o = mx.random.normal((rows, parts, D))
+    top = mx.random.normal((rows, parts, 1)) * 4
+    total = mx.random.uniform(0.5, 30.0, (rows, parts, 1))
+    empty = mx.arange(parts)[None, :, None] >= mx.array([16, 3, 1, 9, 16, 16, 2, 5, 16, 7, 11, 1])[:, None, None]
+    ml = mx.concatenate([mx.where(empty, -float("inf"), top), mx.where(empty, 0.0, total)], axis=-1)
+    o = mx.where(empty, 0.0, o)
+    got = paged_kernel.reduce_partitions(o, ml, dtype)
+    want = paged_kernel.merge_partitions(o, ml)
+    assert got.dtype == dtype and got.shape == (rows, D)
+    tol = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 2e-2}[dtype]
+    assert mx.abs(got.astype(mx.float32) - want).max().item() < tol
+
+
 def test_views_up_to_4096_are_one_pass_longer_ones_partitions_of_512_up_to_32_in_whole_tiles():
     assert paged_kernel.partitions(256) == (1, 256)
     assert paged_kernel.partitions(2048) == (1, 2048)
