@@ -13,13 +13,12 @@ attention, Kwon et al. 2023, use it): one thread block per (row, query head), it
 tiles of 32 positions in turn, each lane one position's score, then the warp's weighted values
 accumulated in float32, the warps' partial results merged at the end.
 
-A view longer than 4,096 positions is split (:func:`partitions`): one thread block per (row,
+A view longer than 1,024 positions is split (:func:`partitions`): one thread block per (row,
 query head, partition of 512 positions or more), so a long row's positions are read by many
 blocks at once instead of one per query head, and the partitions' results are merged by their
 softmax sums in a second kernel (Flash-Decoding's split of the keys, Dao et al. 2023; vLLM's
-paged attention v2 and its reduce kernel). Shorter views keep the single pass: the merge's extra
-operations per layer cost a one-stream decode more than the split saves there
-(docs/BENCHMARKS.md).
+paged attention v2 and its reduce kernel). Shorter views keep the single pass, which writes the
+output itself with no second kernel (the threshold was measured: docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -36,12 +35,12 @@ _enabled = True
 #: Positions per partition of a row (vLLM's paged attention v2 ``PARTITION_SIZE``), the most
 #: partitions a step uses (bounding the float32 partials: [B * Hq, 32, D] per layer), and the
 #: longest view read in a single pass (measured: docs/BENCHMARKS.md).
-_PARTITION, _MAX_PARTITIONS, _SINGLE_PASS_VIEW = 512, 32, 4096
+_PARTITION, _MAX_PARTITIONS, _SINGLE_PASS_VIEW = 512, 32, 1024
 
 #: The kernel's body; STEPSERVE_SPLIT (defined before it by :func:`_kernel`) picks what it reads
 #: and writes: a partition of P positions of the row (a template constant: 512 for the ladder's
-#: views from 6,144 to 16,384, one build for those), its normalized output and its (largest score,
-#: softmax sum) for :func:`merge_partitions`; or all the row's positions and the attention
+#: views from 1,536 to 16,384, one build for those), its normalized output and its (largest score,
+#: softmax sum) for :func:`reduce_partitions`; or all the row's positions and the attention
 #: output itself, with no constant that depends on the view (one build for every bucket).
 _SOURCE = """
     constexpr int G = HQ / HKV;
@@ -163,8 +162,8 @@ _SOURCE = """
 
 
 #: The partitions' merge, one thread block per (row, query head) and one thread per output
-#: dimension: :func:`merge_partitions`'s arithmetic in one kernel (vLLM's paged attention v2
-#: ``reduce`` kernel does the same), in place of its several MLX operations per layer.
+#: dimension (vLLM's paged attention v2 ``reduce`` kernel does the same): one launch per layer,
+#: where the same arithmetic in MLX operations took several.
 _REDUCE_SOURCE = """
     const int row = blockIdx.y, d = threadIdx.x;
     constexpr int parts = S;
@@ -196,14 +195,20 @@ def _reduce_kernel() -> Callable[..., list[mx.array]]:
 
 
 def reduce_partitions(o: mx.array, ml: mx.array, dtype: mx.Dtype) -> mx.array:
-    """:func:`merge_partitions` in one CUDA kernel, the result cast to ``dtype``.
+    """Attention over a row's positions from its partitions' results, in one CUDA kernel
+    (Flash-Decoding's reduction, Dao et al. 2023; vLLM's paged attention v2 ``reduce`` kernel).
 
     Args:
-        o: float32 [R, S, D], ml: float32 [R, S, 2]: as :func:`merge_partitions` takes them.
+        o: float32 [R, S, D]: each partition's attention output over its own positions, already
+            normalized by its softmax sum (zeros for a partition with no positions).
+        ml: float32 [R, S, 2]: each partition's largest score ``m`` and its softmax sum
+            ``l = sum exp(score - m)`` (``-inf`` and 0 for an empty partition).
         dtype: the output's dtype (the queries').
 
     Returns:
-        [R, D] in ``dtype``.
+        [R, D] in ``dtype``: sum_s o_s * l_s * exp(m_s - M) / sum_s l_s * exp(m_s - M), M =
+        max_s m_s: the softmax over all the partitions' positions at once. Every row needs one
+        partition with a position (else the division is 0 / 0).
 
     Raises:
         RuntimeError: without MLX's CUDA back-end.
@@ -328,30 +333,10 @@ def decode_attention(
     return out.reshape(B, Hq, 1, D).astype(q.dtype)
 
 
-def merge_partitions(o: mx.array, ml: mx.array) -> mx.array:
-    """Attention over a row's positions from its partitions' results (Flash-Decoding's
-    reduction, Dao et al. 2023; vLLM's paged attention v2 ``reduce`` kernel).
-
-    Args:
-        o: float32 [R, S, D]: each partition's attention output over its own positions, already
-            normalized by its softmax sum (zeros for a partition with no positions).
-        ml: float32 [R, S, 2]: each partition's largest score ``m`` and its softmax sum
-            ``l = sum exp(score - m)`` (``-inf`` and 0 for an empty partition).
-
-    Returns:
-        float32 [R, D]: sum_s o_s * l_s * exp(m_s - M) / sum_s l_s * exp(m_s - M), M = max_s m_s:
-        the softmax over all the partitions' positions at once. Every row needs one partition
-        with a position (else the division is 0 / 0).
-    """
-    top, total = ml[..., 0:1], ml[..., 1:2]
-    weight = total * mx.exp(top - top.max(axis=1, keepdims=True))  # an empty partition weighs 0
-    return (o * weight).sum(axis=1) / weight.sum(axis=1)
-
-
 def partitions(view: int) -> tuple[int, int]:
     """(partitions, positions per partition) for a decode step's ``view`` positions (the block
     table's width times the block size): one partition, the whole view in a single pass, up to
-    4,096 positions; beyond that, partitions of 512 positions (vLLM's paged attention v2
+    1,024 positions; beyond that, partitions of 512 positions (vLLM's paged attention v2
     partition size, as Flash-Decoding, Dao et al. 2023, splits the keys), at most 32 of them
     (longer views get longer partitions, in whole tiles of 32). A row's partitions past its
     length return at once, so short rows beside a long one cost little more than alone."""

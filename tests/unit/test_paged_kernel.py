@@ -45,6 +45,14 @@ def random_tables(rng: random.Random, positions: list[int], columns: int) -> mx.
     return mx.array(rows, mx.int32)
 
 
+def merge_reference(o, ml):
+    """The reduce kernel's arithmetic in MLX ops (see :func:`models.paged_kernel.reduce_partitions`):
+    float32 [R, S, D] partition outputs and [R, S, 2] (largest score, softmax sum) -> [R, D]."""
+    top, total = ml[..., 0:1], ml[..., 1:2]
+    weight = total * mx.exp(top - top.max(axis=1, keepdims=True))  # an empty partition weighs 0
+    return (o * weight).sum(axis=1) / weight.sum(axis=1)
+
+
 def reference(q, keys, values, table, positions, scale, window):
     """The portable path's answer in float32: gathered views, cache_layout's mask, MLX's SDPA."""
     view_k, view_v = (gather(p.astype(mx.float32), table) for p in (keys, values))
@@ -63,9 +71,11 @@ def test_the_kernel_does_not_apply_off_a_cuda_gpu_or_when_disabled(kernel_on):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("window", [None, 100])
-def test_decode_attention_equals_the_gathered_views_attention(kernel_on, dtype, head_dim, window):
-    positions = [0, 15, 16, 700, 2047, 333]  # a first token, block edges, many tiles per warp
-    hq, hkv, columns = 8, 2, 2048 // BT
+@pytest.mark.parametrize("view", [1024, 2048], ids=["one-pass", "split"])
+def test_decode_attention_equals_the_gathered_views_attention(kernel_on, dtype, head_dim, window, view):
+    positions = [0, 15, 16, 700, view - 1, 333]  # a first token, block edges, many tiles per warp
+    hq, hkv, columns = 8, 2, view // BT
+    assert (paged_kernel.partitions(view)[0] > 1) == (view > 1024)
     rng = random.Random(head_dim + (window or 0))
     table = random_tables(rng, positions, columns)
     mx.random.seed(head_dim)
@@ -88,7 +98,7 @@ def test_decode_attention_equals_the_gathered_views_attention(kernel_on, dtype, 
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize(("view", "positions"), [(256, [5, 90, 200]), (8192, [5, 90, 5000])], ids=["one-pass", "split"])
 def test_paged_attention_runs_the_kernel_under_compile_with_the_table_an_input(kernel_on, window, view, positions):
-    """A traced step, in a single pass and split into partitions merged in MLX ops."""
+    """A traced step, in a single pass and split into partitions merged by the reduce kernel."""
     hq, hkv, D = 6, 2, 64
     columns = view // BT
     mx.random.seed(1)
@@ -159,7 +169,8 @@ def test_a_models_paged_decode_steps_give_the_portable_paths_greedy_tokens(kerne
 def test_merging_partitions_gives_the_softmax_over_all_their_positions():
     """The kernel's partitions each attend over their own positions; merged by their largest
     score and softmax sum they give attention over every position at once, an empty partition
-    (a row shorter than the view) weighing nothing. Runs everywhere: the merge is MLX ops."""
+    (a row shorter than the view) weighing nothing: the reference the reduce kernel is checked
+    against, itself checked here on any back-end."""
     rng = random.Random(7)
     rows, parts, per, D = 3, 5, 8, 4
     scores = [[[rng.gauss(0, 3) for _ in range(per)] for _ in range(parts)] for _ in range(rows)]
@@ -177,7 +188,7 @@ def test_merging_partitions_gives_the_softmax_over_all_their_positions():
             else:
                 o.append(mx.zeros((D,)))
                 ml.append(mx.array([-float("inf"), 0.0]))
-    got = paged_kernel.merge_partitions(mx.stack(o).reshape(rows, parts, D), mx.stack(ml).reshape(rows, parts, 2))
+    got = merge_reference(mx.stack(o).reshape(rows, parts, D), mx.stack(ml).reshape(rows, parts, 2))
     for r in range(rows):
         sc = mx.array([x for s in range(filled[r]) for x in scores[r][s]])
         want = mx.softmax(sc)[None] @ values[r, : filled[r]].reshape(-1, D)
@@ -188,7 +199,7 @@ def test_merging_partitions_gives_the_softmax_over_all_their_positions():
 @cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
 def test_the_reduce_kernel_merges_as_the_mlx_ops_do(dtype):
-    """The split step's merge in one kernel equals :func:`merge_partitions` (MLX ops), empty
+    """The split step's merge in one kernel equals :func:`merge_reference` (MLX ops), empty
     partitions (score -inf, sum 0) included, cast to the queries' dtype."""
     rows, parts, D = 12, 16, 128
     mx.random.seed(3)
@@ -199,16 +210,19 @@ def test_the_reduce_kernel_merges_as_the_mlx_ops_do(dtype):
     ml = mx.concatenate([mx.where(empty, -float("inf"), top), mx.where(empty, 0.0, total)], axis=-1)
     o = mx.where(empty, 0.0, o)
     got = paged_kernel.reduce_partitions(o, ml, dtype)
-    want = paged_kernel.merge_partitions(o, ml)
+    want = merge_reference(o, ml)
     assert got.dtype == dtype and got.shape == (rows, D)
     tol = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 2e-2}[dtype]
     assert mx.abs(got.astype(mx.float32) - want).max().item() < tol
 
 
-def test_views_up_to_4096_are_one_pass_longer_ones_partitions_of_512_up_to_32_in_whole_tiles():
+def test_views_up_to_1024_are_one_pass_longer_ones_partitions_of_512_up_to_32_in_whole_tiles():
     assert paged_kernel.partitions(256) == (1, 256)
-    assert paged_kernel.partitions(2048) == (1, 2048)
-    assert paged_kernel.partitions(4096) == (1, 4096)
+    assert paged_kernel.partitions(1000) == (1, 1024)
+    assert paged_kernel.partitions(1024) == (1, 1024)
+    assert paged_kernel.partitions(1040) == (3, 352)
+    assert paged_kernel.partitions(1536) == (3, 512)
+    assert paged_kernel.partitions(4096) == (8, 512)
     assert paged_kernel.partitions(4112) == (9, 480)
     assert paged_kernel.partitions(8192) == (16, 512)
     assert paged_kernel.partitions(20480) == (32, 640)
