@@ -57,7 +57,9 @@ ITL p50 of A and of B, and B / A of each (tok/s: above 1, B is faster; TTFT and 
 B is faster), with each round's B / A of aggregate tok/s beside it; per server: seconds from
 start to ready, the warm-up's seconds (from ``/readyz``, else its log), the BLAS it loaded. With
 a target (a preset's, or ``--target``), whether B / A of aggregate tok/s meets it at each level.
-Tables go to stderr, JSON to stdout and ``--out``; servers' logs to ``--log-dir``.
+Tables go to stderr, JSON to stdout and ``--out``; servers' logs to ``--log-dir``. With ``--together``
+each workload's rounds at a level print their B / A to stderr as they end, so a run cut short
+keeps what it measured.
 
 Presets (``--a``, ``--b``, ``--concurrency``, ``--target`` given too override theirs):
 
@@ -401,12 +403,30 @@ def measure_together(sides: dict[str, Side], args: argparse.Namespace) -> tuple[
             for name, make in workloads(args).items():
                 loads = {key: make() for key in sides}  # one per side: the same requests in the same order
                 for level in args.concurrency:
-                    paired_rounds(urls, loads, level, args, rng, rounds.setdefault((name, level), PairedRounds()))
+                    into = rounds.setdefault((name, level), PairedRounds())
+                    paired_rounds(urls, loads, level, args, rng, into)
+                    print(progress_line(name, level, into, args.lifetimes), file=sys.stderr, flush=True)
     paired = {
         name: [paired_summary(rounds[(name, level)], level, args.target) for level in args.concurrency]
         for name in workloads(args)
     }
     return servers, paired
+
+
+def progress_line(name: str, level: int, rounds: PairedRounds, lifetimes: int) -> str:
+    """One line for stderr once a workload's rounds at one level end in a lifetime: each of
+    that lifetime's rounds' B / A aggregate tok/s with its order, and their geometric mean,
+    so that a run cut short (a ``timeout``, a lease's end) keeps what it measured."""
+    life = rounds.lifetimes[-1]
+    picked = [i for i, x in enumerate(rounds.lifetimes) if x == life]
+    a = [rounds.by_round["a"][i]["aggregate_tok_s"] for i in picked]
+    b = [rounds.by_round["b"][i]["aggregate_tok_s"] for i in picked]
+    stats = paired_statistics(a, b)
+    each = " ".join(f"{fmt(r)}({rounds.orders[i]})" for r, i in zip(stats["ratio_by_round"], picked, strict=True))
+    return (
+        f"settings-ab: {name}, {level} stream(s), lifetime {life + 1} of {lifetimes}: B/A tok/s by round "
+        f"{each}; geomean {fmt(stats['paired_ratio_geomean'])}"
+    )
 
 
 def _start_beside(stack: ExitStack, side: Side, args: argparse.Namespace, other: dict | None) -> dict:

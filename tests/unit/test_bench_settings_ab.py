@@ -210,6 +210,27 @@ def test_together_lifetimes_restart_both_and_pool_every_round(monkeypatch, tmp_p
             )
 
 
+def test_together_reports_each_level_as_its_rounds_end(monkeypatch, tmp_path: Path, capsys):
+    """A run cut short keeps what it measured: each (workload, level, lifetime) prints its
+    rounds' B / A and their geometric mean to stderr as soon as its rounds end, in run order."""
+    fake = FakeServers()
+    _, paired = together(monkeypatch, tmp_path, fake, "--lifetimes", "2", "--rounds", "2")
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("settings-ab:")]
+    assert [line.split(":")[1].strip() for line in lines] == [
+        f"{name}, {level} stream(s), lifetime {life} of 2"
+        for life in (1, 2)
+        for name in ("chat", "long")
+        for level in (1, 2)
+    ]
+    expected = [b / a for a, b in zip(SPEEDS["off"], SPEEDS["on"], strict=True)]
+    row = paired["chat"][0]
+    assert lines[0].endswith(
+        f"by round {expected[0]:.3f}({row['order_by_round'][0]}) {expected[1]:.3f}({row['order_by_round'][1]}); "
+        f"geomean {math.sqrt(expected[0] * expected[1]):.3f}"
+    )
+    assert lines[4].endswith(f"geomean {math.sqrt(expected[2] * expected[3]):.3f}")  # lifetime 2: its own rounds
+
+
 def test_lifetimes_need_together(tmp_path: Path):
     parser = settings_ab._parser()
     args = parser.parse_args(["--a", "x=", "--b", "y=", "--lifetimes", "2", "--log-dir", str(tmp_path)])
