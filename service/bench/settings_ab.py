@@ -418,15 +418,20 @@ def progress_line(name: str, level: int, rounds: PairedRounds, lifetimes: int) -
     that lifetime's rounds' B / A aggregate tok/s with its order, and their geometric mean,
     so that a run cut short (a ``timeout``, a lease's end) keeps what it measured."""
     life = rounds.lifetimes[-1]
-    picked = [i for i, x in enumerate(rounds.lifetimes) if x == life]
-    a = [rounds.by_round["a"][i]["aggregate_tok_s"] for i in picked]
-    b = [rounds.by_round["b"][i]["aggregate_tok_s"] for i in picked]
-    stats = paired_statistics(a, b)
+    picked, stats = lifetime_statistics(rounds, life)
     each = " ".join(f"{fmt(r)}({rounds.orders[i]})" for r, i in zip(stats["ratio_by_round"], picked, strict=True))
     return (
         f"settings-ab: {name}, {level} stream(s), lifetime {life + 1} of {lifetimes}: B/A tok/s by round "
         f"{each}; geomean {fmt(stats['paired_ratio_geomean'])}"
     )
+
+
+def lifetime_statistics(rounds: PairedRounds, life: int) -> tuple[list[int], dict]:
+    """(the indices of lifetime ``life``'s rounds in ``rounds``, :func:`paired_statistics` of
+    their aggregate tok/s alone)."""
+    picked = [i for i, x in enumerate(rounds.lifetimes) if x == life]
+    tok_s = {key: [rounds.by_round[key][i]["aggregate_tok_s"] for i in picked] for key in ("a", "b")}
+    return picked, paired_statistics(tok_s["a"], tok_s["b"])
 
 
 def _start_beside(stack: ExitStack, side: Side, args: argparse.Namespace, other: dict | None) -> dict:
@@ -510,12 +515,9 @@ def paired_summary(rounds: PairedRounds, level: int, target: float | None) -> di
     }
     tok_s = {key: [f["aggregate_tok_s"] for f in rounds.by_round[key]] for key in ("a", "b")}
     stats = paired_statistics(tok_s["a"], tok_s["b"])
-    by_lifetime = []
-    for life in sorted(set(rounds.lifetimes)):
-        picked = [i for i, x in enumerate(rounds.lifetimes) if x == life]
-        by_lifetime.append(
-            paired_statistics([tok_s["a"][i] for i in picked], [tok_s["b"][i] for i in picked])["paired_ratio_geomean"]
-        )
+    by_lifetime = [
+        lifetime_statistics(rounds, life)[1]["paired_ratio_geomean"] for life in sorted(set(rounds.lifetimes))
+    ]
     geomean = stats["paired_ratio_geomean"]
     met = None if target is None or geomean is None else geomean >= target
     return {
